@@ -1,0 +1,7 @@
+"""odcfsdp: fully sharded data parallel training with on-demand one-sided communication."""
+
+from . import optim
+from .sharding import ODCShard
+
+__version__ = "0.1.0"
+__all__ = ["ODCShard", "optim", "__version__"]

@@ -1,0 +1,98 @@
+"""Start N local worker processes with torch.distributed initialised (tests, CPU runs).
+
+``spawn(fn, world_size, *args)`` runs ``fn(*args)`` on every rank and returns the
+ranks' results in rank order. A worker's exception is re-raised in the parent with
+the worker's traceback, a worker that dies or hangs past ``timeout`` fails the call,
+and the other workers are stopped either way, so a broken test never hangs pytest.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, args, rank, world_size, port, backend, threads, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        out = fn(*args)
+        buf = io.BytesIO()
+        torch.save(out, buf)  # plain bytes: no shared-memory handles outliving the worker
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes; return results by rank.
+
+    ``fn`` must be importable by name (a module-level function). Each worker uses
+    ``max(1, cpus // world_size)`` intra-op threads so ranks do not oversubscribe.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = [
+        ctx.Process(target=_worker, args=(fn, args, r, world_size, port, backend, threads, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died with exit code(s) {[procs[r].exitcode for r in dead]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(out) == world_size else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
+
+
+__all__ = ["free_port", "spawn"]

@@ -1,0 +1,163 @@
+"""Sharded AdamW over each rank's master rows, with global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Callable, Iterable
+
+import torch
+
+from ..sharding.group import FlatGroup
+from ..sharding.layout import GroupLayout
+from ..sharding.shard import ODCShard
+
+NoDecay = Callable[[str, tuple[int, ...]], bool] | Iterable[str] | None
+
+
+def _no_decay_predicate(no_decay: NoDecay) -> Callable[[str, tuple[int, ...]], bool]:
+    if no_decay is None:
+        return lambda name, shape: False
+    if callable(no_decay):
+        return no_decay
+    if isinstance(no_decay, str):
+        raise TypeError("no_decay takes a list of names or glob patterns, not a single string")
+    patterns = list(no_decay)
+    return lambda name, shape: any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+def _decay_ranges(layout: GroupLayout, skip: Callable[[str, tuple[int, ...]], bool]) -> list[tuple[int, int]]:
+    """Row ranges [start, end) that get weight decay, adjacent slots merged."""
+    ranges: list[tuple[int, int]] = []
+    for s in layout.slots:
+        if skip(s.name, s.shape):
+            continue
+        if ranges and ranges[-1][1] == s.offset:
+            ranges[-1] = (ranges[-1][0], s.offset + s.seg)
+        else:
+            ranges.append((s.offset, s.offset + s.seg))
+    return ranges
+
+
+class AdamW:
+    """AdamW (decoupled weight decay) on the rows this rank owns.
+
+    ``step`` is the one place ranks meet in a minibatch:
+
+    1. finish this rank's gradient pushes and wait for every rank's (barrier);
+    2. one all-reduce of [sum of squared accumulator entries, pushes]: the global
+       gradient norm, and a check that some rank ran backward;
+    3. scale gradients by ``min(1, max_norm / (norm + 1e-6))`` if ``max_norm``;
+    4. the AdamW update of each master row, exactly as ``torch.optim.AdamW`` does;
+    5. publish master rows to the communicated rows, zero the accumulators;
+    6. barrier, so that nobody gathers before every row is updated.
+
+    Args:
+        model: the ``ODCShard``-wrapped model.
+        lr: base learning rate.
+        betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        no_decay: parameters without weight decay: a predicate ``(name, shape) ->
+            bool``, or names / glob patterns such as ``["*.bias", "*norm*"]``.
+        lr_lambda: the learning rate of step k (0-based) is ``lr * lr_lambda(k)``,
+            like ``torch.optim.lr_scheduler.LambdaLR``.
+    """
+
+    def __init__(
+        self,
+        model: ODCShard,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        no_decay: NoDecay = None,
+        lr_lambda: Callable[[int], float] | None = None,
+    ):
+        if not isinstance(model, ODCShard):
+            raise TypeError(f"AdamW expects an ODCShard-wrapped model, got {type(model).__name__}")
+        for key, val, ok in (
+            ("lr", lr, lr >= 0),
+            ("eps", eps, eps >= 0),
+            ("weight_decay", weight_decay, weight_decay >= 0),
+            ("betas[0]", betas[0], 0 <= betas[0] < 1),
+            ("betas[1]", betas[1], 0 <= betas[1] < 1),
+        ):
+            if not ok:
+                raise ValueError(f"invalid AdamW {key}={val}")
+        self.model = model
+        self.base_lr = lr
+        self.betas = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.lr_lambda = lr_lambda
+        self.step_count = 0
+        skip = _no_decay_predicate(no_decay)
+        self.groups: list[FlatGroup] = [g for g in model.groups if g.layout.requires_grad]
+        self.exp_avg = [torch.zeros_like(g.master) for g in self.groups]
+        self.exp_avg_sq = [torch.zeros_like(g.master) for g in self.groups]
+        self.decay_ranges = [_decay_ranges(g.layout, skip) for g in self.groups]
+
+    @property
+    def lr(self) -> float:
+        """Learning rate the next step will use."""
+        return self.base_lr * (self.lr_lambda(self.step_count) if self.lr_lambda else 1.0)
+
+    @torch.no_grad()
+    def step(self, max_norm: float | None = None) -> torch.Tensor:
+        """Apply one update from the accumulated gradients; return the pre-clip global norm."""
+        model, transport = self.model, self.model.transport
+        model.reshard_all()  # rows are about to change; full copies would go stale
+        transport.finish_pushes()
+        transport.barrier()
+
+        accs = [transport.accumulators[g.index] for g in self.groups]
+        dtype = accs[0].dtype if accs else torch.float32
+        stats = torch.zeros(2, dtype=dtype, device=transport.device)
+        if accs:
+            stats[0] = torch.stack(torch._foreach_norm(accs)).square().sum()
+        stats[1] = model.consume_push_count()
+        transport.all_reduce_sum(stats)
+        if stats[1].item() == 0:
+            raise RuntimeError("optimizer step() called, but no rank ran backward since the last step")
+        norm = stats[0].sqrt()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(accs, coef)
+
+        lr = self.lr
+        beta1, beta2 = self.betas
+        self.step_count += 1
+        bc1 = 1 - beta1**self.step_count
+        bc2_sqrt = math.sqrt(1 - beta2**self.step_count)
+        for g, grad, m, v, ranges in zip(self.groups, accs, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
+            p = g.master
+            if self.weight_decay:
+                for lo, hi in ranges:
+                    p[lo:hi].mul_(1 - lr * self.weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
+            p.addcdiv_(m, denom, value=-lr / bc1)
+            g.publish()
+            grad.zero_()
+        transport.barrier()
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op kept so training loops read like PyTorch: ``step`` consumes the gradients.
+
+        (Gradients live in the owners' accumulator rows and are zeroed by ``step``
+        before its closing barrier; zeroing them later would race with peers that
+        already push the next minibatch. Use ``discard_gradients`` to drop a
+        partly accumulated minibatch.)
+        """
+
+    def discard_gradients(self) -> None:
+        """Drop every gradient accumulated since the last step (collective: all ranks call it)."""
+        transport = self.model.transport
+        self.model.consume_push_count()
+        transport.finish_pushes()
+        transport.barrier()
+        for g in self.groups:
+            transport.accumulators[g.index].zero_()
+        transport.barrier()

@@ -1,0 +1,118 @@
+"""One flat parameter group: its master row, unsharded buffer and gradient buffer.
+
+Design note [storage-resize]
+----------------------------
+Each parameter of the group is, for its whole life, a view into the group's
+parameter-major unsharded buffer (``param.data = view``). Resharding frees that
+buffer by resizing its *storage* to zero bytes, and unsharding resizes it back and
+refills it in place. Autograd keeps references to the parameters it saved for
+backward; because those references share the storage, a re-gather before backward
+makes them valid again without autograd noticing (the parameters' version counters
+are their own, not the buffer's, so the in-place refill trips no check).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn as nn
+
+from .layout import GroupLayout
+from .transport import Transport
+
+
+class GroupState(enum.Enum):
+    """Whether a group's full values are materialised on this rank."""
+
+    SHARDED = enum.auto()
+    """Only this rank's row (and master row) is held; the unsharded storage is freed."""
+    UNSHARDED = enum.auto()
+    """The unsharded buffer holds the full values; the parameters can be used."""
+
+
+class FlatGroup:
+    """A flat group of parameters sharded row-wise over the ranks of a transport.
+
+    Args:
+        layout: the group's layout (see [layout]).
+        params: the group's parameters, in slot order. Their current values become
+            this rank's master row; they then become views into the unsharded
+            buffer, which stays freed until ``to_unsharded`` is called.
+        transport: owns this rank's row and accumulator for the group.
+        master_dtype: dtype of the master row the optimizer updates (fp32 or wider).
+    """
+
+    def __init__(self, layout: GroupLayout, params: list[nn.Parameter], transport: Transport, master_dtype: torch.dtype):
+        initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
+        self.layout = layout
+        self.params = params
+        self.transport = transport
+        self.index = layout.index
+        row = transport.rows[self.index]
+        # With comm dtype == master dtype the row *is* the master: no second copy.
+        self.master = row if row.dtype == master_dtype else torch.zeros_like(row, dtype=master_dtype)
+        self.unsharded = torch.empty(layout.unsharded_numel, dtype=row.dtype, device=row.device)
+        self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
+        self.grad: torch.Tensor | None = None
+        self._grads_seen = 0
+        self._trainable = sum(p.requires_grad for p in params)
+        # Counts modules of this group still to run in the current forward pass.
+        self.forward_uses_left = 0
+        self.load_full_(initial)
+        self.bind_params()
+        self.state = GroupState.UNSHARDED
+        self.to_sharded()
+
+    # -- values ----------------------------------------------------------------
+    def load_full_(self, values: list[torch.Tensor]) -> None:
+        """Set this rank's master row (and row) from full parameter values."""
+        self.master.copy_(self.layout.shard_row(values, self.transport.rank, self.master.dtype))
+        self.publish()
+
+    def publish(self) -> None:
+        """Copy the master row into the communicated row (cast to the comm dtype)."""
+        row = self.transport.rows[self.index]
+        if row is not self.master:
+            row.copy_(self.master)
+
+    def bind_params(self) -> None:
+        """Point every parameter at its view of the unsharded buffer."""
+        for i, p in enumerate(self.params):
+            p.data = self.layout.param_view(self.unsharded, i)
+
+    # -- state transitions -----------------------------------------------------
+    def to_unsharded(self) -> None:
+        """Materialise the full values (gather from all ranks); no-op if already there."""
+        if self.state is GroupState.UNSHARDED:
+            return
+        self.unsharded.untyped_storage().resize_(self._unsharded_nbytes)
+        with torch.no_grad():
+            self.transport.gather(self.index, self.unsharded)
+        self.state = GroupState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        """Free the full values; parameters keep their (now empty) views."""
+        if self.state is GroupState.SHARDED:
+            return
+        self.unsharded.untyped_storage().resize_(0)
+        self.state = GroupState.SHARDED
+
+    # -- gradients -------------------------------------------------------------
+    def add_grad(self, i: int, grad: torch.Tensor) -> bool:
+        """Add parameter ``i``'s gradient; return True once every trained parameter has one."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.layout.unsharded_numel, dtype=grad.dtype, device=grad.device)
+            self._grads_seen = 0
+        self.layout.param_view(self.grad, i).add_(grad)
+        self._grads_seen += 1
+        return self._grads_seen >= self._trainable
+
+    def push_grad(self) -> bool:
+        """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed."""
+        if self.grad is None:
+            return False
+        with torch.no_grad():
+            self.transport.scatter_accumulate(self.index, self.grad)
+        self.grad = None
+        return True

@@ -1,0 +1,315 @@
+"""``ODCShard``: the module wrapper that shards a model's parameters in flat groups.
+
+Design note [hooks]
+-------------------
+Every submodule that directly owns parameters gets four kinds of hook:
+
+1. forward pre-hook: unshard (gather) the groups holding its parameters;
+2. forward post-hook: count the module off in each of its groups; once every
+   module of a group has run, reshard the group if ``reshard_after_forward`` (or if
+   grad mode is off); then register a pre-backward hook on the module's outputs;
+3. pre-backward hook (fires when the gradient of any output is ready, i.e. right
+   before the module's own backward): unshard its groups again;
+4. per trained parameter, a post-accumulate-grad hook: add the gradient into the
+   group's parameter-major gradient buffer and drop ``param.grad``; once every
+   trained parameter of the group has its gradient, push the buffer into the
+   owners' accumulators (scatter-accumulate) and reshard the group.
+
+An end-of-backward callback pushes whatever is still pending (parameters that got
+no gradient in this pass contribute zeros) and reshards everything. Forward
+post-hooks that run *during* backward (activation recomputation) never reshard,
+because the recomputed activations are about to be used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .group import FlatGroup, GroupState
+from .layout import GroupLayout, plan_groups
+from .transport import Transport, make_transport
+
+
+class TrainingPhase(enum.Enum):
+    """Where the wrapper is in a forward/backward pass."""
+
+    IDLE = enum.auto()
+    """No forward or backward pass in flight."""
+    FORWARD = enum.auto()
+    """Inside the root module's forward."""
+    BACKWARD = enum.auto()
+    """Between the first pre-backward hook and the end-of-backward callback."""
+
+
+def _default_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None and not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ODCShard(nn.Module):
+    """Shard ``module``'s parameters over the ranks of a process group, in flat groups.
+
+    Parameters are packed in order into groups of up to ``group_bytes`` (see
+    [layout]); rank r keeps row r of every group plus a master copy of it in fp32.
+    Groups are gathered right before a module needs them and freed after, and
+    gradients are reduced in fp32 into their owners' accumulator rows, where they
+    add up over micro-batches until ``odcfsdp.optim.AdamW.step``.
+
+    Args:
+        module: the model; every rank must hold the same initial values.
+        group_bytes: byte budget of one group, counted in unsharded ``param_dtype``
+            bytes. A larger parameter forms its own group.
+        comm: transport name (``"collective"``: all-gather / reduce-scatter).
+        process_group: ranks to shard over; the default group if None, or a single
+            process if torch.distributed is not initialised.
+        reshard_after_forward: free a group after its last use in forward and gather
+            it again in backward (less memory); keep it until backward if False.
+        param_dtype: dtype parameters are computed (and communicated) in; bf16 on
+            CUDA and the parameters' own dtype elsewhere when None.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group_bytes: int = 32 << 20,
+        *,
+        comm: str = "collective",
+        process_group: dist.ProcessGroup | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
+            raise TypeError(f"ODCShard wraps a plain nn.Module once, got {type(module).__name__}")
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError("the module has no parameters to shard")
+        self._check_params(named)
+        device = named[0][1].device
+        if param_dtype is None:
+            dtypes = {p.dtype for _, p in named}
+            if device.type != "cuda" and len(dtypes) > 1:
+                raise ValueError(
+                    f"parameters have mixed dtypes {sorted(map(str, dtypes))}; pass param_dtype= to "
+                    "compute them all in one dtype"
+                )
+            param_dtype = torch.bfloat16 if device.type == "cuda" else named[0][1].dtype
+        if not param_dtype.is_floating_point:
+            raise ValueError(f"param_dtype must be a floating dtype, got {param_dtype}")
+
+        self.module = module
+        self.rank, self.world_size = _default_world(process_group)
+        self.param_dtype = param_dtype
+        self.reshard_after_forward = reshard_after_forward
+        accum_dtype = torch.promote_types(param_dtype, torch.float32)
+        self.layouts: list[GroupLayout] = plan_groups(named, self.world_size, group_bytes, param_dtype)
+        self.transport: Transport = make_transport(comm, self.rank, self.world_size, device, process_group)
+        self.transport.setup(self.layouts, param_dtype, accum_dtype)
+
+        by_name = dict(named)
+        self.groups: list[FlatGroup] = []
+        self._slot_of: dict[nn.Parameter, tuple[FlatGroup, int]] = {}
+        for lay in self.layouts:
+            params = [by_name[s.name] for s in lay.slots]
+            master_dtype = torch.promote_types(lay.dtype, accum_dtype)
+            group = FlatGroup(lay, params, self.transport, master_dtype)
+            self.groups.append(group)
+            for i, p in enumerate(params):
+                self._slot_of[p] = (group, i)
+
+        # Every name a parameter is reachable by (tied parameters have several).
+        self._registered = [
+            (name, p, tuple(p.shape), p.requires_grad) for name, p in module.named_parameters(remove_duplicate=False)
+        ]
+        canonical = {id(p): name for name, p in named}
+        self.aliases = {name: canonical[id(p)] for name, p, _, _ in self._registered if canonical[id(p)] != name}
+        self._phase = TrainingPhase.IDLE
+        self._pushes = 0
+        self._forward_modules: dict[FlatGroup, int] = {g: 0 for g in self.groups}
+        self._register_hooks()
+
+    # -- set-up ------------------------------------------------------------------
+    @staticmethod
+    def _check_params(named: list[tuple[str, nn.Parameter]]) -> None:
+        devices = {p.device for _, p in named}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+        for name, p in named:
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
+
+    def _register_hooks(self) -> None:
+        for mod in self.module.modules():
+            groups = []
+            for p in mod.parameters(recurse=False):
+                g = self._slot_of[p][0]
+                if g not in groups:
+                    groups.append(g)
+            if not groups:
+                continue
+            for g in groups:
+                self._forward_modules[g] += 1
+            mod.register_forward_pre_hook(lambda _m, _a, gs=tuple(groups): self._pre_forward(gs))
+            mod.register_forward_hook(lambda _m, _a, out, gs=tuple(groups): self._post_forward(gs, out))
+        for p, (g, i) in self._slot_of.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda param, g=g, i=i: self._on_grad(g, i, param))
+
+    # -- hooks -------------------------------------------------------------------
+    def _pre_forward(self, groups: tuple[FlatGroup, ...]) -> None:
+        for g in groups:
+            g.to_unsharded()
+
+    def _post_forward(self, groups: tuple[FlatGroup, ...], output) -> None:
+        grad_mode = torch.is_grad_enabled()
+        if self._phase is not TrainingPhase.BACKWARD:
+            reshard = self.reshard_after_forward or not grad_mode
+            for g in groups:
+                g.forward_uses_left -= 1
+                if reshard and g.forward_uses_left <= 0:
+                    g.to_sharded()
+        if grad_mode:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _grad: self._pre_backward(groups), mode="any"
+                )
+
+    def _enter_backward(self) -> None:
+        if self._phase is not TrainingPhase.BACKWARD:
+            self._phase = TrainingPhase.BACKWARD
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+
+    def _pre_backward(self, groups: tuple[FlatGroup, ...]) -> None:
+        self._enter_backward()
+        for g in groups:
+            g.to_unsharded()
+
+    def _on_grad(self, group: FlatGroup, i: int, param: nn.Parameter) -> None:
+        self._enter_backward()
+        grad, param.grad = param.grad, None
+        if group.add_grad(i, grad):
+            self._pushes += group.push_grad()
+            group.to_sharded()
+
+    def _post_backward(self) -> None:
+        for g in self.groups:
+            self._pushes += g.push_grad()
+            g.to_sharded()
+        self._phase = TrainingPhase.IDLE
+
+    # -- forward -------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module, gathering each group right before it is needed."""
+        self._check_unchanged()
+        for g, n in self._forward_modules.items():
+            g.forward_uses_left = n
+        self._phase = TrainingPhase.FORWARD
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._phase = TrainingPhase.IDLE
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self.reshard_all()
+
+    def _check_unchanged(self) -> None:
+        current = list(self.module.named_parameters(remove_duplicate=False))
+        if len(current) != len(self._registered):
+            raise RuntimeError(
+                f"the wrapped model now has {len(current)} parameter entries, ODCShard planned "
+                f"{len(self._registered)}: parameters must not be added or removed after wrapping"
+            )
+        for (name, p), (rname, rp, shape, req) in zip(current, self._registered):
+            if name != rname or p is not rp:
+                raise RuntimeError(
+                    f"parameter {rname!r} was replaced after ODCShard wrapped the model; "
+                    "change parameters before wrapping (or load values with load_full_state_dict)"
+                )
+            if tuple(p.shape) != shape or p.dtype != self.param_dtype:
+                raise RuntimeError(f"parameter {name!r} had its data reassigned after wrapping")
+            if p.requires_grad != req:
+                raise RuntimeError(
+                    f"parameter {name!r} changed requires_grad after wrapping; freeze or unfreeze before ODCShard"
+                )
+
+    # -- whole-model access -----------------------------------------------------------
+    def reshard_all(self) -> None:
+        """Free every group's unsharded buffer."""
+        for g in self.groups:
+            g.to_sharded()
+
+    def consume_push_count(self) -> int:
+        """Number of gradient pushes since the last call (the optimizer's bookkeeping)."""
+        n, self._pushes = self._pushes, 0
+        return n
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Context in which every parameter holds its full value (collective: all ranks enter)."""
+        for g in self.groups:
+            g.to_unsharded()
+        try:
+            yield
+        finally:
+            self.reshard_all()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameter values (from the master rows), keyed by parameter name.
+
+        Collective: every rank must call it. Values have the parameters' original
+        dtypes; tied parameters appear under each of their names.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            full = g.layout.unpack(self.transport.all_gather_rows(g.master))
+            for i, s in enumerate(g.layout.slots):
+                out[s.name] = g.layout.param_view(full, i).to(g.layout.dtype).clone()
+        for alias, name in self.aliases.items():
+            out[alias] = out[name]
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set every parameter from full values (collective: all ranks call it with the same values)."""
+        expected = {s.name: s for lay in self.layouts for s in lay.slots}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected) - set(self.aliases))
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+        for name, s in expected.items():
+            if tuple(state[name].shape) != s.shape:
+                raise ValueError(f"parameter {name!r}: shape {tuple(state[name].shape)} in the state dict, {s.shape} in the model")
+        self.reshard_all()
+        self.transport.barrier()  # nobody may be reading rows while they change
+        for g in self.groups:
+            g.load_full_([state[s.name].to(g.master.device) for s in g.layout.slots])
+        self.transport.barrier()
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        """Same as ``full_state_dict`` (a gathered, plain-PyTorch view of the model)."""
+        if args or kwargs:
+            raise TypeError("ODCShard.state_dict takes no arguments; it returns full_state_dict()")
+        return self.full_state_dict()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Same as ``load_full_state_dict`` (``strict`` must stay True, ``assign`` False)."""
+        if not strict or assign:
+            raise ValueError("ODCShard.load_state_dict supports only strict=True, assign=False")
+        self.load_full_state_dict(state_dict)
+
+    def close(self) -> None:
+        """Release the transport's resources."""
+        self.transport.close()
+
+    def extra_repr(self) -> str:
+        return (
+            f"groups={len(self.groups)}, world_size={self.world_size}, comm={self.transport.name}, "
+            f"param_dtype={self.param_dtype}, reshard_after_forward={self.reshard_after_forward}"
+        )

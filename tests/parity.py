@@ -1,0 +1,129 @@
+"""Shared pieces of the parity tests: a model, data, a plain-PyTorch reference run and a sharded run.
+
+The reference is a single process with ``torch.optim.AdamW`` and
+``clip_grad_norm_`` that sees the union of every rank's micro-batches; the sharded
+run is what each rank executes under ``odcfsdp.launch.spawn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from odcfsdp import ODCShard, optim
+from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
+
+# Sizes chosen so no parameter count divides evenly by both 2 and 3.
+CONFIG = LlamaConfig(vocab_size=97, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=108, tie_embeddings=True)
+FROZEN = "llama.layers.0.post_attention_layernorm.weight"
+NO_DECAY = ["*norm*", "logit_scale"]
+
+
+class ParityModel(nn.Module):
+    """Llama with a tied embedding, plus a 1-element logit scale and a frozen norm."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.llama = Llama(CONFIG)
+        self.logit_scale = nn.Parameter(torch.full((1,), 1.1))
+        with torch.no_grad():
+            frozen = self.get_parameter(FROZEN)
+            frozen.uniform_(0.5, 1.5)
+            frozen.requires_grad_(False)
+        self.to(dtype)
+
+    def forward(self, tokens):
+        return self.llama(tokens) * self.logit_scale
+
+
+@dataclass
+class Run:
+    """Hyper-parameters and data of one parity run."""
+
+    world_size: int
+    micro_batches: list[int]  # per rank
+    steps: int = 3
+    batch: int = 2
+    seq: int = 12
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+    # eps bounds Adam's amplification of gradient rounding (update ~ lr * g / (|g| + eps)) on
+    # entries whose true gradient is ~0; with 1e-8 a 1e-10 rounding difference moves them ~1e-6.
+    eps: float = 1e-6
+    max_norm: float = 0.3
+    seed: int = 1
+    data: list = field(default_factory=list)
+
+    def __post_init__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        # data[step][rank] = list of (inputs, targets) micro-batches
+        self.data = [
+            [
+                [
+                    tuple(torch.randint(0, CONFIG.vocab_size, (2, self.batch, self.seq), generator=g))
+                    for _ in range(self.micro_batches[r])
+                ]
+                for r in range(self.world_size)
+            ]
+            for _ in range(self.steps)
+        ]
+
+    def tokens(self, step: int) -> int:
+        """Global number of target tokens in a minibatch (the loss normaliser)."""
+        return sum(t.numel() for rank in self.data[step] for _, t in rank)
+
+
+def reference_run(run: Run, dtype: torch.dtype) -> dict:
+    """Single-process PyTorch on the union of all ranks' data."""
+    model = ParityModel(dtype)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and not _no_decay(n)]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _no_decay(n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=run.lr, weight_decay=run.weight_decay, eps=run.eps,
+    )
+    losses, norms = [], []
+    for step in range(run.steps):
+        norm_by = run.tokens(step)
+        step_losses = []
+        for rank in range(run.world_size):
+            for x, y in run.data[step][rank]:
+                loss = causal_lm_loss(model(x), y, norm_by)
+                loss.backward()
+                step_losses.append(loss.item())
+        losses.append(step_losses)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _no_decay(name: str) -> bool:
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase(name, p) for p in NO_DECAY)
+
+
+def sharded_run(run: Run, dtype: torch.dtype, group_bytes: int, reshard: bool, comm: str = "collective") -> dict:
+    """What every rank runs: ODCShard + odcfsdp AdamW on this rank's micro-batches."""
+    rank = dist.get_rank()
+    model = ODCShard(ParityModel(dtype), group_bytes, comm=comm, reshard_after_forward=reshard)
+    opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY)
+    losses, norms = [], []
+    for step in range(run.steps):
+        norm_by = run.tokens(step)
+        step_losses = []
+        for x, y in run.data[step][rank]:
+            loss = causal_lm_loss(model(x), y, norm_by)
+            loss.backward()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        norms.append(opt.step(max_norm=run.max_norm).item())
+        opt.zero_grad()
+    state = model.full_state_dict()
+    model.close()
+    return {"losses": losses, "norms": norms, "params": state, "groups": len(model.groups)}
