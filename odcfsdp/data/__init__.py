@@ -1,0 +1,1 @@
+"""Data sources, packing and balancing for training runs."""

@@ -1,0 +1,103 @@
+"""The flat group layout against its closed form (see [layout] in odcfsdp/sharding/layout.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from odcfsdp.sharding.layout import ALIGN_BYTES, plan_groups
+
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+
+
+def random_params(rng: random.Random, dtype: torch.dtype, count: int = 7) -> list[tuple[str, torch.Tensor]]:
+    shapes = [(1,), (3,), (5, 7), (2, 3, 4), (17,), (64, 33), (1, 1), (9, 1, 2)]
+    out = []
+    for i in range(count):
+        shape = rng.choice(shapes) if i else (1,)  # always include a 1-element parameter
+        out.append((f"p{i}", torch.randn(shape).to(dtype)))
+    return out
+
+
+def closed_form_row(params: list[torch.Tensor], seg: list[int], off: list[int], rank: int, row_len: int) -> torch.Tensor:
+    """Row r, element by element: offset off_i + k holds p_i.flatten()[r * c_i + k] (or 0 past the end)."""
+    row = torch.zeros(row_len, dtype=torch.float64)
+    for p, c, o in zip(params, seg, off):
+        flat = p.double().flatten()
+        for k in range(c):
+            j = rank * c + k
+            if j < flat.numel():
+                row[o + k] = flat[j]
+    return row
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("dtype, comm_dtype", DTYPE_PAIRS)
+def test_rows_roundtrip_exactly(world_size, dtype, comm_dtype):
+    rng = random.Random(world_size * 101 + hash((str(dtype), str(comm_dtype))) % 97)
+    named = random_params(rng, dtype)
+    (layout,) = plan_groups(named, world_size, 1 << 40, comm_dtype)
+    params = [p for _, p in named]
+
+    rows = torch.stack([layout.shard_row(params, r, dtype) for r in range(world_size)])
+    seg = [s.seg for s in layout.slots]
+    off = [s.offset for s in layout.slots]
+    for r in range(world_size):
+        assert torch.equal(rows[r].double(), closed_form_row(params, seg, off, r, layout.row_len))
+
+    unsharded = layout.unpack(rows)  # the gather copy-out
+    for i, p in enumerate(params):
+        assert torch.equal(layout.param_view(unsharded, i), p)  # each parameter: a contiguous view
+        assert layout.param_view(unsharded, i).is_contiguous()
+    assert torch.equal(layout.pack(unsharded), rows)  # the scatter copy-in undoes it exactly
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype, comm_dtype", DTYPE_PAIRS)
+def test_segments_aligned_and_cover(world_size, dtype, comm_dtype):
+    named = random_params(random.Random(world_size), dtype, count=12)
+    (layout,) = plan_groups(named, world_size, 1 << 40, comm_dtype)
+    dtypes = {dtype, comm_dtype, torch.float32}  # fp32 accumulators and masters too
+    off = 0
+    for s, (_, p) in zip(layout.slots, named):
+        assert s.offset == off
+        assert s.seg >= math.ceil(p.numel() / world_size)
+        assert s.seg * world_size >= p.numel()
+        for d in dtypes:
+            size = torch.empty((), dtype=d).element_size()
+            assert (s.offset * size) % ALIGN_BYTES == 0
+            assert (s.seg * size) % ALIGN_BYTES == 0
+        off += s.seg
+    assert layout.row_len == off
+    assert layout.unsharded_numel == world_size * off
+
+
+def test_plan_respects_budget_order_and_kind():
+    def param(n, dtype=torch.float32, trained=True):
+        return torch.zeros(n, dtype=dtype, requires_grad=trained)
+
+    named = [
+        ("a", param(100)),
+        ("b", param(100)),
+        ("big", param(5000)),
+        ("c", param(10)),
+        ("frozen", param(10, trained=False)),
+        ("d", param(10, torch.float64)),
+        ("e", param(10)),
+    ]
+    layouts = plan_groups(named, 2, group_bytes=1024)
+    assert [[s.name for s in lay.slots] for lay in layouts] == [["a", "b"], ["big"], ["c"], ["frozen"], ["d"], ["e"]]
+    assert [lay.requires_grad for lay in layouts] == [True, True, True, False, True, True]
+    assert [lay.dtype for lay in layouts][4] == torch.float64
+    for lay in layouts:
+        nbytes = lay.unsharded_numel * torch.empty((), dtype=lay.dtype).element_size()
+        assert nbytes <= 1024 or len(lay.slots) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "32M", True, None])
+def test_plan_rejects_bad_group_bytes(bad):
+    with pytest.raises(ValueError, match="group_bytes"):
+        plan_groups([("a", torch.zeros(3))], 2, bad)

@@ -1,0 +1,134 @@
+"""When groups are gathered and freed, and what stays resident (single process and 2 ranks)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from odcfsdp import ODCShard, optim
+from odcfsdp.launch import spawn
+from odcfsdp.models import Llama, LlamaConfig
+from odcfsdp.sharding import GroupState
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2)
+
+
+def llama() -> Llama:
+    torch.manual_seed(0)
+    return Llama(CFG)
+
+
+class GatherCounter:
+    """Wraps a transport's gather to count calls and record the unsharded groups at each one."""
+
+    def __init__(self, model: ODCShard):
+        self.calls = 0
+        self.max_resident = 0
+        self.model = model
+        inner = model.transport.gather
+
+        def counted(g, out):
+            self.calls += 1
+            resident = sum(grp.state is GroupState.UNSHARDED for grp in model.groups)
+            self.max_resident = max(self.max_resident, resident)
+            inner(g, out)
+
+        model.transport.gather = counted
+
+
+def unsharded_bytes(model: ODCShard) -> int:
+    return sum(g.unsharded.untyped_storage().nbytes() for g in model.groups)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_gather_and_free_schedule(reshard):
+    model = ODCShard(llama(), group_bytes=8 << 10, reshard_after_forward=reshard)
+    n = len(model.groups)
+    assert n > 10
+    assert unsharded_bytes(model) == 0  # nothing resident after wrapping
+    counter = GatherCounter(model)
+    x = torch.randint(0, 64, (2, 8))
+
+    logits = model(x)
+    after_forward = unsharded_bytes(model)
+    assert counter.calls == n
+    logits.float().pow(2).mean().backward()
+    assert unsharded_bytes(model) == 0  # always freed after backward
+    assert all(g.grad is None for g in model.groups)  # gradient buffers pushed and dropped
+    assert all(p.grad is None for p in model.module.parameters())
+    if reshard:
+        assert after_forward == 0
+        assert counter.calls == 2 * n  # every group gathered again for backward
+        assert counter.max_resident < n // 2  # only a few layers' groups at a time
+    else:
+        assert after_forward == sum(g.layout.unsharded_numel * 4 for g in model.groups)
+        assert counter.calls == n
+
+
+def test_no_grad_forward_always_reshards():
+    model = ODCShard(llama(), group_bytes=8 << 10, reshard_after_forward=False)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 4)))
+    assert unsharded_bytes(model) == 0
+
+
+def test_full_values_and_unsharded_context_match_original():
+    ref = llama()
+    model = ODCShard(copy.deepcopy(ref), group_bytes=4 << 10)
+    state = model.full_state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.equal(state[name], p)
+    with model.unsharded():
+        for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), name
+    assert unsharded_bytes(model) == 0
+
+
+def test_tied_parameter_reported_under_both_names():
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, tie_embeddings=True)
+    model = ODCShard(Llama(cfg), group_bytes=4 << 10)
+    state = model.full_state_dict()
+    assert model.aliases == {"lm_head.weight": "embed_tokens.weight"}
+    assert state["lm_head.weight"] is state["embed_tokens.weight"]
+
+
+def test_load_full_state_dict_roundtrip():
+    model = ODCShard(llama(), group_bytes=4 << 10)
+    new = {k: torch.randn_like(v) for k, v in model.full_state_dict().items()}
+    model.load_full_state_dict(new)
+    got = model.full_state_dict()
+    assert all(torch.equal(got[k], new[k]) for k in new)
+
+
+def _two_rank_memory():
+    """Per-rank resident bytes: row + master share one tensor in fp32, so ~P/N per group."""
+    model = ODCShard(llama(), group_bytes=8 << 10)
+    rows = sum(r.numel() for r in model.transport.rows)
+    accs = sum(a.numel() for a in model.transport.accumulators if a is not None)
+    master_is_row = all(g.master is model.transport.rows[g.index] for g in model.groups)
+    return rows, accs, master_is_row, CFG.num_params()
+
+
+def test_two_ranks_hold_half_the_values():
+    for rows, accs, master_is_row, total in spawn(_two_rank_memory, 2):
+        assert total / 2 <= rows < total / 2 * 1.2  # padding overhead stays small
+        assert accs == rows  # every parameter is trained
+        assert master_is_row  # fp32 compute: no second copy of the row
+
+
+def test_frozen_groups_have_no_accumulator_and_do_not_move():
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    inner[0].requires_grad_(False)
+    before = copy.deepcopy(inner[0].state_dict())
+    model = ODCShard(inner, group_bytes=1 << 20)
+    assert [g.layout.requires_grad for g in model.groups] == [False, True]
+    assert model.transport.accumulators[0] is None
+    opt = optim.AdamW(model, lr=0.1, weight_decay=0.5)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    state = model.full_state_dict()
+    assert torch.equal(state["0.weight"], before["weight"]) and torch.equal(state["0.bias"], before["bias"])
