@@ -110,7 +110,7 @@ def _no_decay(name: str) -> bool:
 
 def sharded_run(run: Run, dtype: torch.dtype, group_bytes: int, reshard: bool, comm: str = "collective") -> dict:
     """What every rank runs: ODCShard + odcfsdp AdamW on this rank's micro-batches."""
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     model = ODCShard(ParityModel(dtype), group_bytes, comm=comm, reshard_after_forward=reshard)
     opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY)
     losses, norms = [], []

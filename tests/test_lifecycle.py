@@ -132,3 +132,28 @@ def test_frozen_groups_have_no_accumulator_and_do_not_move():
         opt.step()
     state = model.full_state_dict()
     assert torch.equal(state["0.weight"], before["weight"]) and torch.equal(state["0.bias"], before["bias"])
+
+
+def test_bf16_compute_keeps_fp32_masters():
+    """param_dtype=bf16: compute in bf16, but updates smaller than a bf16 ulp still land in the fp32 masters."""
+    ref = llama()
+    model = ODCShard(copy.deepcopy(ref), group_bytes=8 << 10, param_dtype=torch.bfloat16)
+    assert all(r.dtype == torch.bfloat16 for r in model.transport.rows)
+    assert all(g.master.dtype == torch.float32 for g in model.groups)
+    assert all(a.dtype == torch.float32 for a in model.transport.accumulators)
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        got = model(x)
+        want = ref(x).float()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)  # bf16 has an 8-bit mantissa
+
+    opt = optim.AdamW(model, lr=1e-5, weight_decay=0.0)  # Adam moves every entry by ~lr: far below bf16 ulps
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    state = model.full_state_dict()
+    w = "layers.0.mlp.up_proj.weight"
+    moved = (state[w] - ref.get_parameter(w)).abs()
+    assert 0.5e-5 < moved.max() < 2e-5  # the fp32 master moved by ~lr ...
+    for g in model.groups:  # ... while the communicated row is the master rounded to bf16
+        assert torch.equal(model.transport.rows[g.index], g.master.to(torch.bfloat16))

@@ -50,3 +50,9 @@ def test_parity_collective(world_size, reshard, group_bytes, dtype):
     if group_bytes == 4096:
         assert results[0]["groups"] > 5  # many small groups, parameters bigger than a group
     check_against_reference(run, results, dtype)
+
+
+def test_parity_single_process():
+    """N = 1 without torch.distributed: no communication at all."""
+    run = Run(1, micro_batches=[3])
+    check_against_reference(run, [sharded_run(run, torch.float32, 4096, True)], torch.float32)
