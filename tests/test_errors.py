@@ -133,3 +133,12 @@ def test_not_initialised_means_single_process():
     assert not dist.is_initialized()
     model = ODCShard(mlp())
     assert (model.rank, model.world_size) == (0, 1)
+
+
+def test_moving_or_casting_after_wrapping_is_refused():
+    model = ODCShard(mlp())
+    for move in (lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.to("cpu")):
+        with pytest.raises(RuntimeError, match="before wrapping"):
+            move(model)
+    model.train()
+    model.eval()  # mode switches stay allowed

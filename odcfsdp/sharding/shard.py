@@ -304,6 +304,14 @@ class ODCShard(nn.Module):
             raise ValueError("ODCShard.load_state_dict supports only strict=True, assign=False")
         self.load_full_state_dict(state_dict)
 
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.half() would replace parameter data with tensors outside the group
+        # buffers, silently disconnecting the model from its shards.
+        raise RuntimeError(
+            "ODCShard does not support .to()/.cuda()/.float() and the like after wrapping; move or cast "
+            "the model before wrapping it (param_dtype= sets the compute dtype)"
+        )
+
     def close(self) -> None:
         """Release the transport's resources."""
         self.transport.close()
