@@ -32,7 +32,7 @@ class ShardConfig:
     """How the model is sharded (arguments of ``ODCShard``)."""
 
     group_bytes: int = 32 << 20
-    comm: str = "collective"
+    comm: str = "auto"
     reshard_after_forward: bool = True
     param_dtype: str | None = None  # "float32", "bfloat16"; None: bf16 on CUDA, fp32 on CPU
 

@@ -115,9 +115,11 @@ def sharded_run(run: Run, dtype: torch.dtype, group_bytes: int, reshard: bool, c
     opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY)
     losses, norms = [], []
     for step in range(run.steps):
-        norm_by = run.tokens(step)
+        mine = run.data[step][rank]
+        norm_by = model.begin_minibatch(len(mine), tokens=sum(y.numel() for _, y in mine))
+        assert norm_by == run.tokens(step)
         step_losses = []
-        for x, y in run.data[step][rank]:
+        for x, y in mine:
             loss = causal_lm_loss(model(x), y, norm_by)
             loss.backward()
             step_losses.append(loss.item())

@@ -44,15 +44,40 @@ def check_against_reference(run: Run, results: list[dict], dtype: torch.dtype) -
         (3, True, 4096, torch.float64),
     ],
 )
-def test_parity_collective(world_size, reshard, group_bytes, dtype):
+@pytest.mark.parametrize("comm", ["collective", "shm"])
+def test_parity(world_size, reshard, group_bytes, dtype, comm):
     run = Run(world_size, micro_batches=[2] * world_size)
-    results = spawn(sharded_run, world_size, run, dtype, group_bytes, reshard)
+    results = spawn(sharded_run, world_size, run, dtype, group_bytes, reshard, comm)
     if group_bytes == 4096:
         assert results[0]["groups"] > 5  # many small groups, parameters bigger than a group
     check_against_reference(run, results, dtype)
 
 
-def test_parity_single_process():
-    """N = 1 without torch.distributed: no communication at all."""
+@pytest.mark.parametrize("comm", ["collective", "shm"])
+def test_parity_single_process(comm):
+    """N = 1 without torch.distributed."""
     run = Run(1, micro_batches=[3])
-    check_against_reference(run, [sharded_run(run, torch.float32, 4096, True)], torch.float32)
+    check_against_reference(run, [sharded_run(run, torch.float32, 4096, True, comm)], torch.float32)
+
+
+@pytest.mark.parametrize("micro_batches", [[1, 3], [2, 0, 3]])
+def test_uneven_micro_batches_one_sided(micro_batches):
+    """Ranks run different numbers of micro-batches (zero included): same result as one process on the union."""
+    run = Run(len(micro_batches), micro_batches=micro_batches)
+    results = spawn(sharded_run, len(micro_batches), run, torch.float32, 4096, True, "shm")
+    assert [len(r["losses"][0]) for r in results] == micro_batches
+    check_against_reference(run, results, torch.float32)
+
+
+def _uneven_collective(run: Run) -> str:
+    try:
+        sharded_run(run, torch.float32, 4096, True, "collective")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_uneven_micro_batches_refused_by_collective():
+    run = Run(2, micro_batches=[1, 3])
+    for message in spawn(_uneven_collective, 2, run, timeout=120):
+        assert "needs the same number of micro-batches on every rank, got [1, 3]" in message

@@ -67,7 +67,10 @@ class ODCShard(nn.Module):
         module: the model; every rank must hold the same initial values.
         group_bytes: byte budget of one group, counted in unsharded ``param_dtype``
             bytes. A larger parameter forms its own group.
-        comm: transport name (``"collective"``: all-gather / reduce-scatter).
+        comm: transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``,
+            ``"nvshmem"`` (one-sided: ranks meet only at the optimizer step and may
+            run different numbers of micro-batches) or ``"collective"``
+            (all-gather / reduce-scatter; equal micro-batch counts required).
         process_group: ranks to shard over; the default group if None, or a single
             process if torch.distributed is not initialised.
         reshard_after_forward: free a group after its last use in forward and gather
@@ -81,7 +84,7 @@ class ODCShard(nn.Module):
         module: nn.Module,
         group_bytes: int = 32 << 20,
         *,
-        comm: str = "collective",
+        comm: str = "auto",
         process_group: dist.ProcessGroup | None = None,
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
@@ -124,6 +127,7 @@ class ODCShard(nn.Module):
             self.groups.append(group)
             for i, p in enumerate(params):
                 self._slot_of[p] = (group, i)
+        self.transport.barrier()  # every row written before anyone may read it
 
         # Every name a parameter is reachable by (tied parameters have several).
         self._registered = [
@@ -205,6 +209,36 @@ class ODCShard(nn.Module):
             self._pushes += g.push_grad()
             g.to_sharded()
         self._phase = TrainingPhase.IDLE
+
+    # -- minibatch protocol --------------------------------------------------------
+    def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
+        """Declare this rank's share of the coming minibatch; return the global token count.
+
+        Optional with one-sided transports, which accept any number of micro-batches
+        per rank (zero included) and communicate here only to sum ``tokens`` (one small
+        all-reduce, right after the step's barrier, where ranks are in step anyway).
+        With ``comm="collective"`` it checks that every rank runs the same number of
+        micro-batches and raises otherwise, instead of letting mismatched collectives
+        hang later.
+
+        Args:
+            micro_batches: micro-batches this rank will run before the next step.
+            tokens: this rank's loss-bearing tokens; if given, the sum over ranks is
+                returned (normalise the loss by it: ranks' shares differ).
+        """
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 0:
+            raise ValueError(f"micro_batches must be an int >= 0, got {micro_batches!r}")
+        if self.world_size == 1 or (self.transport.one_sided and tokens is None):
+            return tokens
+        local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.transport.device)
+        table = self.transport.all_gather_rows(local).cpu()
+        counts = table[:, 0].tolist()
+        if not self.transport.one_sided and len(set(counts)) > 1:
+            raise RuntimeError(
+                f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, got {counts} "
+                "by rank; balance with lb_micro, or use a one-sided transport (comm='shm' on CPU, 'nvshmem' on CUDA)"
+            )
+        return int(table[:, 1].sum()) if tokens is not None else None
 
     # -- forward -------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -23,8 +23,21 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..layout import GroupLayout
+
+
+# torch >= 2.13 renamed the tensor collectives; keep working on older releases. Looked up at
+# call time so that wrappers installed on torch.distributed (profilers, tests) see every call.
+def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``all_gather_into_tensor`` under whichever name this torch has."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``reduce_scatter_tensor`` (sum) under whichever name this torch has."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
 
 
 class Transport(ABC):
@@ -35,10 +48,11 @@ class Transport(ABC):
     #: True if ranks may run different numbers of gathers/pushes per minibatch.
     one_sided: bool = False
 
-    def __init__(self, rank: int, world_size: int, device: torch.device):
+    def __init__(self, rank: int, world_size: int, device: torch.device, group: dist.ProcessGroup | None):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.group = group
         self.layouts: list[GroupLayout] = []
         self.rows: list[torch.Tensor] = []
         self.accumulators: list[torch.Tensor | None] = []
@@ -67,17 +81,26 @@ class Transport(ABC):
     def finish_pushes(self) -> None:
         """Make every push this rank issued complete and visible to its owner."""
 
-    @abstractmethod
+    # The meeting operations: rare (set-up, the optimizer step), so torch.distributed serves all transports.
     def barrier(self) -> None:
         """Wait for all ranks."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
 
-    @abstractmethod
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor over ranks (in place) and return it."""
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
 
-    @abstractmethod
     def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Stack every rank's copy of ``row`` into ``(N, len)``; for rare, whole-model work."""
+        out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=row.device)
+        if self.world_size == 1:
+            out.copy_(row)
+        else:
+            all_gather_tensor(out, row.contiguous(), group=self.group)
+        return out.view(self.world_size, -1)
 
     def close(self) -> None:
         """Release rows, accumulators and any shared resources."""

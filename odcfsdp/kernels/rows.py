@@ -1,0 +1,130 @@
+"""Gather and scatter-accumulate kernels over load/store-reachable rows.
+
+Each rank's row (and fp32 accumulator row) of a group is reachable by address:
+on GPUs of one NVLink node through NVSHMEM peer pointers, on CPU (interpreter)
+through shared memory. The kernels take a table of N addresses, one per rank, so
+one launch touches every rank's row:
+
+* ``gather_rows``: out[param-major] <- rows of all ranks: fetch and unpack in one
+  pass (no rank-major staging buffer, no second copy);
+* ``scatter_accumulate_rows``: acc_r[row order] += grad[param-major], for every
+  owner r, with relaxed atomic adds: owners do no work and pushers never wait for
+  each other.
+
+Both also run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunks import CHUNK_FIELDS
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}
+
+
+@triton.jit
+def _gather_rows_kernel(
+    row_ptrs,  # *int64 [N]: address of rank r's row (elements of out's dtype)
+    out,  # *T [N*C]: parameter-major unsharded buffer
+    chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
+    ALIGN: tl.constexpr,  # every row_start / out offset is a multiple of ALIGN elements (16 bytes)
+    BLOCK: tl.constexpr,  # elements per chunk (upper bound)
+):
+    c = tl.program_id(0)
+    r = tl.program_id(1)
+    row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
+    length = tl.load(chunks + c * 4 + 1)
+    out_base = tl.load(chunks + c * 4 + 2)
+    seg = tl.load(chunks + c * 4 + 3)
+    src = tl.load(row_ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+    dst = tl.multiple_of(out_base + r * seg, ALIGN)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < length
+    tl.store(out + dst + offs, tl.load(src + row_start + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _scatter_accumulate_kernel(
+    acc_ptrs,  # *int64 [N]: address of owner r's accumulator row (ACC elements)
+    grad,  # *T [N*C]: parameter-major gradient buffer
+    chunks,  # *int64 [num_chunks, 4]: as for the gather
+    ACC: tl.constexpr,  # accumulator element type (fp32)
+    SCOPE: tl.constexpr,  # atomic scope: "sys" or "gpu"
+    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    r = tl.program_id(1)
+    row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
+    length = tl.load(chunks + c * 4 + 1)
+    out_base = tl.load(chunks + c * 4 + 2)
+    seg = tl.load(chunks + c * 4 + 3)
+    dst = tl.load(acc_ptrs + r).to(tl.pointer_type(ACC))
+    src = tl.multiple_of(out_base + r * seg, ALIGN)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < length
+    g = tl.load(grad + src + offs, mask=mask).to(ACC)
+    tl.atomic_add(dst + row_start + offs, g, mask=mask, sem="relaxed", scope=SCOPE)
+
+
+def _check(table: torch.Tensor, buf: torch.Tensor, chunks: torch.Tensor, world_size: int) -> None:
+    if table.dtype != torch.int64 or table.numel() != world_size:
+        raise ValueError(f"address table must be int64 with {world_size} entries, got {table.dtype} x {table.numel()}")
+    if chunks.dtype != torch.int64 or chunks.dim() != 2 or chunks.shape[1] != CHUNK_FIELDS:
+        raise ValueError(f"chunk table must be int64 of shape (n, {CHUNK_FIELDS}), got {tuple(chunks.shape)}")
+    if not buf.is_contiguous():
+        raise ValueError("the parameter-major buffer must be contiguous")
+    if buf.dtype not in _TL_DTYPES:
+        raise ValueError(f"unsupported dtype {buf.dtype}")
+    if not (table.device == buf.device == chunks.device):
+        raise ValueError(f"tensors on different devices: {table.device}, {buf.device}, {chunks.device}")
+
+
+def _check_block(block: int, dtype: torch.dtype) -> None:
+    # Chunks start at segment offset + k * block; the alignment hints hold only if block is aligned too.
+    if block % _align(dtype):
+        raise ValueError(f"block={block} must be a multiple of {_align(dtype)} elements for {dtype}")
+
+
+def _align(dtype: torch.dtype) -> int:
+    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
+
+
+def gather_rows(
+    row_ptrs: torch.Tensor, out: torch.Tensor, chunks: torch.Tensor, world_size: int, block: int, num_warps: int = 4
+) -> None:
+    """Fill parameter-major ``out`` from the N rows whose addresses are in ``row_ptrs``.
+
+    ``chunks`` comes from ``chunk_table(..., block)`` with the same ``block``.
+    """
+    _check(row_ptrs, out, chunks, world_size)
+    _check_block(block, out.dtype)
+    if chunks.shape[0]:
+        _gather_rows_kernel[(chunks.shape[0], world_size)](
+            row_ptrs, out, chunks, ALIGN=_align(out.dtype), BLOCK=block, num_warps=num_warps
+        )
+
+
+def scatter_accumulate_rows(
+    acc_ptrs: torch.Tensor,
+    grad: torch.Tensor,
+    chunks: torch.Tensor,
+    world_size: int,
+    block: int,
+    acc_dtype: torch.dtype = torch.float32,
+    scope: str = "sys",
+    num_warps: int = 4,
+) -> None:
+    """Atomically add each owner's segments of parameter-major ``grad`` into its accumulator row."""
+    _check(acc_ptrs, grad, chunks, world_size)
+    _check_block(block, grad.dtype)
+    if scope not in ("sys", "gpu"):
+        raise ValueError(f"scope must be 'sys' or 'gpu', got {scope!r}")
+    if chunks.shape[0]:
+        _scatter_accumulate_kernel[(chunks.shape[0], world_size)](
+            acc_ptrs, grad, chunks, ACC=_TL_DTYPES[acc_dtype], SCOPE=scope,
+            ALIGN=_align(grad.dtype), BLOCK=block, num_warps=num_warps,
+        )

@@ -1,0 +1,57 @@
+"""Common base of the one-sided transports: rows and accumulators on a symmetric heap."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from ..layout import GroupLayout
+from .base import Transport
+from .heap import SymmetricHeap, heap_plan
+
+
+class OneSidedTransport(Transport):
+    """Places every group's row and accumulator on a symmetric heap (see [heap]).
+
+    ``peer_rows[q][g]`` / ``peer_accs[q][g]`` are rank q's row / accumulator of group
+    g as seen from this rank; ``rows`` / ``accumulators`` are this rank's own. Owners'
+    rows change only inside the optimizer step, between two barriers, so gathers need
+    no synchronisation; pushes are atomic adds (or locked adds), so neither do they.
+    """
+
+    one_sided = True
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, group):
+        super().__init__(rank, world_size, device, group)
+        self.heap: SymmetricHeap | None = None
+        self.heap_bytes = 0
+
+    @abstractmethod
+    def _make_heap(self, nbytes: int) -> SymmetricHeap:
+        """Create the heap (collective over the group)."""
+
+    def _allocate(self, layouts: list[GroupLayout]):
+        plan = heap_plan(layouts, self.comm_dtype, self.accum_dtype)
+        self.heap_bytes = plan.nbytes
+        self.heap = self._make_heap(plan.nbytes)
+        self.peer_rows = [
+            [self.heap.view(q, off, lay.row_len, self.comm_dtype) for off, lay in zip(plan.row_offsets, layouts)]
+            for q in range(self.world_size)
+        ]
+        self.peer_accs = [
+            [
+                None if off is None else self.heap.view(q, off, lay.row_len, self.accum_dtype)
+                for off, lay in zip(plan.acc_offsets, layouts)
+            ]
+            for q in range(self.world_size)
+        ]
+        self.heap.region(self.rank).zero_()
+        return self.peer_rows[self.rank], self.peer_accs[self.rank]
+
+    def close(self) -> None:
+        super().close()
+        self.peer_rows, self.peer_accs = [], []
+        if self.heap is not None:
+            self.heap.close()
+            self.heap = None
