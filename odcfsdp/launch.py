@@ -34,6 +34,8 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results) -> None
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         out = fn(*args)
         buf = io.BytesIO()

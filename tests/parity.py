@@ -108,10 +108,27 @@ def _no_decay(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in NO_DECAY)
 
 
-def sharded_run(run: Run, dtype: torch.dtype, group_bytes: int, reshard: bool, comm: str = "collective") -> dict:
-    """What every rank runs: ODCShard + odcfsdp AdamW on this rank's micro-batches."""
+def sharded_run(
+    run: Run,
+    dtype: torch.dtype,
+    group_bytes: int,
+    reshard: bool,
+    comm: str = "collective",
+    device: str = "cpu",
+    prefetch: int = 1,
+    param_dtype: torch.dtype | None = None,
+) -> dict:
+    """What every rank runs: ODCShard + odcfsdp AdamW on this rank's micro-batches.
+
+    On ``device="cuda"`` each rank uses its current GPU; ``param_dtype`` defaults to
+    bf16 there (ODCShard's default) and to ``dtype`` on CPU.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = ODCShard(ParityModel(dtype), group_bytes, comm=comm, reshard_after_forward=reshard)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    model = ODCShard(
+        ParityModel(dtype).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
+        prefetch=prefetch, param_dtype=param_dtype,
+    )
     opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY)
     losses, norms = [], []
     for step in range(run.steps):
@@ -120,12 +137,57 @@ def sharded_run(run: Run, dtype: torch.dtype, group_bytes: int, reshard: bool, c
         assert norm_by == run.tokens(step)
         step_losses = []
         for x, y in mine:
+            x, y = x.to(dev), y.to(dev)
             loss = causal_lm_loss(model(x), y, norm_by)
             loss.backward()
             step_losses.append(loss.item())
         losses.append(step_losses)
         norms.append(opt.step(max_norm=run.max_norm).item())
         opt.zero_grad()
-    state = model.full_state_dict()
+    state = {k: v.cpu() for k, v in model.full_state_dict().items()}
     model.close()
     return {"losses": losses, "norms": norms, "params": state, "groups": len(model.groups)}
+
+
+def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Plain PyTorch with FSDP2-style mixed precision, on one device, on the union of the data.
+
+    A ``compute_dtype`` copy of the model runs forward/backward per micro-batch; its
+    gradients are summed in fp32 into the fp32 master parameters, which
+    ``torch.optim.AdamW`` (after ``clip_grad_norm_``) updates and which are cast back
+    into the compute copy after every step.
+    """
+    import copy
+
+    master = ParityModel(torch.float32).to(device)
+    compute = copy.deepcopy(master).to(compute_dtype)
+    names = [n for n, p in master.named_parameters() if p.requires_grad]
+    decay = [p for n, p in master.named_parameters() if p.requires_grad and not _no_decay(n)]
+    no_decay = [p for n, p in master.named_parameters() if p.requires_grad and _no_decay(n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=run.lr, weight_decay=run.weight_decay, eps=run.eps,
+    )
+    losses, norms = [], []
+    for step in range(run.steps):
+        norm_by = run.tokens(step)
+        accum = {n: torch.zeros_like(master.get_parameter(n)) for n in names}
+        step_losses = []
+        for rank in range(run.world_size):
+            for x, y in run.data[step][rank]:
+                loss = causal_lm_loss(compute(x.to(device)), y.to(device), norm_by)
+                loss.backward()
+                step_losses.append(loss.item())
+                for n in names:
+                    accum[n] += compute.get_parameter(n).grad.float()
+                compute.zero_grad(set_to_none=True)
+        losses.append(step_losses)
+        for n in names:
+            master.get_parameter(n).grad = accum[n]
+        norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), run.max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(compute.parameters(), master.parameters()):
+                p.copy_(q)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().cpu() for n, p in master.named_parameters()}}

@@ -140,6 +140,7 @@ class AdamW:
             p.addcdiv_(m, denom, value=-lr / bc1)
             g.publish()
             grad.zero_()
+        model.after_update()
         transport.barrier()
         return norm
 

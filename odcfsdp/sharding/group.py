@@ -13,6 +13,7 @@ are their own, not the buffer's, so the in-place refill trips no check).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
@@ -20,6 +21,9 @@ import torch.nn as nn
 
 from .layout import GroupLayout
 from .transport import Transport
+
+
+_nullcontext = contextlib.nullcontext
 
 
 class GroupState(enum.Enum):
@@ -56,6 +60,7 @@ class FlatGroup:
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad: torch.Tensor | None = None
         self._grads_seen = 0
+        self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
         self._trainable = sum(p.requires_grad for p in params)
         # Counts modules of this group still to run in the current forward pass.
         self.forward_uses_left = 0
@@ -82,19 +87,37 @@ class FlatGroup:
             p.data = self.layout.param_view(self.unsharded, i)
 
     # -- state transitions -----------------------------------------------------
-    def to_unsharded(self) -> None:
-        """Materialise the full values (gather from all ranks); no-op if already there."""
+    def to_unsharded(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Materialise the full values (gather from all ranks); no-op if already there.
+
+        With ``stream`` (a prefetch) the buffer is allocated and filled on that
+        stream; ``wait_ready`` must run before the current stream uses it.
+        """
         if self.state is GroupState.UNSHARDED:
             return
-        self.unsharded.untyped_storage().resize_(self._unsharded_nbytes)
-        with torch.no_grad():
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            # Allocated on the gathering stream, so the gather never waits for the compute queue.
+            self.unsharded.untyped_storage().resize_(self._unsharded_nbytes)
             self.transport.gather(self.index, self.unsharded)
+            if stream is not None:
+                self._ready = torch.cuda.Event()
+                self._ready.record(stream)
         self.state = GroupState.UNSHARDED
+
+    def wait_ready(self) -> None:
+        """Make the current stream wait for a pending prefetch of this group."""
+        if self._ready is not None:
+            current = torch.cuda.current_stream(self.unsharded.device)
+            current.wait_event(self._ready)
+            # The buffer came from the prefetch stream's pool: keep it until this stream is done too.
+            self.unsharded.record_stream(current)
+            self._ready = None
 
     def to_sharded(self) -> None:
         """Free the full values; parameters keep their (now empty) views."""
         if self.state is GroupState.SHARDED:
             return
+        self.wait_ready()
         self.unsharded.untyped_storage().resize_(0)
         self.state = GroupState.SHARDED
 

@@ -77,6 +77,9 @@ class ODCShard(nn.Module):
             it again in backward (less memory); keep it until backward if False.
         param_dtype: dtype parameters are computed (and communicated) in; bf16 on
             CUDA and the parameters' own dtype elsewhere when None.
+        prefetch: on CUDA, how many groups ahead to gather on a side stream while the
+            current layer computes (forward order, reversed in backward); 0 disables.
+            Each prefetched group holds its unsharded buffer early.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class ODCShard(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
+        prefetch: int = 1,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -108,7 +112,13 @@ class ODCShard(nn.Module):
         if not param_dtype.is_floating_point:
             raise ValueError(f"param_dtype must be a floating dtype, got {param_dtype}")
 
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
         self.module = module
+        self.prefetch = prefetch
+        self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
+        self._order: list[FlatGroup] = []  # groups in the order the first forward used them
+        self._order_done = False
         self.rank, self.world_size = _default_world(process_group)
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
@@ -168,9 +178,22 @@ class ODCShard(nn.Module):
                 p.register_post_accumulate_grad_hook(lambda param, g=g, i=i: self._on_grad(g, i, param))
 
     # -- hooks -------------------------------------------------------------------
-    def _pre_forward(self, groups: tuple[FlatGroup, ...]) -> None:
+    def _use(self, groups: tuple[FlatGroup, ...], backward: bool) -> None:
+        """Unshard ``groups`` for use on the current stream, then prefetch what comes next."""
         for g in groups:
             g.to_unsharded()
+            g.wait_ready()
+            if not self._order_done and g not in self._order:
+                self._order.append(g)
+        if self._gather_stream is None or not self._order_done:
+            return
+        order = self._order[::-1] if backward else self._order
+        last = max(order.index(g) for g in groups if g in order)
+        for g in order[last + 1 : last + 1 + self.prefetch]:
+            g.to_unsharded(self._gather_stream)
+
+    def _pre_forward(self, groups: tuple[FlatGroup, ...]) -> None:
+        self._use(groups, backward=False)
 
     def _post_forward(self, groups: tuple[FlatGroup, ...], output) -> None:
         grad_mode = torch.is_grad_enabled()
@@ -194,8 +217,7 @@ class ODCShard(nn.Module):
 
     def _pre_backward(self, groups: tuple[FlatGroup, ...]) -> None:
         self._enter_backward()
-        for g in groups:
-            g.to_unsharded()
+        self._use(groups, backward=True)
 
     def _on_grad(self, group: FlatGroup, i: int, param: nn.Parameter) -> None:
         self._enter_backward()
@@ -251,6 +273,7 @@ class ODCShard(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             self._phase = TrainingPhase.IDLE
+            self._order_done = True
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self.reshard_all()
 
@@ -279,6 +302,11 @@ class ODCShard(nn.Module):
         """Free every group's unsharded buffer."""
         for g in self.groups:
             g.to_sharded()
+
+    def after_update(self) -> None:
+        """Called by the optimizer once rows changed: later prefetches must see the new rows."""
+        if self._gather_stream is not None:
+            self._gather_stream.wait_stream(torch.cuda.current_stream(self._gather_stream.device))
 
     def consume_push_count(self) -> int:
         """Number of gradient pushes since the last call (the optimizer's bookkeeping)."""
@@ -324,6 +352,7 @@ class ODCShard(nn.Module):
         self.transport.barrier()  # nobody may be reading rows while they change
         for g in self.groups:
             g.load_full_([state[s.name].to(g.master.device) for s in g.layout.slots])
+        self.after_update()
         self.transport.barrier()
 
     def state_dict(self, *args, **kwargs):  # type: ignore[override]

@@ -1,0 +1,211 @@
+"""Communication microbenchmark: ODC gather / scatter-accumulate vs NCCL, in one run on the same GPUs.
+
+    torchrun --nproc-per-node=2 benchmarks/comm_bench.py --out results/comm --commit <sha>
+
+For each group size (bf16 bytes of the unsharded group, shaped like a Llama block:
+q, k, v, o, gate, up, down) it times, per rank, with CUDA events (median of
+``--iters`` after warm-up, a barrier before each launch so ranks start together):
+
+* gather: ``NvshmemTransport.gather`` (one Triton kernel: fetch + unpack) for several
+  (block, warps) settings vs ``CollectiveTransport.gather`` (NCCL
+  all_gather_into_tensor + copy-out into the parameter-major buffer);
+* scatter-accumulate: ``NvshmemTransport.scatter_accumulate`` (remote fp32 atomics)
+  for several settings vs ``CollectiveTransport.scatter_accumulate`` (copy-in to fp32
+  rank-major + NCCL reduce_scatter_tensor in fp32 + add into the accumulator).
+
+Every variant's result is checked against the NCCL path first. Bandwidth is given
+as *bus* GB/s, the bytes that cross the interconnect per rank ((N-1)/N x group
+bytes, the NCCL-tests convention) and as *algorithm* GB/s (group bytes / time).
+Writes ``comm_bench.json`` and ``comm_bench.md`` under ``--out`` (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from odcfsdp.kernels.chunks import chunk_table
+from odcfsdp.sharding.layout import plan_groups
+from odcfsdp.sharding.transport.collective import CollectiveTransport
+from odcfsdp.sharding.transport.nvshmem import NvshmemTransport
+
+BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
+GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+SCATTER_VARIANTS = [(1024, 4, "sys"), (2048, 4, "sys"), (4096, 8, "sys"), (2048, 4, "gpu"), (4096, 8, "gpu")]
+
+
+def block_layout(group_bytes: int, world: int):
+    elems = group_bytes // 2
+    total = sum(BLOCK_SHAPE.values())
+    named = [(k, torch.empty(max(1, int(elems * v / total)), dtype=torch.float32)) for k, v in BLOCK_SHAPE.items()]
+    (layout,) = plan_groups(named, world, 1 << 62, torch.bfloat16)
+    return layout
+
+
+def time_op(fn, iters: int, warmup: int = 3) -> list[float]:
+    """Per-launch times in microseconds (CUDA events), ranks aligned by a barrier before each."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def summary(times: list[float], group_bytes: int, world: int) -> dict:
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=10)
+    return {
+        "median_us": med, "p10_us": q[0], "p90_us": q[-1],
+        "bus_gbps": (world - 1) / world * group_bytes / med / 1e3,
+        "alg_gbps": group_bytes / med / 1e3,
+    }
+
+
+def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, iters: int) -> dict:
+    layout = block_layout(group_bytes, world)
+    odc = NvshmemTransport(rank, world, device, None)
+    nccl = CollectiveTransport(rank, world, device, None)
+    for t in (odc, nccl):
+        t.setup([layout], torch.bfloat16, torch.float32)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    row = torch.randn(layout.row_len, device=device, generator=gen).to(torch.bfloat16)
+    odc.rows[0].copy_(row)
+    nccl.rows[0].copy_(row)
+    torch.cuda.synchronize()
+    dist.barrier()
+    out = {"group_bytes": group_bytes, "row_len": layout.row_len, "gather": {}, "scatter": {}}
+
+    # -- gather ------------------------------------------------------------------------
+    want = torch.empty(layout.unsharded_numel, dtype=torch.bfloat16, device=device)
+    nccl.gather(0, want)
+    got = torch.full_like(want, float("nan"))
+    out["gather"]["nccl_allgather+copyout"] = summary(time_op(lambda: nccl.gather(0, got), iters), group_bytes, world)
+    for block, warps in GATHER_VARIANTS:
+        odc.gather_block, odc.gather_warps = block, warps
+        odc.gather_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
+                                         block, device)]
+        got.fill_(float("nan"))
+        odc.gather(0, got)
+        torch.cuda.synchronize()
+        if not torch.equal(got, want):
+            raise AssertionError(f"ODC gather (block={block}, warps={warps}) differs from NCCL at {group_bytes} bytes")
+        out["gather"][f"odc_b{block}_w{warps}"] = summary(time_op(lambda: odc.gather(0, got), iters), group_bytes, world)
+
+    # -- scatter-accumulate --------------------------------------------------------------
+    grad = torch.randn(layout.unsharded_numel, device=device, generator=gen).to(torch.bfloat16)
+    nccl.accumulators[0].zero_()
+    nccl.scatter_accumulate(0, grad)
+    want_acc = nccl.accumulators[0].clone()
+    out["scatter"]["nccl_copyin+reducescatter"] = summary(
+        time_op(lambda: nccl.scatter_accumulate(0, grad), iters), group_bytes, world)
+    for block, warps, scope in SCATTER_VARIANTS:
+        odc.scatter_block, odc.scatter_warps = block, warps
+        odc.scatter_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
+                                          block, device)]
+        scatter = lambda: odc.scatter_accumulate(0, grad)  # noqa: E731
+        if scope != "sys":
+            from odcfsdp.kernels.rows import scatter_accumulate_rows
+
+            scatter = lambda: scatter_accumulate_rows(  # noqa: E731
+                odc.acc_tables[0], grad, odc.scatter_chunks[0], world, block, scope=scope, num_warps=warps)
+        odc.accumulators[0].zero_()
+        odc.barrier()
+        scatter()
+        odc.barrier()
+        if not torch.allclose(odc.accumulators[0], want_acc, rtol=1e-6, atol=1e-6):
+            raise AssertionError(f"ODC scatter (block={block}, warps={warps}, {scope}) differs at {group_bytes} bytes")
+        out["scatter"][f"odc_b{block}_w{warps}_{scope}"] = summary(time_op(scatter, iters), group_bytes, world)
+    odc.close()
+    nccl.close()
+    return out
+
+
+def best(entries: dict, prefix: str) -> tuple[str, dict]:
+    name = max((k for k in entries if k.startswith(prefix)), key=lambda k: entries[k]["bus_gbps"])
+    return name, entries[name]
+
+
+def report(results: list[dict], meta: dict) -> str:
+    lines = [
+        "# Communication microbenchmark: ODC vs NCCL",
+        "",
+        f"- device: {meta['device']} x {meta['world_size']}",
+        f"- date: {meta['date']}  commit: {meta['commit']}",
+        f"- command: `{meta['command']}`",
+        f"- torch {meta['torch']}, triton {meta['triton']}; median of {meta['iters']} launches per rank (rank 0 shown)",
+        "- GB/s are *bus* GB/s: (N-1)/N x group bytes per launch, what crosses NVLink per rank;"
+        " algorithm GB/s (group bytes / time) are in the JSON.",
+        "",
+        "| group (bf16) | ODC gather | NCCL all-gather + copy-out | ratio | ODC scatter-acc | NCCL copy-in + reduce-scatter (fp32) | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        gname, g = best(r["gather"], "odc")
+        sname, s = best(r["scatter"], "odc")
+        ng, ns = r["gather"]["nccl_allgather+copyout"], r["scatter"]["nccl_copyin+reducescatter"]
+        lines.append(
+            f"| {r['group_bytes'] >> 20} MiB | {g['bus_gbps']:.0f} GB/s ({gname[4:]}) | {ng['bus_gbps']:.0f} GB/s | "
+            f"{ng['median_us'] / g['median_us']:.2f}x | {s['bus_gbps']:.0f} GB/s ({sname[4:]}) | "
+            f"{ns['bus_gbps']:.0f} GB/s | {ns['median_us'] / s['median_us']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default="results/comm")
+    parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    args = parser.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(3 * max(args.sizes_mib) << 20))
+    results = []
+    for mib in args.sizes_mib:
+        res = bench_size(mib << 20, rank, world, device, args.iters)
+        results.append(res)
+        if rank == 0:
+            g, s = best(res["gather"], "odc")[1], best(res["scatter"], "odc")[1]
+            print(f"{mib:4d} MiB  gather odc {g['bus_gbps']:6.0f} nccl {res['gather']['nccl_allgather+copyout']['bus_gbps']:6.0f}"
+                  f" | scatter odc {s['bus_gbps']:6.0f} nccl {res['scatter']['nccl_copyin+reducescatter']['bus_gbps']:6.0f} GB/s",
+                  flush=True)
+    if rank == 0:
+        import triton
+
+        meta = {
+            "device": torch.cuda.get_device_name(device), "world_size": world, "iters": args.iters,
+            "date": datetime.date.today().isoformat(), "commit": args.commit,
+            "command": f"torchrun --nproc-per-node={world} benchmarks/comm_bench.py --iters {args.iters}",
+            "torch": torch.__version__, "triton": triton.__version__,
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "comm_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / "comm_bench.md").write_text(report(results, meta))
+        print(report(results, meta))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""``nvshmem`` transport: one-sided gather and scatter-accumulate between GPUs (NVSHMEM + Triton).
+
+Rows and fp32 accumulators live on the NVSHMEM symmetric heap. Peers reachable by
+load/store (GPUs of one NVLink node) are read and atomically added into through
+peer pointers (``nvshmem_ptr``) by the Triton kernels of ``odcfsdp.kernels.rows``:
+one launch per group fetches every rank's row and unpacks it into the
+parameter-major buffer, or pushes every owner's segments into its accumulator.
+
+Design note [nvshmem-runtime]
+-----------------------------
+NVSHMEM is initialised once per process (it is a process-wide library): the first
+transport initialises it over its process group (unique id broadcast through
+torch.distributed) with ``NVSHMEM_SYMMETRIC_SIZE`` computed from its plan plus
+headroom, and it is finalised at exit. Every transport then allocates its heap
+region with one collective ``nvshmem_malloc`` and frees it on ``close``. A plan
+larger than the heap fails with an error naming the bytes needed and the variable
+to set. NVLink multicast is never used (the host's shared GPUs require
+``NVSHMEM_DISABLE_NVLS=1``; it is set here unless the user set it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+
+from ...kernels.chunks import chunk_table
+from ...kernels.rows import gather_rows, scatter_accumulate_rows
+from .heap import SymmetricHeap
+from .one_sided import OneSidedTransport
+
+HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
+
+# Tuned on 2x H200 (see benchmarks/comm_bench.py and results/); override per transport.
+GATHER_BLOCK, GATHER_WARPS = 8192, 8
+SCATTER_BLOCK, SCATTER_WARPS = 2048, 4
+
+
+class _NvshmemRuntime:
+    """The process's NVSHMEM state: whether it is initialised, over how many PEs, with what heap."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.n_pes = 0
+        self.heap_bytes = 0
+        self.in_use = 0
+
+    def ensure(self, rank: int, world_size: int, group, device: torch.device, need: int) -> None:
+        """Initialise NVSHMEM over ``group`` if needed; check ``need`` more bytes fit in the heap."""
+        if not self.initialized:
+            self._init(rank, world_size, group, device, need)
+        elif self.n_pes != world_size:
+            raise RuntimeError(
+                f"NVSHMEM is already initialised over {self.n_pes} ranks in this process; a second ODCShard over "
+                f"{world_size} ranks cannot share it"
+            )
+        if self.in_use + need > self.heap_bytes:
+            raise RuntimeError(
+                f"the NVSHMEM symmetric heap has {self.heap_bytes - self.in_use} bytes free, this model needs {need}; "
+                f"set NVSHMEM_SYMMETRIC_SIZE to at least {self.in_use + need + HEAP_HEADROOM} before the first ODCShard"
+            )
+
+    def _init(self, rank, world_size, group, device, need) -> None:
+        try:
+            import nvshmem.core
+        except ImportError as e:
+            raise ImportError("comm='nvshmem' needs nvshmem4py: pip install 'odcfsdp[cuda]' (nvshmem4py-cu13)") from e
+        try:
+            from cuda.core import Device
+        except ImportError:  # cuda-core < 1.0
+            from cuda.core.experimental import Device
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        preset = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+        if preset is None:
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(need + HEAP_HEADROOM)
+        self.heap_bytes = (need + HEAP_HEADROOM if preset is None else _parse_size(preset)) - HEAP_HEADROOM
+        uid = [nvshmem.core.get_unique_id(empty=rank != 0)]
+        if world_size > 1:
+            dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        nvshmem.core.init(
+            device=Device(device.index), uid=uid[0], rank=rank, nranks=world_size, initializer_method="uid"
+        )
+        self.initialized, self.n_pes = True, world_size
+        atexit.register(self.finalize)
+
+    def finalize(self) -> None:
+        if self.initialized:
+            import nvshmem.core
+
+            self.initialized = False
+            try:
+                nvshmem.core.finalize()
+            except Exception:  # noqa: BLE001 - at exit, peers may already be gone
+                pass
+
+
+def _parse_size(text: str) -> int:
+    """NVSHMEM size syntax: a number with an optional K/M/G/T suffix (powers of 1024)."""
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+RUNTIME = _NvshmemRuntime()
+
+
+class NvshmemHeap(SymmetricHeap):
+    """One NVSHMEM allocation per rank; peers' copies through ``nvshmem_ptr`` peer views."""
+
+    def __init__(self, nbytes: int, rank: int, world_size: int, group, device: torch.device):
+        super().__init__(nbytes, rank, world_size)
+        import nvshmem.core
+
+        RUNTIME.ensure(rank, world_size, group, device, nbytes)
+        try:
+            self._local = nvshmem.core.tensor((nbytes,), dtype=torch.uint8)
+        except Exception as e:
+            raise RuntimeError(
+                f"could not allocate {nbytes} bytes on the NVSHMEM symmetric heap ({e}); "
+                f"set NVSHMEM_SYMMETRIC_SIZE to at least {nbytes + HEAP_HEADROOM}"
+            ) from e
+        RUNTIME.in_use += nbytes
+        self._regions = []
+        for q in range(world_size):
+            if q == rank:
+                self._regions.append(self._local)
+                continue
+            peer = nvshmem.core.get_peer_tensor(self._local, q)
+            if peer is None or peer.data_ptr() == 0:
+                raise RuntimeError(
+                    f"rank {q}'s GPU memory is not load/store reachable from rank {rank} (no NVLink/P2P path); "
+                    "the get/put path for such peers is not implemented yet"
+                )
+            self._regions.append(peer)
+
+    def region(self, q: int) -> torch.Tensor:
+        return self._regions[q]
+
+    def close(self) -> None:
+        if self._local is None:
+            return
+        import nvshmem.core
+
+        self._regions = []
+        torch.cuda.synchronize(self._local.device)
+        nvshmem.core.free_tensor(self._local)  # collective: every rank closes its transport
+        RUNTIME.in_use -= self.nbytes
+        self._local = None
+
+
+class NvshmemTransport(OneSidedTransport):
+    """One-sided transport over the NVSHMEM symmetric heap (CUDA, NVLink peers)."""
+
+    name = "nvshmem"
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, group):
+        if device.type != "cuda":
+            raise ValueError(f"comm='nvshmem' needs CUDA tensors, the model is on {device}; use comm='shm' on CPU")
+        super().__init__(rank, world_size, device, group)
+        self.gather_block, self.gather_warps = GATHER_BLOCK, GATHER_WARPS
+        self.scatter_block, self.scatter_warps = SCATTER_BLOCK, SCATTER_WARPS
+
+    def _make_heap(self, nbytes: int) -> NvshmemHeap:
+        return NvshmemHeap(nbytes, self.rank, self.world_size, self.group, self.device)
+
+    def _allocate(self, layouts):
+        rows, accs = super()._allocate(layouts)
+
+        def table(views):
+            return torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
+
+        self.row_tables = [table([self.peer_rows[q][g] for q in range(self.world_size)]) for g in range(len(layouts))]
+        self.acc_tables = [
+            table([self.peer_accs[q][g] for q in range(self.world_size)]) if lay.requires_grad else None
+            for g, lay in enumerate(layouts)
+        ]
+        offsets = lambda lay: [s.offset for s in lay.slots]  # noqa: E731
+        segs = lambda lay: [s.seg for s in lay.slots]  # noqa: E731
+        self.gather_chunks = [
+            chunk_table(offsets(lay), segs(lay), self.world_size, self.gather_block, self.device) for lay in layouts
+        ]
+        self.scatter_chunks = [
+            chunk_table(offsets(lay), segs(lay), self.world_size, self.scatter_block, self.device) for lay in layouts
+        ]
+        torch.cuda.synchronize(self.device)  # the heap is zeroed before any peer can read it
+        return rows, accs
+
+    def gather(self, g: int, out: torch.Tensor) -> None:
+        gather_rows(self.row_tables[g], out, self.gather_chunks[g], self.world_size, self.gather_block,
+                    num_warps=self.gather_warps)
+
+    def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
+        if self.acc_tables[g] is None:
+            raise RuntimeError(f"group {g} holds frozen parameters and has no gradient accumulator")
+        scatter_accumulate_rows(self.acc_tables[g], grad, self.scatter_chunks[g], self.world_size,
+                                self.scatter_block, acc_dtype=self.accum_dtype, num_warps=self.scatter_warps)
+
+    def finish_pushes(self) -> None:
+        torch.cuda.synchronize(self.device)  # the atomics are done once the kernels are
+
+    def barrier(self) -> None:
+        torch.cuda.synchronize(self.device)  # own row updates land before peers may read them
+        super().barrier()
