@@ -152,7 +152,7 @@ def sharded_run(
 def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Plain PyTorch with FSDP2-style mixed precision, on one device, on the union of the data.
 
-    A ``compute_dtype`` copy of the model runs forward/backward per micro-batch; its
+    A copy of the model with ``compute_dtype`` parameters runs forward/backward per micro-batch; its
     gradients are summed in fp32 into the fp32 master parameters, which
     ``torch.optim.AdamW`` (after ``clip_grad_norm_``) updates and which are cast back
     into the compute copy after every step.
@@ -160,7 +160,9 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
     import copy
 
     master = ParityModel(torch.float32).to(device)
-    compute = copy.deepcopy(master).to(compute_dtype)
+    compute = copy.deepcopy(master)
+    for p in compute.parameters():  # parameters only: buffers (RoPE frequencies) stay fp32, as in ODCShard
+        p.data = p.data.to(compute_dtype)
     names = [n for n, p in master.named_parameters() if p.requires_grad]
     decay = [p for n, p in master.named_parameters() if p.requires_grad and not _no_decay(n)]
     no_decay = [p for n, p in master.named_parameters() if p.requires_grad and _no_decay(n)]
