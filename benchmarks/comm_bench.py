@@ -44,7 +44,10 @@ SCATTER_VARIANTS = [(1024, 4, "sys"), (2048, 4, "sys"), (4096, 8, "sys"), (2048,
 def block_layout(group_bytes: int, world: int):
     elems = group_bytes // 2
     total = sum(BLOCK_SHAPE.values())
-    named = [(k, torch.empty(max(1, int(elems * v / total)), dtype=torch.float32)) for k, v in BLOCK_SHAPE.items()]
+    named = [
+        (k, torch.empty(max(1, int(elems * v / total)), dtype=torch.float32, requires_grad=True))
+        for k, v in BLOCK_SHAPE.items()
+    ]
     (layout,) = plan_groups(named, world, 1 << 62, torch.bfloat16)
     return layout
 

@@ -29,30 +29,42 @@ BF16_TOL = dict(rtol=2e-3, atol=1e-5)
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def record(name: str, **values) -> None:
+_SAVED: dict = {}
+
+
+def record(name: str, results: list[dict], ref: dict, **values) -> None:
+    """Append measured errors to $ODC_RESULTS (JSON lines) and keep raw results next to it."""
     path = os.environ.get("ODC_RESULTS")
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, **values}) + "\n")
+        _SAVED[name] = {"results": results, "ref": ref}
+        torch.save(_SAVED, os.path.join(os.path.dirname(path), "gpu_runs.pt"))
 
 
 def compare(name: str, run: Run, results: list[dict], ref: dict, tol: dict) -> None:
-    """Assert every rank's losses, norms and final parameters match ``ref``; record the worst errors."""
-    loss_err, norm_err, param_err = 0.0, 0.0, 0.0
+    """Assert every rank's losses, norms and final parameters match ``ref``; record the errors first."""
+    loss_err = [
+        max(abs(a - b) / abs(b) for a, b in zip([x for r in results for x in r["losses"][s]], ref["losses"][s]))
+        for s in range(run.steps)
+    ]
+    norm_err = [max(abs(r["norms"][s] - ref["norms"][s]) / ref["norms"][s] for r in results) for s in range(run.steps)]
+    param_err = {
+        n: max((r["params"][n].float() - want.float()).abs().max().item() for r in results)
+        for n, want in ref["params"].items()
+    }
+    worst = max(param_err, key=param_err.get)
+    record(name, results, ref, loss_rel_by_step=loss_err, norm_rel_by_step=norm_err,
+           max_param_abs=param_err[worst], worst_param=worst)
     for step in range(run.steps):
-        got = [loss for res in results for loss in res["losses"][step]]
-        want = ref["losses"][step]
-        loss_err = max(loss_err, max(abs(a - b) / abs(b) for a, b in zip(got, want)))
-        norm_err = max(norm_err, max(abs(r["norms"][step] - ref["norms"][step]) / ref["norms"][step] for r in results))
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tol["rtol"], atol=0.0)
+        got = torch.tensor([x for r in results for x in r["losses"][step]])
+        torch.testing.assert_close(got, torch.tensor(ref["losses"][step]), rtol=tol["rtol"], atol=0.0)
         for r in results:
             torch.testing.assert_close(r["norms"][step], ref["norms"][step], rtol=tol["rtol"], atol=0.0)
     for res in results:
         for n, want in ref["params"].items():
-            param_err = max(param_err, (res["params"][n].float() - want.float()).abs().max().item())
             torch.testing.assert_close(res["params"][n].float(), want.float(), **tol, msg=lambda m: f"{n}: {m}")
     assert torch.equal(results[0]["params"][FROZEN].float(), ref["params"][FROZEN].float())
-    record(name, max_loss_rel=loss_err, max_norm_rel=norm_err, max_param_abs=param_err)
 
 
 @two_gpus
