@@ -69,13 +69,32 @@ def time_op(fn, iters: int, warmup: int = 3) -> list[float]:
     return times
 
 
-def summary(times: list[float], group_bytes: int, world: int) -> dict:
+def time_pipelined(fn, launches: int = 10, repeats: int = 5) -> float:
+    """Microseconds per launch when ``launches`` run back to back (median over ``repeats``)."""
+    per = []
+    for _ in range(repeats):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            fn()
+        end.record()
+        end.synchronize()
+        per.append(start.elapsed_time(end) * 1e3 / launches)
+    return statistics.median(per)
+
+
+def measure(fn, iters: int, group_bytes: int, world: int) -> dict:
+    """Aligned (a barrier before each launch) and pipelined (back to back) timings of ``fn``."""
+    times = time_op(fn, iters)
     med = statistics.median(times)
     q = statistics.quantiles(times, n=10)
+    pipe = time_pipelined(fn)
+    bus = (world - 1) / world * group_bytes / 1e3
     return {
         "median_us": med, "p10_us": q[0], "p90_us": q[-1],
-        "bus_gbps": (world - 1) / world * group_bytes / med / 1e3,
-        "alg_gbps": group_bytes / med / 1e3,
+        "bus_gbps": bus / med, "alg_gbps": group_bytes / med / 1e3,
+        "pipelined_us": pipe, "pipelined_bus_gbps": bus / pipe,
     }
 
 
@@ -97,7 +116,7 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
     want = torch.empty(layout.unsharded_numel, dtype=torch.bfloat16, device=device)
     nccl.gather(0, want)
     got = torch.full_like(want, float("nan"))
-    out["gather"]["nccl_allgather+copyout"] = summary(time_op(lambda: nccl.gather(0, got), iters), group_bytes, world)
+    out["gather"]["nccl_allgather+copyout"] = measure(lambda: nccl.gather(0, got), iters, group_bytes, world)
     for block, warps in GATHER_VARIANTS:
         odc.gather_block, odc.gather_warps = block, warps
         odc.gather_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
@@ -107,15 +126,22 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
         torch.cuda.synchronize()
         if not torch.equal(got, want):
             raise AssertionError(f"ODC gather (block={block}, warps={warps}) differs from NCCL at {group_bytes} bytes")
-        out["gather"][f"odc_b{block}_w{warps}"] = summary(time_op(lambda: odc.gather(0, got), iters), group_bytes, world)
+        out["gather"][f"odc_b{block}_w{warps}"] = measure(lambda: odc.gather(0, got), iters, group_bytes, world)
+    odc.gather_mode = "copy_engine"
+    got.fill_(float("nan"))
+    odc.gather(0, got)
+    torch.cuda.synchronize()
+    if not torch.equal(got, want):
+        raise AssertionError(f"ODC copy-engine gather differs from NCCL at {group_bytes} bytes")
+    out["gather"]["odc_copy_engine"] = measure(lambda: odc.gather(0, got), iters, group_bytes, world)
 
     # -- scatter-accumulate --------------------------------------------------------------
     grad = torch.randn(layout.unsharded_numel, device=device, generator=gen).to(torch.bfloat16)
     nccl.accumulators[0].zero_()
     nccl.scatter_accumulate(0, grad)
     want_acc = nccl.accumulators[0].clone()
-    out["scatter"]["nccl_copyin+reducescatter"] = summary(
-        time_op(lambda: nccl.scatter_accumulate(0, grad), iters), group_bytes, world)
+    out["scatter"]["nccl_copyin+reducescatter"] = measure(
+        lambda: nccl.scatter_accumulate(0, grad), iters, group_bytes, world)
     for block, warps, scope in SCATTER_VARIANTS:
         odc.scatter_block, odc.scatter_warps = block, warps
         odc.scatter_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
@@ -125,22 +151,39 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
             from odcfsdp.kernels.rows import scatter_accumulate_rows
 
             scatter = lambda: scatter_accumulate_rows(  # noqa: E731
-                odc.acc_tables[0], grad, odc.scatter_chunks[0], world, block, scope=scope, num_warps=warps)
+                odc.acc_tables[0], grad, odc.scatter_chunks[0], world, block, scope=scope, num_warps=warps, rank=rank)
         odc.accumulators[0].zero_()
         odc.barrier()
         scatter()
         odc.barrier()
         if not torch.allclose(odc.accumulators[0], want_acc, rtol=1e-6, atol=1e-6):
             raise AssertionError(f"ODC scatter (block={block}, warps={warps}, {scope}) differs at {group_bytes} bytes")
-        out["scatter"][f"odc_b{block}_w{warps}_{scope}"] = summary(time_op(scatter, iters), group_bytes, world)
+        out["scatter"][f"odc_b{block}_w{warps}_{scope}"] = measure(scatter, iters, group_bytes, world)
     odc.close()
     nccl.close()
     return out
 
 
-def best(entries: dict, prefix: str) -> tuple[str, dict]:
-    name = max((k for k in entries if k.startswith(prefix)), key=lambda k: entries[k]["bus_gbps"])
+def best(entries: dict, prefix: str, key: str = "bus_gbps") -> tuple[str, dict]:
+    name = max((k for k in entries if k.startswith(prefix)), key=lambda k: entries[k][key])
     return name, entries[name]
+
+
+def _table(results: list[dict], key: str, us: str) -> list[str]:
+    lines = [
+        "| group (bf16) | ODC gather | NCCL all-gather + copy-out | ratio | ODC scatter-acc | "
+        "NCCL copy-in + reduce-scatter (fp32) | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        gname, g = best(r["gather"], "odc", key)
+        sname, s = best(r["scatter"], "odc", key)
+        ng, ns = r["gather"]["nccl_allgather+copyout"], r["scatter"]["nccl_copyin+reducescatter"]
+        lines.append(
+            f"| {r['group_bytes'] >> 20} MiB | {g[key]:.0f} GB/s ({gname[4:]}) | {ng[key]:.0f} GB/s | "
+            f"{ng[us] / g[us]:.2f}x | {s[key]:.0f} GB/s ({sname[4:]}) | {ns[key]:.0f} GB/s | {ns[us] / s[us]:.2f}x |"
+        )
+    return lines
 
 
 def report(results: list[dict], meta: dict) -> str:
@@ -150,22 +193,20 @@ def report(results: list[dict], meta: dict) -> str:
         f"- device: {meta['device']} x {meta['world_size']}",
         f"- date: {meta['date']}  commit: {meta['commit']}",
         f"- command: `{meta['command']}`",
-        f"- torch {meta['torch']}, triton {meta['triton']}; median of {meta['iters']} launches per rank (rank 0 shown)",
-        "- GB/s are *bus* GB/s: (N-1)/N x group bytes per launch, what crosses NVLink per rank;"
-        " algorithm GB/s (group bytes / time) are in the JSON.",
+        f"- torch {meta['torch']}, triton {meta['triton']}; rank 0's figures",
+        "- GB/s are *bus* GB/s: (N-1)/N x group bytes per launch, the bytes that cross NVLink per rank"
+        " (algorithm GB/s, group bytes / time, are in the JSON). Best ODC variant per row, named in brackets.",
         "",
-        "| group (bf16) | ODC gather | NCCL all-gather + copy-out | ratio | ODC scatter-acc | NCCL copy-in + reduce-scatter (fp32) | ratio |",
-        "|---|---|---|---|---|---|---|",
+        f"## One launch at a time (a barrier before each; median of {meta['iters']})",
+        "",
+        "This is how a training step issues them: one group per layer.",
+        "",
+        *_table(results, "bus_gbps", "median_us"),
+        "",
+        "## Back to back (10 launches between two events; median of 5)",
+        "",
+        *_table(results, "pipelined_bus_gbps", "pipelined_us"),
     ]
-    for r in results:
-        gname, g = best(r["gather"], "odc")
-        sname, s = best(r["scatter"], "odc")
-        ng, ns = r["gather"]["nccl_allgather+copyout"], r["scatter"]["nccl_copyin+reducescatter"]
-        lines.append(
-            f"| {r['group_bytes'] >> 20} MiB | {g['bus_gbps']:.0f} GB/s ({gname[4:]}) | {ng['bus_gbps']:.0f} GB/s | "
-            f"{ng['median_us'] / g['median_us']:.2f}x | {s['bus_gbps']:.0f} GB/s ({sname[4:]}) | "
-            f"{ns['bus_gbps']:.0f} GB/s | {ns['median_us'] / s['median_us']:.2f}x |"
-        )
     return "\n".join(lines) + "\n"
 
 
@@ -188,7 +229,7 @@ def main() -> None:
         res = bench_size(mib << 20, rank, world, device, args.iters)
         results.append(res)
         if rank == 0:
-            g, s = best(res["gather"], "odc")[1], best(res["scatter"], "odc")[1]
+            g, s = best(res["gather"], "odc")[1], best(res["scatter"], "odc")[1]  # noqa: F841
             print(f"{mib:4d} MiB  gather odc {g['bus_gbps']:6.0f} nccl {res['gather']['nccl_allgather+copyout']['bus_gbps']:6.0f}"
                   f" | scatter odc {s['bus_gbps']:6.0f} nccl {res['scatter']['nccl_copyin+reducescatter']['bus_gbps']:6.0f} GB/s",
                   flush=True)

@@ -166,9 +166,11 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
     names = [n for n, p in master.named_parameters() if p.requires_grad]
     decay = [p for n, p in master.named_parameters() if p.requires_grad and not _no_decay(n)]
     no_decay = [p for n, p in master.named_parameters() if p.requires_grad and _no_decay(n)]
+    # foreach=False: the single-tensor update, the formula odcfsdp's AdamW follows op for op
+    # (on CUDA the default foreach kernels round differently in the last bit).
     opt = torch.optim.AdamW(
         [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=run.lr, weight_decay=run.weight_decay, eps=run.eps,
+        lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, foreach=False,
     )
     losses, norms = [], []
     for step in range(run.steps):

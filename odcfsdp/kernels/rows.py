@@ -30,11 +30,16 @@ def _gather_rows_kernel(
     row_ptrs,  # *int64 [N]: address of rank r's row (elements of out's dtype)
     out,  # *T [N*C]: parameter-major unsharded buffer
     chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
+    world_size,  # N
+    first,  # rank served by program 0: the caller's next rank, so remote reads start first
     ALIGN: tl.constexpr,  # every row_start / out offset is a multiple of ALIGN elements (16 bytes)
     BLOCK: tl.constexpr,  # elements per chunk (upper bound)
 ):
-    c = tl.program_id(0)
-    r = tl.program_id(1)
+    # One flat axis, ranks varying fastest: local and remote chunks interleave, and the grid
+    # is not bound by the 65535 limit of a second axis.
+    pid = tl.program_id(0)
+    c = pid // world_size
+    r = (pid + first) % world_size
     row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
     length = tl.load(chunks + c * 4 + 1)
     out_base = tl.load(chunks + c * 4 + 2)
@@ -51,13 +56,16 @@ def _scatter_accumulate_kernel(
     acc_ptrs,  # *int64 [N]: address of owner r's accumulator row (ACC elements)
     grad,  # *T [N*C]: parameter-major gradient buffer
     chunks,  # *int64 [num_chunks, 4]: as for the gather
+    world_size,  # N
+    first,  # owner served by program 0 (the caller's next rank): pushers start at different owners
     ACC: tl.constexpr,  # accumulator element type (fp32)
     SCOPE: tl.constexpr,  # atomic scope: "sys" or "gpu"
     ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    r = tl.program_id(1)
+    pid = tl.program_id(0)
+    c = pid // world_size
+    r = (pid + first) % world_size
     row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
     length = tl.load(chunks + c * 4 + 1)
     out_base = tl.load(chunks + c * 4 + 2)
@@ -94,17 +102,25 @@ def _align(dtype: torch.dtype) -> int:
 
 
 def gather_rows(
-    row_ptrs: torch.Tensor, out: torch.Tensor, chunks: torch.Tensor, world_size: int, block: int, num_warps: int = 4
+    row_ptrs: torch.Tensor,
+    out: torch.Tensor,
+    chunks: torch.Tensor,
+    world_size: int,
+    block: int,
+    num_warps: int = 4,
+    rank: int = 0,
 ) -> None:
     """Fill parameter-major ``out`` from the N rows whose addresses are in ``row_ptrs``.
 
-    ``chunks`` comes from ``chunk_table(..., block)`` with the same ``block``.
+    ``chunks`` comes from ``chunk_table(..., block)`` with the same ``block``; ``rank``
+    (the caller's) only orders the work so that remote rows are fetched first.
     """
     _check(row_ptrs, out, chunks, world_size)
     _check_block(block, out.dtype)
     if chunks.shape[0]:
-        _gather_rows_kernel[(chunks.shape[0], world_size)](
-            row_ptrs, out, chunks, ALIGN=_align(out.dtype), BLOCK=block, num_warps=num_warps
+        _gather_rows_kernel[(chunks.shape[0] * world_size,)](
+            row_ptrs, out, chunks, world_size, (rank + 1) % world_size,
+            ALIGN=_align(out.dtype), BLOCK=block, num_warps=num_warps,
         )
 
 
@@ -117,6 +133,7 @@ def scatter_accumulate_rows(
     acc_dtype: torch.dtype = torch.float32,
     scope: str = "sys",
     num_warps: int = 4,
+    rank: int = 0,
 ) -> None:
     """Atomically add each owner's segments of parameter-major ``grad`` into its accumulator row."""
     _check(acc_ptrs, grad, chunks, world_size)
@@ -124,7 +141,7 @@ def scatter_accumulate_rows(
     if scope not in ("sys", "gpu"):
         raise ValueError(f"scope must be 'sys' or 'gpu', got {scope!r}")
     if chunks.shape[0]:
-        _scatter_accumulate_kernel[(chunks.shape[0], world_size)](
-            acc_ptrs, grad, chunks, ACC=_TL_DTYPES[acc_dtype], SCOPE=scope,
+        _scatter_accumulate_kernel[(chunks.shape[0] * world_size,)](
+            acc_ptrs, grad, chunks, world_size, (rank + 1) % world_size, ACC=_TL_DTYPES[acc_dtype], SCOPE=scope,
             ALIGN=_align(grad.dtype), BLOCK=block, num_warps=num_warps,
         )

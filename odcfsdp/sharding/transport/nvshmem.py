@@ -161,6 +161,10 @@ class NvshmemTransport(OneSidedTransport):
         super().__init__(rank, world_size, device, group)
         self.gather_block, self.gather_warps = GATHER_BLOCK, GATHER_WARPS
         self.scatter_block, self.scatter_warps = SCATTER_BLOCK, SCATTER_WARPS
+        # "kernel": one Triton launch fetches and unpacks; "copy_engine": peer memcpys per segment.
+        self.gather_mode = os.environ.get("ODC_GATHER_MODE", "kernel")
+        if self.gather_mode not in ("kernel", "copy_engine"):
+            raise ValueError(f"ODC_GATHER_MODE must be 'kernel' or 'copy_engine', got {self.gather_mode!r}")
 
     def _make_heap(self, nbytes: int) -> NvshmemHeap:
         return NvshmemHeap(nbytes, self.rank, self.world_size, self.group, self.device)
@@ -188,14 +192,26 @@ class NvshmemTransport(OneSidedTransport):
         return rows, accs
 
     def gather(self, g: int, out: torch.Tensor) -> None:
+        if self.gather_mode == "copy_engine":
+            self._gather_copy_engine(g, out)
+            return
         gather_rows(self.row_tables[g], out, self.gather_chunks[g], self.world_size, self.gather_block,
-                    num_warps=self.gather_warps)
+                    num_warps=self.gather_warps, rank=self.rank)
+
+    def _gather_copy_engine(self, g: int, out: torch.Tensor) -> None:
+        """One peer memcpy per (parameter, rank): DMA engines move the data, SMs stay free for compute."""
+        lay = self.layouts[g]
+        for seg_view, slot in zip(lay.unsharded_segments(out), lay.slots):
+            for step in range(self.world_size):
+                q = (self.rank + 1 + step) % self.world_size
+                seg_view[q].copy_(self.peer_rows[q][g][slot.offset : slot.offset + slot.seg])
 
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
         if self.acc_tables[g] is None:
             raise RuntimeError(f"group {g} holds frozen parameters and has no gradient accumulator")
         scatter_accumulate_rows(self.acc_tables[g], grad, self.scatter_chunks[g], self.world_size,
-                                self.scatter_block, acc_dtype=self.accum_dtype, num_warps=self.scatter_warps)
+                                self.scatter_block, acc_dtype=self.accum_dtype, num_warps=self.scatter_warps,
+                                rank=self.rank)
 
     def finish_pushes(self) -> None:
         torch.cuda.synchronize(self.device)  # the atomics are done once the kernels are
