@@ -151,7 +151,8 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
             from odcfsdp.kernels.rows import scatter_accumulate_rows
 
             scatter = lambda: scatter_accumulate_rows(  # noqa: E731
-                odc.acc_tables[0], grad, odc.scatter_chunks[0], world, block, scope=scope, num_warps=warps, rank=rank)
+                odc.accumulators[0], odc.acc_offsets[0], grad, odc.scatter_chunks[0], world, block, scope=scope,
+                num_warps=warps, rank=rank)
         odc.barrier()  # peers' earlier timed launches may still be adding into our accumulator
         odc.accumulators[0].zero_()
         odc.barrier()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from odcfsdp.kernels.chunks import chunk_table
-from odcfsdp.kernels.rows import gather_rows, scatter_accumulate_rows
+from odcfsdp.kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from odcfsdp.sharding.layout import plan_groups
 
 SHAPES = [(1,), (37,), (5, 9), (64,), (3, 3, 3), (130,)]
@@ -26,10 +26,6 @@ def layout_for(world_size: int, dtype: torch.dtype):
     return layout, chunks
 
 
-def addresses(tensors) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=DEVICE)
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block", [16, 64])
@@ -37,7 +33,7 @@ def test_gather_rows_matches_unpack(world_size, dtype, block):
     layout, chunks = layout_for(world_size, dtype)
     rows = [torch.randn(layout.row_len, device=DEVICE).to(dtype) for _ in range(world_size)]
     out = torch.full((layout.unsharded_numel,), float("nan"), device=DEVICE).to(dtype)  # poisoned
-    gather_rows(addresses(rows), out, chunks(block), world_size, block)
+    gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(block), world_size, block)
     assert torch.equal(out, layout.unpack(torch.stack(rows)))
 
 
@@ -54,7 +50,7 @@ def test_scatter_accumulate_matches_pack(world_size, grad_dtype):
         packed = layout.pack(grad.double())
         for r in range(world_size):
             want[r] += packed[r]
-        scatter_accumulate_rows(addresses(accs), grad, table, world_size, block)
+        scatter_accumulate_rows(accs[0], row_offsets(accs[0], accs), grad, table, world_size, block)
     for a, w in zip(accs, want):
         torch.testing.assert_close(a.double(), w, rtol=1e-6, atol=1e-6)  # fp32 accumulation of exact inputs
 
@@ -74,8 +70,10 @@ def test_kernel_argument_checks():
     out = torch.empty(layout.unsharded_numel, dtype=torch.bfloat16, device=DEVICE)
     rows = [torch.zeros(layout.row_len, dtype=torch.bfloat16, device=DEVICE)] * 2
     with pytest.raises(ValueError, match="2 entries"):
-        gather_rows(addresses(rows[:1]), out, chunks(16), 2, 16)
+        gather_rows(rows[0], row_offsets(rows[0], rows[:1]), out, chunks(16), 2, 16)
     with pytest.raises(ValueError, match="multiple of 8"):
-        gather_rows(addresses(rows), out, chunks(12), 2, 12)
+        gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(12), 2, 12)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        row_offsets(rows[0], [rows[0], rows[0][1:]])
     with pytest.raises(ValueError, match="scope"):
-        scatter_accumulate_rows(addresses(rows), out, chunks(16), 2, 16, scope="cta")
+        scatter_accumulate_rows(rows[0], row_offsets(rows[0], rows), out, chunks(16), 2, 16, scope="cta")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...kernels.chunks import chunk_table
-from ...kernels.rows import gather_rows, scatter_accumulate_rows
+from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport
 
@@ -172,12 +172,11 @@ class NvshmemTransport(OneSidedTransport):
     def _allocate(self, layouts):
         rows, accs = super()._allocate(layouts)
 
-        def table(views):
-            return torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
-
-        self.row_tables = [table([self.peer_rows[q][g] for q in range(self.world_size)]) for g in range(len(layouts))]
-        self.acc_tables = [
-            table([self.peer_accs[q][g] for q in range(self.world_size)]) if lay.requires_grad else None
+        self.row_offsets = [
+            row_offsets(rows[g], [self.peer_rows[q][g] for q in range(self.world_size)]) for g in range(len(layouts))
+        ]
+        self.acc_offsets = [
+            row_offsets(accs[g], [self.peer_accs[q][g] for q in range(self.world_size)]) if lay.requires_grad else None
             for g, lay in enumerate(layouts)
         ]
         offsets = lambda lay: [s.offset for s in lay.slots]  # noqa: E731
@@ -195,7 +194,7 @@ class NvshmemTransport(OneSidedTransport):
         if self.gather_mode == "copy_engine":
             self._gather_copy_engine(g, out)
             return
-        gather_rows(self.row_tables[g], out, self.gather_chunks[g], self.world_size, self.gather_block,
+        gather_rows(self.rows[g], self.row_offsets[g], out, self.gather_chunks[g], self.world_size, self.gather_block,
                     num_warps=self.gather_warps, rank=self.rank)
 
     def _gather_copy_engine(self, g: int, out: torch.Tensor) -> None:
@@ -207,11 +206,10 @@ class NvshmemTransport(OneSidedTransport):
                 seg_view[q].copy_(self.peer_rows[q][g][slot.offset : slot.offset + slot.seg])
 
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
-        if self.acc_tables[g] is None:
+        if self.acc_offsets[g] is None:
             raise RuntimeError(f"group {g} holds frozen parameters and has no gradient accumulator")
-        scatter_accumulate_rows(self.acc_tables[g], grad, self.scatter_chunks[g], self.world_size,
-                                self.scatter_block, acc_dtype=self.accum_dtype, num_warps=self.scatter_warps,
-                                rank=self.rank)
+        scatter_accumulate_rows(self.accumulators[g], self.acc_offsets[g], grad, self.scatter_chunks[g],
+                                self.world_size, self.scatter_block, num_warps=self.scatter_warps, rank=self.rank)
 
     def finish_pushes(self) -> None:
         torch.cuda.synchronize(self.device)  # the atomics are done once the kernels are
