@@ -2,7 +2,7 @@
 
 Each rank's row (and fp32 accumulator row) of a group is reachable by address:
 on GPUs of one NVLink node through NVSHMEM peer pointers, on CPU (interpreter)
-through shared memory. The kernels take a table of N addresses, one per rank, so
+through shared memory. The kernels take the N rows as offsets from one base row, so
 one launch touches every rank's row:
 
 * ``gather_rows``: out[param-major] <- rows of all ranks: fetch and unpack in one
