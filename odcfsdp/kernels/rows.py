@@ -36,16 +36,16 @@ def _gather_rows_kernel(
     out,  # *T [N*C]: parameter-major unsharded buffer
     chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
     world_size,  # N
-    num_chunks,  # rows of the chunk table
-    first,  # rank served first: the caller's next rank, so the caller's own (local) row comes last
+    first,  # rank served by program 0: the caller's next rank, so remote reads start first
     ALIGN: tl.constexpr,  # every row_start / out offset is a multiple of ALIGN elements (16 bytes)
     BLOCK: tl.constexpr,  # elements per chunk (upper bound)
 ):
-    # One flat axis (no 65535 limit of a second axis), rank-major from the caller's next rank:
-    # the NVLink reads are all issued first and the fast local copies fill in at the end.
+    # One flat axis (no 65535 limit of a second axis), ranks varying fastest so local copies
+    # interleave with NVLink reads. Measured on 2x H200 at 32 MiB: interleaved 207-217 GB/s,
+    # all remote chunks first 179, rank by rank from rank 0 148 (benchmarks/comm_bench.py).
     pid = tl.program_id(0)
-    c = pid % num_chunks
-    r = (pid // num_chunks + first) % world_size
+    c = pid // world_size
+    r = (pid + first) % world_size
     row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
     length = tl.load(chunks + c * 4 + 1)
     out_base = tl.load(chunks + c * 4 + 2)
@@ -139,7 +139,7 @@ def gather_rows(
         raise ValueError(f"base row ({base.dtype}, {base.device}) and out ({out.dtype}, {out.device}) must match")
     if chunks.shape[0]:
         _gather_rows_kernel[(chunks.shape[0] * world_size,)](
-            base, offsets, out, chunks, world_size, chunks.shape[0], (rank + 1) % world_size,
+            base, offsets, out, chunks, world_size, (rank + 1) % world_size,
             ALIGN=_align(out.dtype), BLOCK=block, num_warps=num_warps,
         )
 
