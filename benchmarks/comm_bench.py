@@ -38,7 +38,7 @@ from odcfsdp.sharding.transport.nvshmem import NvshmemTransport
 
 BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
 GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
-SCATTER_VARIANTS = [(1024, 4, "sys"), (2048, 4, "sys"), (4096, 8, "sys"), (2048, 4, "gpu"), (4096, 8, "gpu")]
+SCATTER_VARIANTS = [(1024, 4), (2048, 4), (4096, 8)]
 
 
 def block_layout(group_bytes: int, world: int):
@@ -142,25 +142,19 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
     want_acc = nccl.accumulators[0].clone()
     out["scatter"]["nccl_copyin+reducescatter"] = measure(
         lambda: nccl.scatter_accumulate(0, grad), iters, group_bytes, world)
-    for block, warps, scope in SCATTER_VARIANTS:
+    for block, warps in SCATTER_VARIANTS:
         odc.scatter_block, odc.scatter_warps = block, warps
         odc.scatter_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
                                           block, device)]
         scatter = lambda: odc.scatter_accumulate(0, grad)  # noqa: E731
-        if scope != "sys":
-            from odcfsdp.kernels.rows import scatter_accumulate_rows
-
-            scatter = lambda: scatter_accumulate_rows(  # noqa: E731
-                odc.accumulators[0], odc.acc_offsets[0], grad, odc.scatter_chunks[0], world, block, scope=scope,
-                num_warps=warps, rank=rank)
         odc.barrier()  # peers' earlier timed launches may still be adding into our accumulator
         odc.accumulators[0].zero_()
         odc.barrier()
         scatter()
         odc.barrier()
         if not torch.allclose(odc.accumulators[0], want_acc, rtol=1e-6, atol=1e-6):
-            raise AssertionError(f"ODC scatter (block={block}, warps={warps}, {scope}) differs at {group_bytes} bytes")
-        out["scatter"][f"odc_b{block}_w{warps}_{scope}"] = measure(scatter, iters, group_bytes, world)
+            raise AssertionError(f"ODC scatter (block={block}, warps={warps}) differs at {group_bytes} bytes")
+        out["scatter"][f"odc_b{block}_w{warps}"] = measure(scatter, iters, group_bytes, world)
     odc.close()
     nccl.close()
     return out

@@ -75,5 +75,6 @@ def test_kernel_argument_checks():
         gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(12), 2, 12)
     with pytest.raises(ValueError, match="16-byte aligned"):
         row_offsets(rows[0], [rows[0], rows[0][1:]])
-    with pytest.raises(ValueError, match="scope"):
-        scatter_accumulate_rows(rows[0], row_offsets(rows[0], rows), out, chunks(16), 2, 16, scope="cta")
+    with pytest.raises(ValueError, match="does not fit"):
+        scatter_accumulate_rows(rows[0].cpu() if DEVICE == "cuda" else rows[0].to("meta"),
+                                row_offsets(rows[0], rows), out, chunks(16), 2, 16)

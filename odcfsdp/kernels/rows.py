@@ -65,7 +65,6 @@ def _scatter_accumulate_kernel(
     chunks,  # *int64 [num_chunks, 4]: as for the gather
     world_size,  # N
     first,  # owner served by program 0 (the caller's next rank): pushers start at different owners
-    SCOPE: tl.constexpr,  # atomic scope: "sys" or "gpu"
     ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -83,7 +82,9 @@ def _scatter_accumulate_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < length
     g = tl.load(grad + src + offs, mask=mask).to(acc_base.dtype.element_ty)
-    tl.atomic_add(acc_base + dst + offs, g, mask=mask, sem="relaxed", scope=SCOPE)
+    # System scope: the owner's GPU adds into the same row concurrently; "gpu" scope is atomic only
+    # among one GPU's threads and lost updates on 2x H200 (benchmarks/comm_bench.py caught it).
+    tl.atomic_add(acc_base + dst + offs, g, mask=mask, sem="relaxed", scope="sys")
 
 
 def _check(table: torch.Tensor, buf: torch.Tensor, chunks: torch.Tensor, world_size: int) -> None:
@@ -151,7 +152,6 @@ def scatter_accumulate_rows(
     chunks: torch.Tensor,
     world_size: int,
     block: int,
-    scope: str = "sys",
     num_warps: int = 4,
     rank: int = 0,
 ) -> None:
@@ -163,10 +163,8 @@ def scatter_accumulate_rows(
     if acc_base.dtype not in _TL_DTYPES or acc_base.device != grad.device:
         raise ValueError(f"accumulator {acc_base.dtype} on {acc_base.device} does not fit gradients on {grad.device}")
     _check_block(block, grad.dtype)
-    if scope not in ("sys", "gpu"):
-        raise ValueError(f"scope must be 'sys' or 'gpu', got {scope!r}")
     if chunks.shape[0]:
         _scatter_accumulate_kernel[(chunks.shape[0] * world_size,)](
-            acc_base, acc_offsets, grad, chunks, world_size, (rank + 1) % world_size, SCOPE=scope,
+            acc_base, acc_offsets, grad, chunks, world_size, (rank + 1) % world_size,
             ALIGN=_align(grad.dtype), BLOCK=block, num_warps=num_warps,
         )
