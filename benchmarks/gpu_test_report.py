@@ -1,0 +1,76 @@
+"""Turn a GPU pytest run (JUnit XML + the measured-error JSON lines of tests/test_gpu.py) into JSON + markdown.
+
+    python benchmarks/gpu_test_report.py RUN_DIR OUT_DIR --commit SHA --device "2x NVIDIA H200" --date YYYY-MM-DD
+
+RUN_DIR holds ``gpu_tests.xml`` (pytest --junitxml) and ``gpu_measured.jsonl``
+(written by the tests when ODC_RESULTS is set). Nothing is typed in by hand: every
+figure comes from those two files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+COMMAND = (
+    "ODC_RESULTS=$OUT/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py tests/test_gpu.py "
+    "--junitxml=$OUT/gpu_tests.xml"
+)
+
+
+def parse(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    tests = []
+    for case in ET.parse(run_dir / "gpu_tests.xml").getroot().iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            if case.find(tag) is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+        tests.append({"name": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time", 0))})
+    measured = [json.loads(line) for line in (run_dir / "gpu_measured.jsonl").read_text().splitlines() if line]
+    return tests, measured
+
+
+def markdown(meta: dict, tests: list[dict], measured: list[dict]) -> str:
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+    lines = [
+        "# GPU test run",
+        "",
+        f"- device: {meta['device']}; date: {meta['date']}; commit: {meta['commit']}",
+        f"- command: `{COMMAND}`",
+        f"- outcome: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+        f"{counts['skipped']} skipped",
+        "",
+        "## Measured agreement with the references (worst over ranks; relative for losses and norms)",
+        "",
+        "| test | loss rel. error by step | grad-norm rel. error by step | max abs. param error (worst param) |",
+        "|---|---|---|---|",
+    ]
+    for m in measured:
+        loss = ", ".join(f"{x:.1e}" for x in m["loss_rel_by_step"])
+        norm = ", ".join(f"{x:.1e}" for x in m["norm_rel_by_step"])
+        lines.append(f"| {m['test']} | {loss} | {norm} | {m['max_param_abs']:.1e} ({m['worst_param']}) |")
+    lines += ["", "## Tests", "", "| test | outcome | seconds |", "|---|---|---|"]
+    lines += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} |" for t in tests]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--date", required=True)
+    args = parser.parse_args()
+    tests, measured = parse(args.run_dir)
+    meta = {"device": args.device, "date": args.date, "commit": args.commit, "command": COMMAND}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "gpu_tests.json").write_text(json.dumps({"meta": meta, "tests": tests, "measured": measured}, indent=1))
+    (args.out_dir / "gpu_tests.md").write_text(markdown(meta, tests, measured))
+
+
+if __name__ == "__main__":
+    main()
