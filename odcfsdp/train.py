@@ -1,170 +1,260 @@
-"""Training entry point: ``python -m odcfsdp.train [key=value ...]`` (Hydra).
+"""Training entry point: ``python -m odcfsdp.train [key=value ...]`` (Hydra; see ``odcfsdp/config.py``).
 
-With no arguments it trains a tiny Llama on synthetic Markov-chain tokens with 2
-CPU ranks that it starts itself (gloo), and prints progress. Under ``torchrun`` it
-uses the ranks torchrun started.
+With no arguments it trains a tiny Llama on long-tailed synthetic SFT data with 2
+CPU ranks that it starts itself (gloo + the shm transport), prints a progress bar
+and writes ``runs/default/metrics.jsonl``. Under ``torchrun`` it uses the ranks
+torchrun started (NCCL + nvshmem on GPUs).
+
+One step:
+1. the global minibatch is samples ``[step * B, (step + 1) * B)`` of the source;
+2. every rank computes the same balancing plan from the samples' lengths (no
+   communication) and takes its share of micro-batches;
+3. each micro-batch loss is summed over target tokens and divided by the number of
+   target tokens of the whole minibatch (ranks' shares differ);
+4. ``opt.step`` is where ranks meet; per-rank compute and wait times, the loss and
+   the throughput are gathered once afterwards and written by rank 0.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from . import optim
-from .data.synthetic import MarkovTokens
+from .config import TrainConfig, register, validate
+from .data.balance import CostModel, plan_minibatch
+from .data.jsonl import JsonlSource
+from .data.lengths import LengthDistribution
+from .data.packing import IGNORE, MicroBatch, Sample, pack
+from .data.synthetic import SyntheticSFT
+from .data.tokenizer import load_tokenizer
 from .launch import spawn
-from .models import Llama, LlamaConfig, causal_lm_loss
+from .metrics import MetricsWriter, ProgressBar
+from .models.llama import Llama, causal_lm_loss, llama_config
 from .sharding import ODCShard
 
-
-@dataclass
-class ShardConfig:
-    """How the model is sharded (arguments of ``ODCShard``)."""
-
-    group_bytes: int = 32 << 20
-    comm: str = "auto"
-    reshard_after_forward: bool = True
-    param_dtype: str | None = None  # "float32", "bfloat16"; None: bf16 on CUDA, fp32 on CPU
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}  # dense bf16 per device
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-@dataclass
-class OptimConfig:
-    """AdamW hyper-parameters."""
-
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    max_norm: float = 1.0
-    warmup_steps: int = 5
-
-
-@dataclass
-class TrainConfig:
-    """A training run."""
-
-    model: LlamaConfig = field(default_factory=lambda: LlamaConfig(vocab_size=256, dim=64, n_layers=2))
-    shard: ShardConfig = field(default_factory=ShardConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    steps: int = 40
-    micro_batches: int = 2
-    batch_size: int = 4
-    seq_len: int = 64
-    seed: int = 0
-    world_size: int = 2  # ranks to start on CPU when not under torchrun
-    out_dir: str = "runs/default"
+# -- building blocks ---------------------------------------------------------------------------
+def build_source(cfg: TrainConfig):
+    """The sample source and its vocabulary size."""
+    d = cfg.data
+    if d.source == "synthetic":
+        lengths = LengthDistribution(d.lengths, cfg.run.seed)
+        return SyntheticSFT(d.vocab_size, lengths, cfg.run.seed, d.pool_tokens, d.prompt_fraction), d.vocab_size
+    tokenizer = load_tokenizer(d.tokenizer_path)
+    return JsonlSource(d.path, tokenizer, d.micro_batch_tokens + 1, cfg.run.seed), tokenizer.vocab_size
 
 
-ConfigStore.instance().store(name="train", node=TrainConfig)
+def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, CostModel]:
+    """The unwrapped model and its FLOP-based cost model (a * s^2 + b * s per sequence)."""
+    if cfg.model.name == "hf":
+        from .models.hf import HFCausalLM
+
+        model = HFCausalLM(cfg.model.hf_config, vocab_size)
+        c = model.config
+        dim, layers = c.hidden_size, c.num_hidden_layers
+        matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    else:
+        lcfg = llama_config(cfg.model.size, vocab_size, **cfg.model.overrides)
+        model = Llama(lcfg)
+        dim, layers, matmul = lcfg.dim, lcfg.n_layers, lcfg.matmul_params()
+    cost = CostModel.for_transformer(layers, dim, matmul)
+    b = cfg.balance
+    return model, CostModel(b.cost_a if b.cost_a is not None else cost.a, b.cost_b if b.cost_b is not None else cost.b)
 
 
-def _dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ValueError(f"shard.param_dtype={name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return getattr(torch, name)
+def lr_lambda(o, steps: int):
+    """Linear warm-up to 1 over ``warmup_steps``, then constant or cosine down to ``min_lr_ratio``."""
+
+    def f(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = (step - o.warmup_steps) / max(1, steps - o.warmup_steps)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
 
 
+def _truncate(sample: Sample, max_tokens: int) -> Sample:
+    if sample.tokens.numel() <= max_tokens:
+        return sample
+    return Sample(sample.index, sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])
+
+
+def _empty_micro_batch() -> MicroBatch:
+    """A one-position micro-batch with no target: keeps collectives matched when a rank has no work."""
+    z = torch.zeros(1, 1, dtype=torch.long)
+    return MicroBatch(z, torch.full_like(z, IGNORE), z.clone(), z.clone(), [])
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    want = cfg.run.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device=cuda but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _peak_memory_gib(device: torch.device) -> tuple[float, float]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return rss, rss
+
+
+# -- the loop -------------------------------------------------------------------------------------
 def train(cfg: TrainConfig) -> list[dict]:
-    """Run ``cfg`` on the current process group; return rank 0's per-step metrics."""
+    """Run ``cfg`` on the current process group; return the per-step metrics (on every rank)."""
+    validate(cfg)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(cfg.seed)
+    device = _device(cfg)
+    source, vocab = build_source(cfg)
+    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial model
     with torch.device(device):
-        model = Llama(cfg.model)
-    model = ODCShard(
-        model,
-        cfg.shard.group_bytes,
-        comm=cfg.shard.comm,
-        reshard_after_forward=cfg.shard.reshard_after_forward,
-        param_dtype=_dtype(cfg.shard.param_dtype),
-    )
+        model, cost = build_model(cfg, vocab)
+    s = cfg.shard
+    model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
+                     param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch)
     o = cfg.optim
-    opt = optim.AdamW(
-        model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-        no_decay=["*norm*"], lr_lambda=lambda s: min(1.0, (s + 1) / max(1, o.warmup_steps)),
-    )
-    data = MarkovTokens(cfg.model.vocab_size, seed=cfg.seed)
-    out_dir = Path(cfg.out_dir)
-    metrics: list[dict] = []
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    per_step = world * cfg.micro_batches * cfg.batch_size
-    t_start = time.perf_counter()
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        tokens = per_step * cfg.seq_len
+    opt = optim.AdamW(model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                      no_decay=list(o.no_decay), lr_lambda=lr_lambda(o, cfg.run.steps))
+    peak = cfg.run.peak_tflops
+    if peak is None and device.type == "cuda":
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+
+    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if rank == 0 else None
+    if writer:
+        (writer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    bar = ProgressBar(cfg.run.steps) if rank == 0 else None
+    cap, batch = cfg.data.micro_batch_tokens, cfg.data.batch_size
+    metrics = []
+    for step in range(cfg.run.steps):
+        t_step = time.perf_counter()
+        samples = [_truncate(source[step * batch + i], cap + 1) for i in range(batch)]
+        sizes = [x.n_inputs for x in samples]
+        plan = plan_minibatch(sizes, world, cfg.balance.kind, cap, cost)
+        mine = plan[rank]
+        global_targets = max(1, sum(x.n_targets for x in samples))
+        model.begin_minibatch(len(mine))
         loss_sum = torch.zeros((), device=device)
-        for m in range(cfg.micro_batches):
-            first = ((step * world + rank) * cfg.micro_batches + m) * cfg.batch_size
-            seqs = torch.stack([data.sample(cfg.seq_len + 1, first + b) for b in range(cfg.batch_size)]).to(device)
-            loss = causal_lm_loss(model(seqs[:, :-1]), seqs[:, 1:], tokens)
+        for mb in mine:
+            micro = (pack([samples[i] for i in mb]) if mb else _empty_micro_batch()).to(device)
+            loss = causal_lm_loss(model(micro.tokens, micro.positions, micro.document_ids), micro.targets,
+                                  global_targets)
             loss.backward()
             loss_sum += loss.detach()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        compute_s = time.perf_counter() - t_step
         lr = opt.lr
         norm = opt.step(max_norm=o.max_norm)
-        if world > 1:
-            dist.all_reduce(loss_sum)
-        dt = time.perf_counter() - t0
-        row = {"step": step + 1, "loss": loss_sum.item(), "grad_norm": norm.item(), "lr": lr,
-               "tokens": tokens, "tokens_per_s": tokens / dt, "time_s": time.perf_counter() - t_start}
+        step_s = time.perf_counter() - t_step
+        my_tokens = sum(sizes[i] for mb in mine for i in mb)
+        my_flops = sum(cost(sizes[i]) for mb in mine for i in mb)
+        local = torch.tensor([loss_sum.item(), compute_s, opt.last_wait_s, len(mine), my_tokens, my_flops, step_s],
+                             dtype=torch.float64, device=model.transport.device)
+        table = model.transport.all_gather_rows(local).cpu()  # after the step: ranks are together anyway
+        step_wall = table[:, 6].max().item()
+        tokens = int(table[:, 4].sum())
+        alloc, reserved = _peak_memory_gib(device)
+        row = {
+            "step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": norm.item(), "lr": lr,
+            "tokens": tokens, "target_tokens": global_targets, "step_s": step_wall,
+            "tokens_per_s": tokens / step_wall,
+            "mfu": table[:, 5].sum().item() / step_wall / (peak * 1e12 * world) if peak else None,
+            "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
+            "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
+            "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
+        }
         metrics.append(row)
-        if rank == 0:
-            _progress(row, cfg.steps)
-    if rank == 0:
-        print(file=sys.stderr)
-        with open(out_dir / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in metrics)
-        print(f"wrote {out_dir / 'metrics.jsonl'}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f} "
-              f"(chain entropy {data.entropy_rate():.3f})")
+        if writer:
+            writer.write(row)
+            bar.update(row)
+    if writer:
+        bar.close()
+        writer.close()
+        summary = summarize(metrics, cfg.run.warmup_steps)
+        (writer.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
+              f"{summary['tokens_per_s']:.0f} tokens/s after warm-up", file=sys.stderr)
     model.close()
     return metrics
 
 
-def _progress(row: dict, total: int) -> None:
-    width = 30
-    done = int(width * row["step"] / total)
-    bar = "#" * done + "-" * (width - done)
-    print(f"\r[{bar}] {row['step']}/{total} loss {row['loss']:.4f} "
-          f"gnorm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s", end="", file=sys.stderr, flush=True)
+def summarize(metrics: list[dict], warmup: int) -> dict:
+    """Throughput and timing of the steps after ``warmup``."""
+    rows = metrics[warmup:] or metrics
+    step_s = [r["step_s"] for r in rows]
+    return {
+        "steps": len(rows), "tokens_per_s": sum(r["tokens"] for r in rows) / sum(step_s),
+        "mfu": (sum(r["mfu"] * r["step_s"] for r in rows) / sum(step_s)) if rows[0]["mfu"] is not None else None,
+        "step_s_mean": sum(step_s) / len(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s),
+        "final_loss": metrics[-1]["loss"], "peak_alloc_gib": max(r["peak_alloc_gib"] for r in metrics),
+        "peak_reserved_gib": max(r["peak_reserved_gib"] for r in metrics),
+    }
 
 
-def _train_worker(cfg_dict: dict) -> list[dict]:
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_dict))
-    return train(cfg)
+# -- process set-up -------------------------------------------------------------------------------
+def _train_worker(cfg_dict: dict) -> None:
+    train(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_dict)))
+
+
+def run(cfg: TrainConfig) -> None:
+    """Start ranks as needed (torchrun's, or spawned locally) and train."""
+    validate(cfg)
+    if "RANK" in os.environ:  # started by torchrun
+        cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        try:
+            train(cfg)
+        finally:
+            dist.destroy_process_group()
+    elif cfg.run.world_size > 1:
+        cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
+              backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600)
+    else:
+        train(cfg)
 
 
 @hydra.main(version_base="1.3", config_name="train", config_path=None)
 def _hydra_main(cfg) -> None:
-    if "RANK" in os.environ:  # started by torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        try:
-            train(OmegaConf.to_object(cfg))
-        finally:
-            dist.destroy_process_group()
-    elif cfg.world_size > 1:
-        spawn(_train_worker, cfg.world_size, OmegaConf.to_container(cfg), timeout=24 * 3600)
-    else:
-        train(OmegaConf.to_object(cfg))
+    cfg = OmegaConf.to_object(cfg)
+    try:
+        validate(cfg)
+    except ValueError as e:  # a configuration error: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    run(cfg)
 
 
 def main() -> None:
     """Console-script entry point (``odcfsdp-train``)."""
+    register()
+    defaults = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                "hydra/hydra_logging=disabled"]
+    if CONFIGS_DIR.is_dir():  # source checkout: experiment presets under configs/
+        defaults.append(f"hydra.searchpath=[file://{CONFIGS_DIR}]")
+    given = {a.split("=")[0] for a in sys.argv[1:]}
+    sys.argv[1:1] = [d for d in defaults if d.split("=")[0] not in given]
     _hydra_main()
 
 

@@ -1,8 +1,10 @@
-"""Synthetic token data with learnable structure, deterministic by seed.
+"""Synthetic SFT data with learnable structure and long-tailed lengths, deterministic by seed.
 
-Tokens follow a fixed random first-order Markov chain whose rows are peaked
-(``concentration`` < 1 gives low-entropy transitions), so a small model's loss
-falls quickly from ln(vocab) towards the chain's entropy rate.
+Tokens come from a fixed random first-order Markov chain with peaked transition
+rows, so a model's loss falls from ln(vocab) towards the chain's entropy rate. One
+stream of ``pool_tokens`` tokens is generated per process at start; sample i is a
+window of it at a seeded offset, with its length drawn from a ``LengthDistribution``.
+The first ``prompt_fraction`` of every sample is a prompt (no loss).
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import random
 
 import torch
 
+from .lengths import LengthDistribution
+from .packing import Sample
+
 
 class MarkovTokens:
-    """Sample token sequences from a seeded random Markov chain.
+    """A seeded random Markov chain over ``vocab_size`` tokens.
 
     Args:
         vocab_size: number of distinct tokens.
-        seed: seeds both the chain and the sampling stream.
+        seed: seeds the chain and every stream drawn from it.
         concentration: Dirichlet concentration of each transition row (smaller = easier).
     """
 
@@ -26,8 +31,8 @@ class MarkovTokens:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         g = torch.Generator().manual_seed(seed)
-        alpha = torch.full((vocab_size,), float(concentration))
-        gamma = torch._standard_gamma(alpha.expand(vocab_size, vocab_size).contiguous(), generator=g)
+        alpha = torch.full((vocab_size, vocab_size), float(concentration))
+        gamma = torch._standard_gamma(alpha, generator=g)
         self.transition = gamma / gamma.sum(-1, keepdim=True)
         self.vocab_size = vocab_size
         self.seed = seed
@@ -35,12 +40,12 @@ class MarkovTokens:
         self._cdf = self.transition.double().cumsum(-1).tolist()
 
     def entropy_rate(self) -> float:
-        """Expected next-token entropy in nats under a uniform start (a loss floor)."""
+        """Expected next-token entropy in nats under a uniform state (a loss floor)."""
         p = self.transition.clamp_min(1e-30)
         return float(-(p * p.log()).sum(-1).mean())
 
-    def sample(self, length: int, index: int) -> torch.Tensor:
-        """Sequence number ``index`` of ``length`` tokens (the same for every caller)."""
+    def stream(self, length: int, index: int = 0) -> torch.Tensor:
+        """Token stream number ``index`` of ``length`` tokens (the same for every caller)."""
         rng = random.Random(self.seed * 1_000_003 + index)
         last = self.vocab_size - 1
         tok = rng.randrange(self.vocab_size)
@@ -49,3 +54,32 @@ class MarkovTokens:
             tok = min(bisect.bisect_left(self._cdf[tok], rng.random()), last)
             out.append(tok)
         return torch.tensor(out, dtype=torch.long)
+
+
+class SyntheticSFT:
+    """An endless SFT source: sample i = a Markov-chain window of seeded length."""
+
+    num_samples = None  # endless
+
+    def __init__(self, vocab_size: int, lengths: LengthDistribution, seed: int = 0,
+                 pool_tokens: int = 1 << 20, prompt_fraction: float = 0.2, concentration: float = 0.05):
+        if not 0 <= prompt_fraction < 1:
+            raise ValueError(f"data.prompt_fraction must be in [0, 1), got {prompt_fraction}")
+        self.chain = MarkovTokens(vocab_size, seed, concentration)
+        self.lengths = lengths
+        self.seed = seed
+        self.prompt_fraction = prompt_fraction
+        longest = max(lengths.cfg.max_len, max((hi for _, hi in lengths.cfg.bins), default=0))
+        self.pool = self.chain.stream(max(pool_tokens, 2 * longest))
+
+    def length(self, index: int) -> int:
+        """Token count of sample ``index`` (cheap: balancing needs no tokens)."""
+        return self.lengths.sample(index)
+
+    def __getitem__(self, index: int) -> Sample:
+        n = self.length(index)
+        start = random.Random(self.seed * 31 + index).randrange(self.pool.numel() - n)
+        tokens = self.pool[start : start + n].clone()
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[: int(n * self.prompt_fraction)] = False
+        return Sample(index, tokens, mask)

@@ -1,5 +1,5 @@
 """Models shipped with odcfsdp (for tests, examples and benchmarks)."""
 
-from .llama import Llama, LlamaConfig, causal_lm_loss, document_mask
+from .llama import LLAMA_SIZES, Llama, LlamaConfig, causal_lm_loss, document_mask, llama_config
 
-__all__ = ["Llama", "LlamaConfig", "causal_lm_loss", "document_mask"]
+__all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "causal_lm_loss", "document_mask", "llama_config"]

@@ -54,10 +54,35 @@ class LlamaConfig:
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (6 * matmul params + attention), as in the PaLM appendix."""
-        matmul = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
-        return 6.0 * matmul + 12.0 * self.n_layers * self.dim * seq_len
+    def matmul_params(self) -> int:
+        """Parameters that take part in matrix products per token (the input embedding does not)."""
+        norms = (2 * self.n_layers + 1) * self.dim
+        embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim  # a lookup, not a matmul
+        return self.num_params() - norms - embedding
+
+
+# Named sizes (Llama 3.x shapes; the vocabulary comes from the data). "tiny" and "150m" are for
+# CPUs and quick tests.
+LLAMA_SIZES: dict[str, dict] = {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
+    "150m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4),
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, rope_theta=500000.0,
+               tie_embeddings=True),
+    "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, rope_theta=500000.0,
+               tie_embeddings=True),
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0),
+}
+
+
+def llama_config(size: str, vocab_size: int, **overrides) -> LlamaConfig:
+    """``LlamaConfig`` of a named size (see ``LLAMA_SIZES``), with overrides."""
+    if size not in LLAMA_SIZES:
+        raise ValueError(f"model.size={size!r} is not one of {tuple(LLAMA_SIZES)}")
+    fields = {**LLAMA_SIZES[size], "vocab_size": vocab_size, **overrides}
+    unknown = set(fields) - set(LlamaConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"model.overrides has unknown LlamaConfig fields {sorted(unknown)}")
+    return LlamaConfig(**fields)
 
 
 class RMSNorm(nn.Module):

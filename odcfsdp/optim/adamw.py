@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import time
 from typing import Callable, Iterable
 
 import torch
@@ -91,6 +92,7 @@ class AdamW:
         self.weight_decay = weight_decay
         self.lr_lambda = lr_lambda
         self.step_count = 0
+        self.last_wait_s = 0.0  # time the last step spent waiting for the other ranks (phase 1)
         skip = _no_decay_predicate(no_decay)
         self.groups: list[FlatGroup] = [g for g in model.groups if g.layout.requires_grad]
         self.exp_avg = [torch.zeros_like(g.master) for g in self.groups]
@@ -107,8 +109,10 @@ class AdamW:
         """Apply one update from the accumulated gradients; return the pre-clip global norm."""
         model, transport = self.model, self.model.transport
         model.reshard_all()  # rows are about to change; full copies would go stale
+        t0 = time.perf_counter()
         transport.finish_pushes()
         transport.barrier()
+        self.last_wait_s = time.perf_counter() - t0
 
         accs = [transport.accumulators[g.index] for g in self.groups]
         dtype = accs[0].dtype if accs else torch.float32

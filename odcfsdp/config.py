@@ -1,0 +1,155 @@
+"""Structured configs of a training run (Hydra), one dataclass per concern.
+
+The tree is registered in Hydra's ConfigStore as ``train``; every field can be
+overridden on the command line (``balance.kind=lb_micro model.size=1b``) and swept
+with ``--multirun``. Experiment presets live as YAML in the repository's
+``configs/`` folder (``+experiment=<name>``). ``validate`` checks the values Hydra
+cannot (choices, ranges, combinations) and names the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from .data.balance import BALANCERS
+from .data.lengths import KINDS as LENGTH_KINDS
+from .data.lengths import LengthConfig
+from .models.llama import LLAMA_SIZES
+from .sharding.transport import COMM_CHOICES
+
+
+@dataclass
+class ModelConfig:
+    """Which model: our Llama at a named size, or a Hugging Face causal LM from a local config."""
+
+    name: str = "llama"  # llama | hf
+    size: str = "tiny"  # llama: tiny | 150m | 1b | 3b | 8b
+    overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
+    hf_config: str | None = None  # name=hf: local directory holding config.json
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from and how a global minibatch is cut into micro-batches."""
+
+    source: str = "synthetic"  # synthetic | jsonl
+    path: str | None = None  # jsonl: the file
+    tokenizer_path: str | None = None  # jsonl: a local Hugging Face tokenizer (default: bytes)
+    vocab_size: int = 256  # synthetic: vocabulary of the Markov chain
+    lengths: LengthConfig = field(default_factory=LengthConfig)  # synthetic
+    prompt_fraction: float = 0.2  # synthetic: leading share of each sample without loss
+    pool_tokens: int = 1 << 20  # synthetic: tokens generated once, samples are windows of it
+    batch_size: int = 16  # samples per global minibatch (all ranks together)
+    micro_batch_tokens: int = 512  # cap on positions per packed micro-batch; longer samples are truncated
+
+
+@dataclass
+class BalanceConfig:
+    """How each minibatch is split over ranks (see odcfsdp/data/balance.py)."""
+
+    kind: str = "lb_mini"  # none | lb_micro | lb_mini
+    cost_a: float | None = None  # cost per s^2; None: from the model's FLOPs
+    cost_b: float | None = None  # cost per s; None: from the model's FLOPs
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule (linear warm-up, then constant or cosine)."""
+
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    max_norm: float | None = 1.0
+    warmup_steps: int = 5
+    schedule: str = "cosine"  # constant | cosine
+    min_lr_ratio: float = 0.1
+    no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])
+
+
+@dataclass
+class ShardConfig:
+    """Arguments of ``ODCShard``."""
+
+    group_bytes: int = 32 << 20
+    comm: str = "auto"  # auto | nvshmem | shm | collective
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None  # float32 | bfloat16 | float16; None: bf16 on CUDA, fp32 on CPU
+    prefetch: int = 1
+
+
+@dataclass
+class RunConfig:
+    """The run itself: length, seed, where it writes, how it is measured."""
+
+    steps: int = 60
+    seed: int = 0
+    out_dir: str = "runs/default"
+    world_size: int = 2  # ranks started on this machine when not under torchrun (CPU)
+    device: str = "auto"  # auto | cpu | cuda
+    peak_tflops: float | None = None  # per device, for MFU; None: 989 on H100/H200, no MFU on CPU
+    warmup_steps: int = 2  # excluded from the run's summary throughput
+    tensorboard: bool = False  # also log to TensorBoard when it is installed
+
+
+@dataclass
+class TrainConfig:
+    """A training run (``python -m odcfsdp.train``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def register() -> None:
+    """Register the config tree with Hydra (idempotent)."""
+    ConfigStore.instance().store(name="train", node=TrainConfig)
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of {tuple(allowed)}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the key and the allowed values for anything invalid."""
+    _choice("model.name", cfg.model.name, ("llama", "hf"))
+    if cfg.model.name == "llama":
+        _choice("model.size", cfg.model.size, LLAMA_SIZES)
+    elif not cfg.model.hf_config:
+        raise ValueError("model.name=hf needs model.hf_config=<local directory with config.json>")
+    _choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
+    if cfg.data.source == "jsonl" and not cfg.data.path:
+        raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
+    _choice("data.lengths.kind", cfg.data.lengths.kind, LENGTH_KINDS)
+    _positive("data.batch_size", cfg.data.batch_size)
+    _positive("data.micro_batch_tokens", cfg.data.micro_batch_tokens)
+    _positive("data.vocab_size", cfg.data.vocab_size)
+    _choice("balance.kind", cfg.balance.kind, BALANCERS)
+    _choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
+    _positive("optim.lr", cfg.optim.lr, allow_zero=True)
+    if len(cfg.optim.betas) != 2:
+        raise ValueError(f"optim.betas must hold two values, got {list(cfg.optim.betas)}")
+    _choice("shard.comm", cfg.shard.comm, COMM_CHOICES)
+    _choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
+    _positive("shard.group_bytes", cfg.shard.group_bytes)
+    _positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)
+    _positive("run.steps", cfg.run.steps)
+    _positive("run.world_size", cfg.run.world_size)
+    _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
+    if cfg.shard.comm == "collective" and cfg.balance.kind != "lb_micro":
+        raise ValueError(
+            f"shard.comm=collective needs equal micro-batch counts per rank: use balance.kind=lb_micro, "
+            f"or a one-sided transport (shard.comm=auto) for balance.kind={cfg.balance.kind}"
+        )

@@ -1,0 +1,123 @@
+"""Balancing one global minibatch across ranks, without communication.
+
+Every rank sees the lengths of the whole minibatch and runs the same
+deterministic algorithm (ties broken by position), so all ranks agree on the plan.
+Cost of a sequence of s positions: ``a * s**2 + b * s`` (attention is quadratic).
+
+* ``none``: rank r takes the r-th contiguous slice of samples (equal sample counts)
+  and packs it; ranks may end with different numbers of micro-batches.
+* ``lb_micro`` (what collectives need): the minibatch is cut into M micro-batches,
+  M a multiple of N, each under the token cap and balanced by cost; each rank gets
+  M / N of them, chosen to balance the ranks' total cost.
+* ``lb_mini`` (needs one-sided communication): samples go to ranks by longest-
+  processing-time-first on cost, balancing each rank's *total*; each rank then
+  packs its share into as many micro-batches as the cap requires.
+
+Packing inside a rank is first-fit decreasing by length under ``cap`` positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BALANCERS = ("none", "lb_micro", "lb_mini")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Cost of one sequence: ``a * s**2 + b * s``."""
+
+    a: float
+    b: float
+
+    def __call__(self, s: int) -> float:
+        return self.a * s * s + self.b * s
+
+    @classmethod
+    def for_transformer(cls, n_layers: int, dim: int, matmul_params: int) -> "CostModel":
+        """Training FLOPs: 6 per matmul parameter per token, plus causal attention.
+
+        Attention scores and values take 4 * s^2 * dim FLOPs per layer forward, half of
+        them masked out by causality; backward doubles forward: 6 * s^2 * dim per layer.
+        """
+        return cls(a=6.0 * n_layers * dim, b=6.0 * matmul_params)
+
+
+Plan = list[list[list[int]]]  # plan[rank][micro_batch] = positions in the minibatch
+
+
+def _pack_ffd(items: list[int], sizes: list[int], cap: int) -> list[list[int]]:
+    """First-fit decreasing: fewest bins of at most ``cap`` total size, items in stable order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(items, key=lambda i: (-sizes[i], i)):
+        for b, left in enumerate(room):
+            if sizes[i] <= left:
+                bins[b].append(i)
+                room[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - sizes[i])
+    return bins
+
+
+def _lpt(weights: list[float], n: int, limit: int | None = None) -> list[list[int]]:
+    """Longest-processing-time-first: item -> the least loaded of ``n`` bins (at most ``limit`` items each)."""
+    loads, members = [0.0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        open_bins = [b for b in range(n) if limit is None or len(members[b]) < limit]
+        b = min(open_bins, key=lambda b: (loads[b], b))
+        loads[b] += weights[i]
+        members[b].append(i)
+    return members
+
+
+def _balanced_bins(sizes: list[int], costs: list[float], cap: int, count: int) -> list[list[int]] | None:
+    """``count`` bins under ``cap``, items placed by decreasing cost into the cheapest bin with room."""
+    loads, used, bins = [0.0] * count, [0] * count, [[] for _ in range(count)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-costs[i], i)):
+        fits = [b for b in range(count) if used[b] + sizes[i] <= cap]
+        if not fits:
+            return None
+        b = min(fits, key=lambda b: (loads[b], b))
+        loads[b] += costs[i]
+        used[b] += sizes[i]
+        bins[b].append(i)
+    return bins
+
+
+def plan_minibatch(sizes: list[int], world_size: int, kind: str, cap: int, cost: CostModel) -> Plan:
+    """Split a minibatch (``sizes[i]`` = positions of sample i) into per-rank micro-batches.
+
+    Returns ``plan[rank][k]`` = the sample positions of rank ``rank``'s k-th
+    micro-batch. ``lb_micro`` may produce empty micro-batches when there are fewer
+    samples than micro-batch slots; the trainer runs those as zero-loss steps.
+    """
+    if kind not in BALANCERS:
+        raise ValueError(f"balance.kind={kind!r} is not one of {BALANCERS}")
+    too_long = [s for s in sizes if s > cap]
+    if too_long:
+        raise ValueError(f"a sample has {max(too_long)} positions, more than the micro-batch cap of {cap}")
+    n = len(sizes)
+    costs = [cost(s) for s in sizes]
+    if kind == "none":
+        bounds = [round(r * n / world_size) for r in range(world_size + 1)]
+        shares = [list(range(bounds[r], bounds[r + 1])) for r in range(world_size)]
+        return [_pack_ffd(share, sizes, cap) for share in shares]
+    if kind == "lb_mini":
+        shares = _lpt(costs, world_size)
+        return [_pack_ffd(sorted(share), sizes, cap) for share in shares]
+    count = world_size * math.ceil(max(1, len(_pack_ffd(list(range(n)), sizes, cap))) / world_size)
+    while (bins := _balanced_bins(sizes, costs, cap, count)) is None:
+        count += world_size
+    per_rank = count // world_size
+    bin_costs = [sum(costs[i] for i in b) for b in bins]
+    ranks = _lpt(bin_costs, world_size, limit=per_rank)
+    return [[sorted(bins[b]) for b in sorted(r, key=lambda b: (-bin_costs[b], b))] for r in ranks]
+
+
+def rank_costs(plan: Plan, sizes: list[int], cost: CostModel) -> list[float]:
+    """Total cost per rank of a plan."""
+    return [sum(cost(sizes[i]) for mb in rank for i in mb) for rank in plan]

@@ -1,0 +1,83 @@
+"""A local JSONL text / chat dataset.
+
+Each line is one record, either ``{"text": "..."}`` (every token carries loss) or
+``{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}``
+(only assistant turns carry loss). Records are tokenized once at load, truncated to
+``max_len`` tokens, and visited in a seeded order that is reshuffled every epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from .packing import Sample
+from .tokenizer import ROLES
+
+
+def encode_record(record: dict, tokenizer, where: str) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask of one record (``where`` names it in errors)."""
+    ids, mask = [tokenizer.bos_id], [False]
+    if "text" in record:
+        body = tokenizer.encode(record["text"]) + [tokenizer.eos_id]
+        return ids + body, mask + [True] * len(body)
+    if "messages" not in record:
+        raise ValueError(f"{where}: a record needs a 'text' or a 'messages' field")
+    for turn in record["messages"]:
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError(f"{where}: each message needs role in {ROLES} and a string content, got {turn!r}")
+        marker = tokenizer.role_marker(role)
+        body = tokenizer.encode(content) + [tokenizer.eos_id]
+        ids += marker + body
+        mask += [False] * len(marker) + [role == "assistant"] * len(body)
+    return ids, mask
+
+
+class JsonlSource:
+    """Samples from a local JSONL file; index i is the i-th sample of a seeded endless stream of epochs."""
+
+    def __init__(self, path: str, tokenizer, max_len: int, seed: int = 0):
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"data.path={path!r} is not a file")
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        dropped = 0
+        with p.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}")
+                ids, mask = ids[:max_len], mask[:max_len]
+                if len(ids) < 2 or not any(mask[1:]):
+                    dropped += 1
+                    continue
+                self.records.append((torch.tensor(ids), torch.tensor(mask)))
+        if not self.records:
+            raise ValueError(f"{path} holds no usable record ({dropped} without any loss-bearing token)")
+        self.dropped = dropped
+        self.seed = seed
+        self.num_samples = len(self.records)
+        self._orders: dict[int, list[int]] = {}
+
+    def _record(self, index: int) -> int:
+        epoch, pos = divmod(index, self.num_samples)
+        if epoch not in self._orders:
+            order = list(range(self.num_samples))
+            random.Random(self.seed * 1_009 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is all a run needs
+        return self._orders[epoch][pos]
+
+    def length(self, index: int) -> int:
+        return self.records[self._record(index)][0].numel()
+
+    def __getitem__(self, index: int) -> Sample:
+        ids, mask = self.records[self._record(index)]
+        return Sample(index, ids, mask)

@@ -1,0 +1,72 @@
+"""Per-step metrics: a JSONL file (one object per step), TensorBoard when asked and installed, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    """Writes ``metrics.jsonl`` under ``out_dir`` and, optionally, TensorBoard scalars.
+
+    Lines are flushed as they are written, so a killed run keeps every finished step.
+    """
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = False):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self._file = self.path.open("w")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            except ImportError:
+                print("run.tensorboard=true but tensorboard is not installed; writing JSONL only", file=sys.stderr)
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr: step, loss, throughput, MFU, ETA."""
+
+    def __init__(self, total: int, width: int = 28):
+        self.total, self.width, self.start = total, width, time.perf_counter()
+
+    def update(self, row: dict) -> None:
+        done = row["step"] / self.total
+        filled = int(self.width * done)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done - elapsed if done else 0.0
+        mfu = f" mfu {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+        print(
+            f"\r[{'#' * filled}{'-' * (self.width - filled)}] {row['step']}/{self.total} loss {row['loss']:.4f} "
+            f"{row['tokens_per_s']:.0f} tok/s{mfu} eta {eta:.0f}s ",
+            end="", file=sys.stderr, flush=True,
+        )
+
+    def close(self) -> None:
+        print(file=sys.stderr)

@@ -1,0 +1,75 @@
+"""Charts of a run: ``python -m odcfsdp.plot RUN_DIR [--out DIR]`` (needs matplotlib).
+
+Writes ``loss.png`` (loss and gradient norm per step) and ``ranks.png`` (per rank:
+time computing its micro-batches vs time waiting for the others at the optimizer
+step, summed over the steps after warm-up) next to the run's ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .metrics import read_metrics
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, warmup: int = 0) -> list[Path]:
+    """Write the charts of ``run_dir``; return their paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install 'odcfsdp[plot]'") from e
+    rows = read_metrics(run_dir)
+    out = Path(out_dir or run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in rows]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in rows], label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (per target token)")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["grad_norm"] for r in rows], color="tab:orange", alpha=0.6, label="grad norm")
+    ax2.set_ylabel("gradient norm (pre-clip)")
+    fig.legend(loc="upper right")
+    ax.set_title(f"{Path(run_dir).name}: loss")
+    fig.tight_layout()
+    loss_png = out / "loss.png"
+    fig.savefig(loss_png, dpi=120)
+    plt.close(fig)
+
+    kept = rows[warmup:] or rows
+    n = len(kept[0]["rank_compute_s"])
+    compute = [sum(r["rank_compute_s"][k] for r in kept) for k in range(n)]
+    wait = [sum(r["rank_wait_s"][k] for r in kept) for k in range(n)]
+    fig, ax = plt.subplots(figsize=(max(4, 1 + 0.8 * n), 4))
+    ax.bar(range(n), compute, label="compute (forward + backward)")
+    ax.bar(range(n), wait, bottom=compute, label="wait at the step")
+    ax.set_xticks(range(n))
+    ax.set_xlabel("rank")
+    ax.set_ylabel(f"seconds over steps {kept[0]['step']}-{kept[-1]['step']}")
+    ax.set_title("per-rank compute vs wait")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+    fig.tight_layout()
+    ranks_png = out / "ranks.png"
+    fig.savefig(ranks_png, dpi=120)
+    plt.close(fig)
+    return [loss_png, ranks_png]
+
+
+def main() -> None:
+    """Console-script entry point (``odcfsdp-plot``)."""
+    parser = argparse.ArgumentParser(description="Plot a run's metrics as PNG charts.")
+    parser.add_argument("run_dir", help="directory holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
+    parser.add_argument("--warmup", type=int, default=0, help="steps left out of the per-rank chart")
+    args = parser.parse_args()
+    for path in plot_run(args.run_dir, args.out, args.warmup):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
