@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from odcfsdp.kernels.chunks import chunk_table
 from odcfsdp.sharding.layout import plan_groups
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 from odcfsdp.sharding.transport.nvshmem import NvshmemTransport
@@ -118,9 +117,7 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
     got = torch.full_like(want, float("nan"))
     out["gather"]["nccl_allgather+copyout"] = measure(lambda: nccl.gather(0, got), iters, group_bytes, world)
     for block, warps in GATHER_VARIANTS:
-        odc.gather_block, odc.gather_warps = block, warps
-        odc.gather_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
-                                         block, device)]
+        odc.tune(block, warps, odc.scatter_block, odc.scatter_warps)
         got.fill_(float("nan"))
         odc.gather(0, got)
         torch.cuda.synchronize()
@@ -143,9 +140,7 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
     out["scatter"]["nccl_copyin+reducescatter"] = measure(
         lambda: nccl.scatter_accumulate(0, grad), iters, group_bytes, world)
     for block, warps in SCATTER_VARIANTS:
-        odc.scatter_block, odc.scatter_warps = block, warps
-        odc.scatter_chunks = [chunk_table([s.offset for s in layout.slots], [s.seg for s in layout.slots], world,
-                                          block, device)]
+        odc.tune(odc.gather_block, odc.gather_warps, block, warps)
         scatter = lambda: odc.scatter_accumulate(0, grad)  # noqa: E731
         odc.barrier()  # peers' earlier timed launches may still be adding into our accumulator
         odc.accumulators[0].zero_()

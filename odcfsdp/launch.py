@@ -79,9 +79,12 @@ def spawn(
             try:
                 rank, ok, payload = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                # A queue is flushed before its process exits, so an exited rank with nothing
+                # delivered after a full second of silence has died without a result.
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} died with exit code(s) {[procs[r].exitcode for r in dead]}")
+                    raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
+                                       "without a result")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
                 continue

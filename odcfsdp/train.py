@@ -211,8 +211,13 @@ def summarize(metrics: list[dict], warmup: int) -> dict:
 
 
 # -- process set-up -------------------------------------------------------------------------------
-def _train_worker(cfg_dict: dict) -> None:
-    train(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_dict)))
+def config_from(overrides: dict) -> TrainConfig:
+    """A ``TrainConfig`` from nested override values (the defaults elsewhere)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
+
+
+def _train_worker(cfg_dict: dict) -> list[dict]:
+    return train(config_from(cfg_dict))
 
 
 def run(cfg: TrainConfig) -> None:
@@ -254,7 +259,7 @@ def main() -> None:
     if CONFIGS_DIR.is_dir():  # source checkout: experiment presets under configs/
         defaults.append(f"hydra.searchpath=[file://{CONFIGS_DIR}]")
     given = {a.split("=")[0] for a in sys.argv[1:]}
-    sys.argv[1:1] = [d for d in defaults if d.split("=")[0] not in given]
+    sys.argv += [d for d in defaults if d.split("=")[0] not in given]  # after any --flags
     _hydra_main()
 
 

@@ -33,7 +33,7 @@ def test_gather_rows_matches_unpack(world_size, dtype, block):
     layout, chunks = layout_for(world_size, dtype)
     rows = [torch.randn(layout.row_len, device=DEVICE).to(dtype) for _ in range(world_size)]
     out = torch.full((layout.unsharded_numel,), float("nan"), device=DEVICE).to(dtype)  # poisoned
-    gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(block), world_size, block)
+    gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(block), world_size)
     assert torch.equal(out, layout.unpack(torch.stack(rows)))
 
 
@@ -50,16 +50,17 @@ def test_scatter_accumulate_matches_pack(world_size, grad_dtype):
         packed = layout.pack(grad.double())
         for r in range(world_size):
             want[r] += packed[r]
-        scatter_accumulate_rows(accs[0], row_offsets(accs[0], accs), grad, table, world_size, block)
+        scatter_accumulate_rows(accs[0], row_offsets(accs[0], accs), grad, table, world_size)
     for a, w in zip(accs, want):
         torch.testing.assert_close(a.double(), w, rtol=1e-6, atol=1e-6)  # fp32 accumulation of exact inputs
 
 
 def test_chunk_table_covers_every_segment_once():
     layout, chunks = layout_for(3, torch.float32)
-    table = chunks(16).cpu()
+    table = chunks(16)
+    assert table.block == 16
     covered = torch.zeros(layout.row_len, dtype=torch.int64)
-    for start, length, _, _ in table.tolist():
+    for start, length, _, _ in table.table.cpu().tolist():
         assert 0 < length <= 16
         covered[start : start + length] += 1
     assert torch.equal(covered, torch.ones_like(covered))
@@ -70,11 +71,11 @@ def test_kernel_argument_checks():
     out = torch.empty(layout.unsharded_numel, dtype=torch.bfloat16, device=DEVICE)
     rows = [torch.zeros(layout.row_len, dtype=torch.bfloat16, device=DEVICE)] * 2
     with pytest.raises(ValueError, match="2 entries"):
-        gather_rows(rows[0], row_offsets(rows[0], rows[:1]), out, chunks(16), 2, 16)
+        gather_rows(rows[0], row_offsets(rows[0], rows[:1]), out, chunks(16), 2)
     with pytest.raises(ValueError, match="multiple of 8"):
-        gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(12), 2, 12)
+        gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(12), 2)
     with pytest.raises(ValueError, match="16-byte aligned"):
         row_offsets(rows[0], [rows[0], rows[0][1:]])
     with pytest.raises(ValueError, match="does not fit"):
         scatter_accumulate_rows(rows[0].cpu() if DEVICE == "cuda" else rows[0].to("meta"),
-                                row_offsets(rows[0], rows), out, chunks(16), 2, 16)
+                                row_offsets(rows[0], rows), out, chunks(16), 2)

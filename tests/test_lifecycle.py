@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -157,3 +158,93 @@ def test_bf16_compute_keeps_fp32_masters():
     assert 0.5e-5 < moved.max() < 2e-5  # the fp32 master moved by ~lr ...
     for g in model.groups:  # ... while the communicated row is the master rounded to bf16
         assert torch.equal(model.transport.rows[g.index], g.master.to(torch.bfloat16))
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under activation checkpointing (recomputed during backward)."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=self.reentrant)
+
+
+def grads_by_name(model: ODCShard) -> dict[str, torch.Tensor]:
+    """N = 1: accumulator rows hold the full gradients, in the unsharded layout."""
+    out = {}
+    for g in model.groups:
+        acc = model.transport.accumulators[g.index]
+        if acc is not None:
+            for i, s in enumerate(g.layout.slots):
+                out[s.name] = g.layout.param_view(acc, i).clone()
+    return out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_keeps_memory_bounded_and_gradients_right(reentrant):
+    ref = llama()
+    inner = copy.deepcopy(ref)
+    for i, layer in enumerate(inner.layers):
+        inner.layers[i] = Checkpointed(layer, reentrant)
+    model = ODCShard(inner, group_bytes=8 << 10, prefetch=1)
+    counter = GatherCounter(model)
+    x = torch.randint(0, 64, (2, 8))
+    model(x).float().pow(2).mean().backward()
+    ref(x).float().pow(2).mean().backward()
+    got = grads_by_name(model)
+    for name, p in ref.named_parameters():
+        wrapped = re.sub(r"^layers\.(\d+)\.", r"layers.\1.inner.", name)
+        torch.testing.assert_close(got[wrapped], p.grad, rtol=1e-5, atol=1e-7)
+    assert counter.max_resident + 1 <= len(model.groups) // 2  # never the whole model at once
+    assert unsharded_bytes(model) == 0
+
+
+def test_frozen_backbone_is_freed_during_backward():
+    inner = llama()
+    for name, p in inner.named_parameters():
+        p.requires_grad_(name.startswith("lm_head"))  # LoRA-style: only the head trains
+    model = ODCShard(inner, group_bytes=8 << 10, prefetch=1)
+    frozen = sum(not g.layout.requires_grad for g in model.groups)
+    assert frozen > 10
+    counter = GatherCounter(model)
+    model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+    assert counter.max_resident + 1 <= 4  # each frozen group is released once backward has passed it
+    assert unsharded_bytes(model) == 0
+
+
+class Branchy(nn.Module):
+    """A branch that only runs when asked: its group is first used after the first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b=False):
+        x = self.a(x)
+        if use_b:
+            x = self.b(x)
+        return self.c(x)
+
+
+def test_branch_first_used_after_the_first_forward():
+    torch.manual_seed(0)
+    ref = Branchy()
+    model = ODCShard(copy.deepcopy(ref), group_bytes=256, prefetch=2)
+    x = torch.randn(3, 8)
+    model(x).sum().backward()
+    out = model(x, use_b=True)
+    torch.testing.assert_close(out, ref(x, use_b=True))
+    out.sum().backward()
+
+
+def test_closed_model_refuses_use():
+    model = ODCShard(nn.Linear(4, 4))
+    model.close()
+    for use in (lambda: model(torch.randn(1, 4)), model.full_state_dict, lambda: model.unsharded().__enter__()):
+        with pytest.raises(RuntimeError, match="was closed"):
+            use()
+    model.close()  # idempotent

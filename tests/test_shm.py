@@ -71,3 +71,17 @@ def test_stale_files_of_dead_processes_are_swept(tmp_path):
 def test_shm_refuses_cuda_models():
     with pytest.raises(ValueError, match="comm='shm' needs CPU tensors"):
         ODCShard(torch.nn.Linear(4, 4).cuda(), comm="shm")
+
+
+def _exit_quietly() -> None:
+    if dist.get_rank() == 1:
+        os._exit(0)  # exit "successfully" without returning a result
+
+
+def test_spawn_reports_a_rank_that_exits_without_a_result():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] exited with code\(s\) \[0\] without a result"):
+        spawn(_exit_quietly, 2, timeout=120)
+    assert time.monotonic() - start < 60

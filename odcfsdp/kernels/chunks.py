@@ -14,6 +14,7 @@ is four int64 values:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,14 +22,26 @@ import torch
 CHUNK_FIELDS = 4
 
 
+@dataclass(frozen=True)
+class ChunkTable:
+    """The ``(num_chunks, 4)`` int64 table and the block size it was cut with (kernels use that block)."""
+
+    table: torch.Tensor
+    block: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.table.shape[0]
+
+
 def chunk_table(
     offsets: Sequence[int], segs: Sequence[int], world_size: int, block: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Build the ``(num_chunks, 4)`` int64 table for segments at ``offsets`` with lengths ``segs``."""
+) -> ChunkTable:
+    """Cut segments at ``offsets`` with lengths ``segs`` into chunks of at most ``block`` elements."""
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
     rows = []
     for off, seg in zip(offsets, segs, strict=True):
         for start in range(off, off + seg, block):
             rows.append((start, min(block, off + seg - start), world_size * off + (start - off), seg))
-    return torch.tensor(rows, dtype=torch.int64, device=device).view(-1, CHUNK_FIELDS)
+    return ChunkTable(torch.tensor(rows, dtype=torch.int64, device=device).view(-1, CHUNK_FIELDS), block)

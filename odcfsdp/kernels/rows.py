@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunks import CHUNK_FIELDS
+from .chunks import CHUNK_FIELDS, ChunkTable
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}
 
@@ -87,17 +87,19 @@ def _scatter_accumulate_kernel(
     tl.atomic_add(acc_base + dst + offs, g, mask=mask, sem="relaxed", scope="sys")
 
 
-def _check(table: torch.Tensor, buf: torch.Tensor, chunks: torch.Tensor, world_size: int) -> None:
+def _check(table: torch.Tensor, buf: torch.Tensor, chunks: ChunkTable, world_size: int) -> None:
     if table.dtype != torch.int64 or table.numel() != world_size:
-        raise ValueError(f"address table must be int64 with {world_size} entries, got {table.dtype} x {table.numel()}")
-    if chunks.dtype != torch.int64 or chunks.dim() != 2 or chunks.shape[1] != CHUNK_FIELDS:
-        raise ValueError(f"chunk table must be int64 of shape (n, {CHUNK_FIELDS}), got {tuple(chunks.shape)}")
+        raise ValueError(f"offset table must be int64 with {world_size} entries, got {table.dtype} x {table.numel()}")
+    t = chunks.table
+    if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != CHUNK_FIELDS:
+        raise ValueError(f"chunk table must be int64 of shape (n, {CHUNK_FIELDS}), got {tuple(t.shape)}")
     if not buf.is_contiguous():
         raise ValueError("the parameter-major buffer must be contiguous")
     if buf.dtype not in _TL_DTYPES:
         raise ValueError(f"unsupported dtype {buf.dtype}")
-    if not (table.device == buf.device == chunks.device):
-        raise ValueError(f"tensors on different devices: {table.device}, {buf.device}, {chunks.device}")
+    if not (table.device == buf.device == t.device):
+        raise ValueError(f"tensors on different devices: {table.device}, {buf.device}, {t.device}")
+    _check_block(chunks.block, buf.dtype)
 
 
 def _check_block(block: int, dtype: torch.dtype) -> None:
@@ -123,25 +125,22 @@ def gather_rows(
     base: torch.Tensor,
     offsets: torch.Tensor,
     out: torch.Tensor,
-    chunks: torch.Tensor,
+    chunks: ChunkTable,
     world_size: int,
-    block: int,
     num_warps: int = 4,
     rank: int = 0,
 ) -> None:
     """Fill parameter-major ``out`` from the N rows at ``base + offsets[r]`` (see ``row_offsets``).
 
-    ``chunks`` comes from ``chunk_table(..., block)`` with the same ``block``; ``rank``
-    (the caller's) only orders the work so that remote rows are fetched first.
+    ``rank`` (the caller's) only orders the work so that remote rows are fetched first.
     """
     _check(offsets, out, chunks, world_size)
-    _check_block(block, out.dtype)
     if base.dtype != out.dtype or base.device != out.device:
         raise ValueError(f"base row ({base.dtype}, {base.device}) and out ({out.dtype}, {out.device}) must match")
-    if chunks.shape[0]:
-        _gather_rows_kernel[(chunks.shape[0] * world_size,)](
-            base, offsets, out, chunks, world_size, (rank + 1) % world_size,
-            ALIGN=_align(out.dtype), BLOCK=block, num_warps=num_warps,
+    if chunks.num_chunks:
+        _gather_rows_kernel[(chunks.num_chunks * world_size,)](
+            base, offsets, out, chunks.table, world_size, (rank + 1) % world_size,
+            ALIGN=_align(out.dtype), BLOCK=chunks.block, num_warps=num_warps,
         )
 
 
@@ -149,9 +148,8 @@ def scatter_accumulate_rows(
     acc_base: torch.Tensor,
     acc_offsets: torch.Tensor,
     grad: torch.Tensor,
-    chunks: torch.Tensor,
+    chunks: ChunkTable,
     world_size: int,
-    block: int,
     num_warps: int = 4,
     rank: int = 0,
 ) -> None:
@@ -162,9 +160,8 @@ def scatter_accumulate_rows(
     _check(acc_offsets, grad, chunks, world_size)
     if acc_base.dtype not in _TL_DTYPES or acc_base.device != grad.device:
         raise ValueError(f"accumulator {acc_base.dtype} on {acc_base.device} does not fit gradients on {grad.device}")
-    _check_block(block, grad.dtype)
-    if chunks.shape[0]:
-        _scatter_accumulate_kernel[(chunks.shape[0] * world_size,)](
-            acc_base, acc_offsets, grad, chunks, world_size, (rank + 1) % world_size,
-            ALIGN=_align(grad.dtype), BLOCK=block, num_warps=num_warps,
+    if chunks.num_chunks:
+        _scatter_accumulate_kernel[(chunks.num_chunks * world_size,)](
+            acc_base, acc_offsets, grad, chunks.table, world_size, (rank + 1) % world_size,
+            ALIGN=_align(grad.dtype), BLOCK=chunks.block, num_warps=num_warps,
         )

@@ -15,10 +15,21 @@ Every submodule that directly owns parameters gets four kinds of hook:
    trained parameter of the group has its gradient, push the buffer into the
    owners' accumulators (scatter-accumulate) and reshard the group.
 
+5. for modules that own frozen groups, a post-backward hook (an identity autograd
+   function on the module's inputs, whose backward runs once the gradients of the
+   inputs are done): reshard those frozen groups, which were gathered only to
+   propagate gradients through the module.
+
 An end-of-backward callback pushes whatever is still pending (parameters that got
 no gradient in this pass contribute zeros) and reshards everything. Forward
 post-hooks that run *during* backward (activation recomputation) never reshard,
-because the recomputed activations are about to be used.
+because the recomputed activations are about to be used, and prefetch in backward
+order.
+
+Limitation: a parameter is available only while a module that owns it runs (or
+while its group stays resident); code that reads ``child.weight`` from a parent's
+forward without calling ``child`` sees freed storage. Call the module instead, or
+use ``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .group import FlatGroup, GroupState
 from .layout import GroupLayout, plan_groups
@@ -46,6 +57,20 @@ class TrainingPhase(enum.Enum):
     """Inside the root module's forward."""
     BACKWARD = enum.auto()
     """Between the first pre-backward hook and the end-of-backward callback."""
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward reached them."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 def _default_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -77,9 +102,10 @@ class ODCShard(nn.Module):
             it again in backward (less memory); keep it until backward if False.
         param_dtype: dtype parameters are computed (and communicated) in; bf16 on
             CUDA and the parameters' own dtype elsewhere when None.
-        prefetch: on CUDA, how many groups ahead to gather on a side stream while the
-            current layer computes (forward order, reversed in backward); 0 disables.
-            Each prefetched group holds its unsharded buffer early.
+        prefetch: how many groups ahead to gather (forward order, reversed in
+            backward); 0 disables. On CUDA on a side stream while the current layer
+            computes; elsewhere simply ahead of use. Each prefetched group holds its
+            unsharded buffer early.
     """
 
     def __init__(
@@ -146,6 +172,7 @@ class ODCShard(nn.Module):
         canonical = {id(p): name for name, p in named}
         self.aliases = {name: canonical[id(p)] for name, p, _, _ in self._registered if canonical[id(p)] != name}
         self._phase = TrainingPhase.IDLE
+        self._closed = False
         self._pushes = 0
         self._forward_modules: dict[FlatGroup, int] = {g: 0 for g in self.groups}
         self._register_hooks()
@@ -171,7 +198,11 @@ class ODCShard(nn.Module):
                 continue
             for g in groups:
                 self._forward_modules[g] += 1
-            mod.register_forward_pre_hook(lambda _m, _a, gs=tuple(groups): self._pre_forward(gs))
+            frozen = tuple(g for g in groups if not g.layout.requires_grad)
+            mod.register_forward_pre_hook(
+                lambda _m, args, kwargs, gs=tuple(groups), fz=frozen: self._pre_forward(gs, fz, args, kwargs),
+                with_kwargs=True,
+            )
             mod.register_forward_hook(lambda _m, _a, out, gs=tuple(groups): self._post_forward(gs, out))
         for p, (g, i) in self._slot_of.items():
             if p.requires_grad:
@@ -185,15 +216,32 @@ class ODCShard(nn.Module):
             g.wait_ready()
             if not self._order_done and g not in self._order:
                 self._order.append(g)
-        if self._gather_stream is None or not self._order_done:
+        if not self.prefetch or not self._order_done:
             return
         order = self._order[::-1] if backward else self._order
-        last = max(order.index(g) for g in groups if g in order)
+        last = max((order.index(g) for g in groups if g in order), default=None)
+        if last is None:  # groups first used after the first forward (a conditional branch)
+            return
         for g in order[last + 1 : last + 1 + self.prefetch]:
-            g.to_unsharded(self._gather_stream)
+            g.to_unsharded(self._gather_stream)  # on CPU (no stream) a plain gather ahead of use
 
-    def _pre_forward(self, groups: tuple[FlatGroup, ...]) -> None:
-        self._use(groups, backward=False)
+    def _pre_forward(self, groups: tuple[FlatGroup, ...], frozen: tuple[FlatGroup, ...], args, kwargs):
+        # During backward this is activation recomputation: what comes next is backward order.
+        self._use(groups, backward=self._phase is TrainingPhase.BACKWARD)
+        if not frozen or not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        slots = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not slots:
+            return None
+        wrapped = _PostBackward.apply(lambda: self._reshard_frozen(frozen), *(flat[k] for k in slots))
+        for k, t in zip(slots, wrapped):
+            flat[k] = t
+        return tree_unflatten(flat, spec)
+
+    def _reshard_frozen(self, frozen: tuple[FlatGroup, ...]) -> None:
+        for g in frozen:
+            g.to_sharded()
 
     def _post_forward(self, groups: tuple[FlatGroup, ...], output) -> None:
         grad_mode = torch.is_grad_enabled()
@@ -265,6 +313,7 @@ class ODCShard(nn.Module):
     # -- forward -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Run the wrapped module, gathering each group right before it is needed."""
+        self._check_open()
         self._check_unchanged()
         for g, n in self._forward_modules.items():
             g.forward_uses_left = n
@@ -316,8 +365,10 @@ class ODCShard(nn.Module):
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
         """Context in which every parameter holds its full value (collective: all ranks enter)."""
+        self._check_open()
         for g in self.groups:
             g.to_unsharded()
+            g.wait_ready()
         try:
             yield
         finally:
@@ -329,6 +380,7 @@ class ODCShard(nn.Module):
         Collective: every rank must call it. Values have the parameters' original
         dtypes; tied parameters appear under each of their names.
         """
+        self._check_open()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
             full = g.layout.unpack(self.transport.all_gather_rows(g.master))
@@ -340,6 +392,7 @@ class ODCShard(nn.Module):
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every parameter from full values (collective: all ranks call it with the same values)."""
+        self._check_open()
         expected = {s.name: s for lay in self.layouts for s in lay.slots}
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected) - set(self.aliases))
@@ -376,8 +429,15 @@ class ODCShard(nn.Module):
         )
 
     def close(self) -> None:
-        """Release the transport's resources."""
-        self.transport.close()
+        """Release the transport's resources; the model cannot be used afterwards (collective)."""
+        if not self._closed:
+            self.reshard_all()
+            self._closed = True
+            self.transport.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ODCShard was closed; its rows (and masters) are released")
 
     def extra_repr(self) -> str:
         return (

@@ -33,7 +33,7 @@ from .one_sided import OneSidedTransport
 
 HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
 
-# Tuned on 2x H200 (see benchmarks/comm_bench.py and results/); override per transport.
+# Tuned on 2x H200 (see benchmarks/comm_bench.py and results/); change with NvshmemTransport.tune.
 GATHER_BLOCK, GATHER_WARPS = 8192, 8
 SCATTER_BLOCK, SCATTER_WARPS = 2048, 4
 
@@ -44,17 +44,20 @@ class _NvshmemRuntime:
     def __init__(self) -> None:
         self.initialized = False
         self.n_pes = 0
+        self.ranks: tuple[int, ...] = ()  # global ranks of the PEs, in PE order
         self.heap_bytes = 0
         self.in_use = 0
 
     def ensure(self, rank: int, world_size: int, group, device: torch.device, need: int) -> None:
         """Initialise NVSHMEM over ``group`` if needed; check ``need`` more bytes fit in the heap."""
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size))
         if not self.initialized:
             self._init(rank, world_size, group, device, need)
-        elif self.n_pes != world_size:
+            self.ranks = ranks
+        elif self.ranks != ranks:
             raise RuntimeError(
-                f"NVSHMEM is already initialised over {self.n_pes} ranks in this process; a second ODCShard over "
-                f"{world_size} ranks cannot share it"
+                f"NVSHMEM is already initialised in this process over ranks {list(self.ranks)}; a second ODCShard "
+                f"over ranks {list(ranks)} cannot share it (one process group per process for comm='nvshmem')"
             )
         if self.in_use + need > self.heap_bytes:
             raise RuntimeError(
@@ -179,22 +182,28 @@ class NvshmemTransport(OneSidedTransport):
             row_offsets(accs[g], [self.peer_accs[q][g] for q in range(self.world_size)]) if lay.requires_grad else None
             for g, lay in enumerate(layouts)
         ]
-        offsets = lambda lay: [s.offset for s in lay.slots]  # noqa: E731
-        segs = lambda lay: [s.seg for s in lay.slots]  # noqa: E731
-        self.gather_chunks = [
-            chunk_table(offsets(lay), segs(lay), self.world_size, self.gather_block, self.device) for lay in layouts
-        ]
-        self.scatter_chunks = [
-            chunk_table(offsets(lay), segs(lay), self.world_size, self.scatter_block, self.device) for lay in layouts
-        ]
+        self.tune(self.gather_block, self.gather_warps, self.scatter_block, self.scatter_warps)
         torch.cuda.synchronize(self.device)  # the heap is zeroed before any peer can read it
         return rows, accs
+
+    def tune(self, gather_block: int, gather_warps: int, scatter_block: int, scatter_warps: int) -> None:
+        """Set the kernels' block sizes and warps (rebuilding the chunk tables they depend on)."""
+        self.gather_block, self.gather_warps = gather_block, gather_warps
+        self.scatter_block, self.scatter_warps = scatter_block, scatter_warps
+
+        def tables(block):
+            return [
+                chunk_table([s.offset for s in lay.slots], [s.seg for s in lay.slots], self.world_size, block, self.device)
+                for lay in self.layouts
+            ]
+
+        self.gather_chunks, self.scatter_chunks = tables(gather_block), tables(scatter_block)
 
     def gather(self, g: int, out: torch.Tensor) -> None:
         if self.gather_mode == "copy_engine":
             self._gather_copy_engine(g, out)
             return
-        gather_rows(self.rows[g], self.row_offsets[g], out, self.gather_chunks[g], self.world_size, self.gather_block,
+        gather_rows(self.rows[g], self.row_offsets[g], out, self.gather_chunks[g], self.world_size,
                     num_warps=self.gather_warps, rank=self.rank)
 
     def _gather_copy_engine(self, g: int, out: torch.Tensor) -> None:
@@ -209,7 +218,7 @@ class NvshmemTransport(OneSidedTransport):
         if self.acc_offsets[g] is None:
             raise RuntimeError(f"group {g} holds frozen parameters and has no gradient accumulator")
         scatter_accumulate_rows(self.accumulators[g], self.acc_offsets[g], grad, self.scatter_chunks[g],
-                                self.world_size, self.scatter_block, num_warps=self.scatter_warps, rank=self.rank)
+                                self.world_size, num_warps=self.scatter_warps, rank=self.rank)
 
     def finish_pushes(self) -> None:
         torch.cuda.synchronize(self.device)  # the atomics are done once the kernels are
