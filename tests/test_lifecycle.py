@@ -199,20 +199,25 @@ def test_activation_checkpointing_keeps_memory_bounded_and_gradients_right(reent
     for name, p in ref.named_parameters():
         wrapped = re.sub(r"^layers\.(\d+)\.", r"layers.\1.inner.", name)
         torch.testing.assert_close(got[wrapped], p.grad, rtol=1e-5, atol=1e-7)
-    assert counter.max_resident + 1 <= len(model.groups) // 2  # never the whole model at once
+    # One layer's groups plus the prefetched one (6 of 18 here); without backward-order prefetch
+    # during recomputation it was 8 and grew with depth.
+    assert counter.max_resident + 1 <= 6
     assert unsharded_bytes(model) == 0
 
 
 def test_frozen_backbone_is_freed_during_backward():
     inner = llama()
     for name, p in inner.named_parameters():
-        p.requires_grad_(name.startswith("lm_head"))  # LoRA-style: only the head trains
+        # Only the input embedding trains: gradients must flow back through every frozen layer.
+        p.requires_grad_(name.startswith("embed_tokens"))
     model = ODCShard(inner, group_bytes=8 << 10, prefetch=1)
     frozen = sum(not g.layout.requires_grad for g in model.groups)
     assert frozen > 10
     counter = GatherCounter(model)
     model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
-    assert counter.max_resident + 1 <= 4  # each frozen group is released once backward has passed it
+    # Each frozen group is released once backward has passed all its modules (without that: all 18).
+    assert counter.max_resident + 1 <= 3
+    assert counter.calls == 2 * len(model.groups)  # once in forward, once in backward: no re-gathers
     assert unsharded_bytes(model) == 0
 
 

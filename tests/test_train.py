@@ -78,6 +78,13 @@ def test_cli_rejects_bad_values_and_unknown_keys_at_start(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
+def test_experiment_preset_from_configs(tmp_path):
+    out = tmp_path / "preset"
+    proc = cli("+experiment=cpu_longtail", "run.steps=3", f"run.out_dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median: 96" in (out / "config.yaml").read_text()
+
+
 def test_multirun_sweep(tmp_path):
     proc = cli("--multirun", "run.steps=2", "run.world_size=1", "data.batch_size=2,4",
                f"run.out_dir={tmp_path}/bs${{data.batch_size}}", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)

@@ -53,6 +53,13 @@ class AdamW:
     5. publish master rows to the communicated rows, zero the accumulators;
     6. barrier, so that nobody gathers before every row is updated.
 
+    Unlike ``torch.optim.AdamW``, which skips a parameter whose ``.grad`` is None, a
+    trained parameter that got no gradient in a minibatch is treated as having a
+    zero gradient (weight decay and momentum still move it), as in other flat-buffer
+    optimizers (ZeRO, Megatron's distributed optimizer): ranks cannot tell "no
+    gradient" from "zero gradient" without another exchange. Freeze parameters that
+    must not move (``requires_grad=False`` before wrapping).
+
     Args:
         model: the ``ODCShard``-wrapped model.
         lr: base learning rate.

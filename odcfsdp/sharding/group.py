@@ -62,8 +62,9 @@ class FlatGroup:
         self._grads_seen = 0
         self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
         self._trainable = sum(p.requires_grad for p in params)
-        # Counts modules of this group still to run in the current forward pass.
+        # Modules of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
+        self.backward_uses_left = 0
         self.load_full_(initial)
         self.bind_params()
         self.state = GroupState.UNSHARDED

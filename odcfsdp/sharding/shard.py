@@ -17,8 +17,9 @@ Every submodule that directly owns parameters gets four kinds of hook:
 
 5. for modules that own frozen groups, a post-backward hook (an identity autograd
    function on the module's inputs, whose backward runs once the gradients of the
-   inputs are done): reshard those frozen groups, which were gathered only to
-   propagate gradients through the module.
+   inputs are done): count the module off in its frozen groups and reshard a group
+   once all its modules are through (frozen groups are gathered in backward only to
+   propagate gradients through their modules).
 
 An end-of-backward callback pushes whatever is still pending (parameters that got
 no gradient in this pass contribute zeros) and reshards everything. Forward
@@ -241,7 +242,9 @@ class ODCShard(nn.Module):
 
     def _reshard_frozen(self, frozen: tuple[FlatGroup, ...]) -> None:
         for g in frozen:
-            g.to_sharded()
+            g.backward_uses_left -= 1
+            if g.backward_uses_left <= 0:
+                g.to_sharded()
 
     def _post_forward(self, groups: tuple[FlatGroup, ...], output) -> None:
         grad_mode = torch.is_grad_enabled()
@@ -316,7 +319,7 @@ class ODCShard(nn.Module):
         self._check_open()
         self._check_unchanged()
         for g, n in self._forward_modules.items():
-            g.forward_uses_left = n
+            g.forward_uses_left = g.backward_uses_left = n
         self._phase = TrainingPhase.FORWARD
         try:
             return self.module(*args, **kwargs)
