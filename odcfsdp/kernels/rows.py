@@ -30,16 +30,13 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _gather_rows_kernel(
-    base,  # *T: the caller's own row (any 16-byte aligned address of the heap works)
-    row_offsets,  # *int64 [N]: rank r's row starts at base + row_offsets[r] (elements, may be negative)
-    out,  # *T [N*C]: parameter-major unsharded buffer
+def _this_chunk(
     chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
     world_size,  # N
-    first,  # rank served by program 0: the caller's next rank, so remote reads start first
-    ALIGN: tl.constexpr,  # every row_start / out offset is a multiple of ALIGN elements (16 bytes)
-    BLOCK: tl.constexpr,  # elements per chunk (upper bound)
+    first,  # rank served by program 0
+    ALIGN: tl.constexpr,
 ):
+    """Decode this program's work: (rank r, chunk start in r's row, length, start in the param-major buffer)."""
     # One flat axis (no 65535 limit of a second axis), ranks varying fastest so local copies
     # interleave with NVLink reads. Measured on 2x H200 at 32 MiB: interleaved 207-217 GB/s,
     # all remote chunks first 179, rank by rank from rank 0 148 (benchmarks/comm_bench.py).
@@ -50,8 +47,22 @@ def _gather_rows_kernel(
     length = tl.load(chunks + c * 4 + 1)
     out_base = tl.load(chunks + c * 4 + 2)
     seg = tl.load(chunks + c * 4 + 3)
+    return r, row_start, length, tl.multiple_of(out_base + r * seg, ALIGN)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    base,  # *T: the caller's own row (any 16-byte aligned address of the heap works)
+    row_offsets,  # *int64 [N]: rank r's row starts at base + row_offsets[r] (elements, may be negative)
+    out,  # *T [N*C]: parameter-major unsharded buffer
+    chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
+    world_size,  # N
+    first,  # rank served by program 0: the caller's next rank, so remote reads start first
+    ALIGN: tl.constexpr,  # every row_start / out offset is a multiple of ALIGN elements (16 bytes)
+    BLOCK: tl.constexpr,  # elements per chunk (upper bound)
+):
+    r, row_start, length, dst = _this_chunk(chunks, world_size, first, ALIGN)
     src = tl.multiple_of(tl.load(row_offsets + r) + row_start, ALIGN)
-    dst = tl.multiple_of(out_base + r * seg, ALIGN)
     offs = tl.arange(0, BLOCK)
     mask = offs < length
     tl.store(out + dst + offs, tl.load(base + src + offs, mask=mask), mask=mask)
@@ -68,17 +79,10 @@ def _scatter_accumulate_kernel(
     ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    c = pid // world_size
-    r = (pid + first) % world_size
-    row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
-    length = tl.load(chunks + c * 4 + 1)
-    out_base = tl.load(chunks + c * 4 + 2)
-    seg = tl.load(chunks + c * 4 + 3)
+    r, row_start, length, src = _this_chunk(chunks, world_size, first, ALIGN)
     # No alignment hint on the destination: with one, Triton vectorises the fp32 atomics, and
     # those ran 4x slower over NVLink on H200 (35 vs 143 GB/s, benchmarks/comm_bench.py).
     dst = tl.load(acc_offsets + r) + row_start
-    src = tl.multiple_of(out_base + r * seg, ALIGN)
     offs = tl.arange(0, BLOCK)
     mask = offs < length
     g = tl.load(grad + src + offs, mask=mask).to(acc_base.dtype.element_ty)
