@@ -39,6 +39,14 @@ class HFCausalLM(nn.Module):
         self.config = config
         self.model = AutoModelForCausalLM.from_config(config)
 
+    def init_buffers(self) -> None:
+        """Rebuild rotary-embedding buffers (computed in __init__, so empty after meta construction)."""
+        for mod in self.model.modules():
+            if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "config"):
+                fresh = type(mod)(mod.config)
+                for name, buf in fresh.named_buffers(recurse=False):
+                    setattr(mod, name, buf.to(getattr(mod, name).device))
+
     def forward(self, tokens, positions=None, document_ids=None):
         mask = None
         if document_ids is not None:

@@ -109,8 +109,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        return 1.0 / self.theta ** (steps / self.head_dim)
+
+    def init_buffers(self) -> None:
+        """Recompute the frequencies where they live (after meta-device construction)."""
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq

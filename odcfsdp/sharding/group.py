@@ -50,7 +50,7 @@ class FlatGroup:
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter], transport: Transport, master_dtype: torch.dtype):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         self.layout = layout
-        self.params = params
+        self.params = list(params)
         self.transport = transport
         self.index = layout.index
         row = transport.rows[self.index]
@@ -65,7 +65,8 @@ class FlatGroup:
         # Modules of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
-        self.load_full_(initial)
+        if not params[0].is_meta:  # a meta model has no values yet: rows stay zero until loaded
+            self.load_full_(initial)
         self.bind_params()
         self.state = GroupState.UNSHARDED
         self.to_sharded()
@@ -83,9 +84,19 @@ class FlatGroup:
             row.copy_(self.master)
 
     def bind_params(self) -> None:
-        """Point every parameter at its view of the unsharded buffer."""
+        """Point every parameter at its view of the unsharded buffer.
+
+        Meta parameters cannot be re-pointed to another device; they are replaced by
+        new ``nn.Parameter`` objects (``self.params``), which the caller swaps into
+        the modules.
+        """
         for i, p in enumerate(self.params):
-            p.data = self.layout.param_view(self.unsharded, i)
+            view = self.layout.param_view(self.unsharded, i)
+            if p.is_meta:
+                # Not nn.Parameter(view): that would share the buffer's version counter (see
+                # [storage-resize]); .data assignment gives the parameter its own.
+                p = self.params[i] = nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+            p.data = view
 
     # -- state transitions -----------------------------------------------------
     def to_unsharded(self, stream: torch.cuda.Stream | None = None) -> None:

@@ -103,6 +103,12 @@ class ODCShard(nn.Module):
             it again in backward (less memory); keep it until backward if False.
         param_dtype: dtype parameters are computed (and communicated) in; bf16 on
             CUDA and the parameters' own dtype elsewhere when None.
+        device: where rows and buffers live. Needed for a model built on the meta
+            device (``with torch.device("meta"): model = ...``): its rows start at
+            zero, meta buffers are materialised and any submodule's
+            ``init_buffers()`` is called; then load values with
+            ``odcfsdp.checkpoint.load_hf`` or ``load_checkpoint``. Defaults to the
+            parameters' device.
         prefetch: how many groups ahead to gather (forward order, reversed in
             backward); 0 disables. On CUDA on a side stream while the current layer
             computes; elsewhere simply ahead of use. Each prefetched group holds its
@@ -119,6 +125,7 @@ class ODCShard(nn.Module):
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
         prefetch: int = 1,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -127,7 +134,15 @@ class ODCShard(nn.Module):
         if not named:
             raise ValueError("the module has no parameters to shard")
         self._check_params(named)
-        device = named[0][1].device
+        on_meta = named[0][1].is_meta
+        if on_meta and device is None:
+            raise ValueError("the model is on the meta device: pass device= (where its shards should live)")
+        if device is not None and not on_meta and torch.device(device) != named[0][1].device:
+            raise ValueError(f"device={device} differs from the parameters' device {named[0][1].device}; "
+                             "move the model first (or build it on the meta device)")
+        device = torch.device(device) if device is not None else named[0][1].device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if param_dtype is None:
             dtypes = {p.dtype for _, p in named}
             if device.type != "cuda" and len(dtypes) > 1:
@@ -156,21 +171,22 @@ class ODCShard(nn.Module):
 
         by_name = dict(named)
         self.groups: list[FlatGroup] = []
-        self._slot_of: dict[nn.Parameter, tuple[FlatGroup, int]] = {}
         for lay in self.layouts:
-            params = [by_name[s.name] for s in lay.slots]
             master_dtype = torch.promote_types(lay.dtype, accum_dtype)
-            group = FlatGroup(lay, params, self.transport, master_dtype)
-            self.groups.append(group)
-            for i, p in enumerate(params):
-                self._slot_of[p] = (group, i)
+            self.groups.append(FlatGroup(lay, [by_name[s.name] for s in lay.slots], self.transport, master_dtype))
+        if on_meta:
+            self._swap_meta_params({id(by_name[s.name]): p for g in self.groups for s, p in zip(g.layout.slots, g.params)})
+            self._materialize_buffers(device)
+        self._slot_of: dict[nn.Parameter, tuple[FlatGroup, int]] = {
+            p: (g, i) for g in self.groups for i, p in enumerate(g.params)
+        }
         self.transport.barrier()  # every row written before anyone may read it
 
         # Every name a parameter is reachable by (tied parameters have several).
         self._registered = [
             (name, p, tuple(p.shape), p.requires_grad) for name, p in module.named_parameters(remove_duplicate=False)
         ]
-        canonical = {id(p): name for name, p in named}
+        canonical = {id(p): name for name, p in module.named_parameters()}  # after any meta swap
         self.aliases = {name: canonical[id(p)] for name, p, _, _ in self._registered if canonical[id(p)] != name}
         self._phase = TrainingPhase.IDLE
         self._closed = False
@@ -179,6 +195,23 @@ class ODCShard(nn.Module):
         self._register_hooks()
 
     # -- set-up ------------------------------------------------------------------
+    def _swap_meta_params(self, new_by_old_id: dict[int, nn.Parameter]) -> None:
+        """Put the device parameters that replaced meta ones into every module that held them."""
+        for mod in self.module.modules():
+            for name, p in mod._parameters.items():
+                if p is not None and id(p) in new_by_old_id:
+                    mod._parameters[name] = new_by_old_id[id(p)]
+
+    def _materialize_buffers(self, device: torch.device) -> None:
+        for mod in self.module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.is_meta:
+                    mod._buffers[name] = torch.empty_like(buf, device=device)
+        for mod in self.module.modules():
+            init = getattr(mod, "init_buffers", None)
+            if callable(init):
+                init()
+
     @staticmethod
     def _check_params(named: list[tuple[str, nn.Parameter]]) -> None:
         devices = {p.device for _, p in named}
@@ -359,6 +392,11 @@ class ODCShard(nn.Module):
         """Called by the optimizer once rows changed: later prefetches must see the new rows."""
         if self._gather_stream is not None:
             self._gather_stream.wait_stream(torch.cuda.current_stream(self._gather_stream.device))
+
+    @property
+    def pending_pushes(self) -> int:
+        """Gradient pushes since the last optimizer step (0 between minibatches)."""
+        return self._pushes
 
     def consume_push_count(self) -> int:
         """Number of gradient pushes since the last call (the optimizer's bookkeeping)."""

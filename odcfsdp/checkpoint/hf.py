@@ -1,0 +1,170 @@
+"""Hugging Face style weights: consolidated export and sharded import.
+
+``export_hf`` writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors``
+plus ``model.safetensors.index.json`` past ``max_shard_bytes``) with the original
+parameter names (mapped to Hugging Face names for our Llama) and dtypes, and a
+``config.json`` when the model has one. Parameters are gathered group by group, so
+rank 0 holds at most one output shard and one group at a time.
+
+``load_hf`` fills an ``ODCShard`` (built on the meta device if the model is large)
+from such files: each rank reads only the slices of each tensor that its rows need.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..models.llama import Llama, LlamaConfig
+from ..sharding.shard import ODCShard
+from .manifest import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def llama_to_hf_name(name: str) -> str:
+    """Our Llama's parameter names are Hugging Face's LlamaForCausalLM names without the ``model.`` prefix."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def hf_llama_config(cfg: LlamaConfig, max_positions: int = 131072) -> dict:
+    """``config.json`` contents for Hugging Face's LlamaForCausalLM with the same shapes."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": max_positions, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": "float32",
+    }
+
+
+def default_name_map(model: ODCShard) -> Callable[[str], str]:
+    """How parameter names become file names: HF names for our Llama and for wrapped HF models."""
+    from ..models.hf import HFCausalLM
+
+    if isinstance(model.module, Llama):
+        return llama_to_hf_name
+    if isinstance(model.module, HFCausalLM):
+        return lambda name: name.removeprefix("model.")
+    return lambda name: name
+
+
+def _config_json(model: ODCShard) -> dict | None:
+    from ..models.hf import HFCausalLM
+
+    if isinstance(model.module, Llama):
+        return hf_llama_config(model.module.config)
+    if isinstance(model.module, HFCausalLM):
+        return model.module.config.to_dict()
+    return None
+
+
+def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 << 30,
+              dtype: torch.dtype | None = None, name_map: Callable[[str], str] | None = None) -> list[Path]:
+    """Write consolidated weights of ``model`` under ``out_dir`` (rank 0 writes; collective).
+
+    ``dtype`` casts every tensor (default: each parameter's original dtype). Tied
+    parameters are written once, under their first name. Returns the files written.
+    """
+    name_map = name_map or default_name_map(model)
+    out_dir = Path(out_dir)
+    rank = model.rank
+    sizes = [(s.name, s.numel * torch.empty((), dtype=dtype or lay.dtype).element_size())
+             for lay in model.layouts for s in lay.slots]
+    shards, current, used = [], [], 0  # plan the shard files from sizes alone, the same on every rank
+    for name, nbytes in sizes:
+        if current and used + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    shards.append(current)
+    files = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                for k in range(len(shards))]
+    shard_of = {name: k for k, names in enumerate(shards) for name in names}
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    pending: dict[str, torch.Tensor] = {}
+    written: list[Path] = []
+    next_shard = 0
+
+    def flush(upto: int) -> None:
+        nonlocal next_shard
+        while next_shard < upto:
+            names = shards[next_shard]
+            save_file({name_map(n): pending.pop(n) for n in names}, out_dir / files[next_shard],
+                      metadata={"format": "pt"})
+            written.append(out_dir / files[next_shard])
+            next_shard += 1
+
+    for g in model.groups:
+        full = g.layout.unpack(model.transport.all_gather_rows(g.master))  # collective, every rank
+        if rank == 0:
+            for i, s in enumerate(g.layout.slots):
+                pending[s.name] = g.layout.param_view(full, i).to(dtype or g.layout.dtype).cpu().clone()
+            flush(min(shard_of[s.name] for s in g.layout.slots))  # shards wholly before this group are done
+        del full
+    if rank == 0:
+        flush(len(shards))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(n for _, n in sizes)},
+                     "weight_map": {name_map(n): files[k] for n, k in shard_of.items()}}
+            (out_dir / INDEX).write_text(json.dumps(index, indent=1))
+        config = _config_json(model)
+        if config is not None:
+            (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    model.transport.barrier()
+    return written
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    if (path / INDEX).is_file():
+        index = json.loads((path / INDEX).read_text())
+        return {name: path / file for name, file in index["weight_map"].items()}
+    if (path / SINGLE).is_file():
+        with safe_open(str(path / SINGLE), framework="pt") as f:
+            return {name: path / SINGLE for name in f.keys()}
+    raise CheckpointError(f"{path} holds neither {SINGLE} nor {INDEX}")
+
+
+def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str] | None = None) -> None:
+    """Set ``model``'s parameters from Hugging Face style files; each rank reads only its slices (collective)."""
+    name_map = name_map or default_name_map(model)
+    path = Path(path)
+    where = _weight_map(path)
+    handles: dict[Path, object] = {}
+    model.reshard_all()
+    model.transport.barrier()  # nobody reads rows while they change
+    for g in model.groups:
+        for s in g.layout.slots:
+            key = name_map(s.name)
+            if key not in where:
+                raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
+            file = where[key]
+            f = handles.setdefault(file, safe_open(str(file), framework="pt"))
+            sl = f.get_slice(key)
+            if tuple(sl.get_shape()) != s.shape:
+                raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's {s.name!r} "
+                                      f"has {s.shape}")
+            lo = model.rank * s.seg
+            hi = min(lo + s.seg, s.numel)
+            dest = g.master[s.offset : s.offset + s.seg]
+            dest.zero_()
+            if hi <= lo:
+                continue
+            inner = math.prod(s.shape[1:]) if len(s.shape) > 1 else 1
+            first, last = lo // inner, -(-hi // inner)  # rows of the tensor that cover [lo, hi)
+            block = (sl[first:last] if s.shape else f.get_tensor(key)).reshape(-1)
+            dest[: hi - lo].copy_(block[lo - first * inner : hi - first * inner])
+        g.publish()
+    model.after_update()
+    model.transport.barrier()

@@ -1,0 +1,78 @@
+"""The checkpoint manifest: what a checkpoint holds and how to check it against a model.
+
+A checkpoint directory ``step_00000123/`` holds one ``rank00000.safetensors`` per
+rank that wrote it and ``manifest.json``:
+
+* ``format`` / ``version``: ``odcfsdp-checkpoint`` / 1;
+* ``world_size``, ``step``, ``config`` and ``extra`` (e.g. the data position);
+* ``params``: per parameter its name, shape, dtype, requires_grad, and where it
+  sat in the writer's plan: group, row offset and segment length ``seg``. Rank q
+  stored elements ``[q * seg, min((q + 1) * seg, numel))`` of the flattened
+  parameter as ``<name>/master`` (and ``/exp_avg``, ``/exp_avg_sq``);
+* ``optimizer``: type, step count and hyper-parameters, or null;
+* ``files``: per rank file its size in bytes and CRC-32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FORMAT = "odcfsdp-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked: incomplete, corrupt, incompatible or for another model."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def read_manifest(path: Path) -> dict:
+    """Load and check a checkpoint's manifest (format, version, required keys)."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e.msg})") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{file}: format version {manifest.get('version')!r} is not supported (this odcfsdp reads version {VERSION})"
+        )
+    missing = {"world_size", "step", "params", "files"} - set(manifest)
+    if missing:
+        raise CheckpointError(f"{file}: required keys {sorted(missing)} are missing")
+    return manifest
+
+
+def check_params(manifest: dict, slots: dict, where: Path) -> None:
+    """Raise ``CheckpointError`` naming the first parameter that differs between manifest and model.
+
+    ``slots`` maps each model parameter name to (shape, dtype name, requires_grad).
+    """
+    saved = {p["name"]: p for p in manifest["params"]}
+    missing = sorted(set(slots) - set(saved))
+    unexpected = sorted(set(saved) - set(slots))
+    if missing:
+        raise CheckpointError(f"{where}: parameter {missing[0]!r} of the model is not in the checkpoint "
+                              f"({len(missing)} missing)")
+    if unexpected:
+        raise CheckpointError(f"{where}: parameter {unexpected[0]!r} of the checkpoint is not in the model "
+                              f"({len(unexpected)} unexpected)")
+    for name, (shape, dtype, trained) in slots.items():
+        p = saved[name]
+        if tuple(p["shape"]) != tuple(shape):
+            raise CheckpointError(f"{where}: parameter {name!r} has shape {tuple(p['shape'])} in the checkpoint, "
+                                  f"{tuple(shape)} in the model")
+        if p["dtype"] != dtype:
+            raise CheckpointError(f"{where}: parameter {name!r} is {p['dtype']} in the checkpoint, {dtype} in the model")
+        if p["requires_grad"] != trained:
+            raise CheckpointError(f"{where}: parameter {name!r} is {'trained' if p['requires_grad'] else 'frozen'} "
+                                  f"in the checkpoint but not in the model")
