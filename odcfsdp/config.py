@@ -1,6 +1,7 @@
 """Structured configs of a training run (Hydra), one dataclass per concern.
 
-The tree is registered in Hydra's ConfigStore as ``train``; every field can be
+Groups: model, data, balance, optim, shard, checkpoint, run. The tree is
+registered in Hydra's ConfigStore as ``train``; every field can be
 overridden on the command line (``balance.kind=lb_micro model.size=1b``) and swept
 with ``--multirun``. Experiment presets live as YAML in the repository's
 ``configs/`` folder (``+experiment=<name>``). ``validate`` checks the values Hydra
@@ -82,10 +83,21 @@ class ShardConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints of the run (see odcfsdp/checkpoint)."""
+
+    dir: str | None = None  # default: <run.out_dir>/checkpoints
+    interval: int = 0  # save every this many steps (and at the last step); 0: never
+    resume: str = "none"  # none | auto (the latest complete checkpoint in dir, if any) | <checkpoint path>
+    keep_last: int = 3  # complete checkpoints kept; 0 keeps all
+
+
+@dataclass
 class RunConfig:
     """The run itself: length, seed, where it writes, how it is measured."""
 
     steps: int = 60
+    stop_after: int | None = None  # stop after this step (as if preempted); the schedule still spans `steps`
     seed: int = 0
     out_dir: str = "runs/default"
     world_size: int = 2  # ranks started on this machine when not under torchrun (CPU)
@@ -104,6 +116,7 @@ class TrainConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -145,6 +158,10 @@ def validate(cfg: TrainConfig) -> None:
     _choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     _positive("shard.group_bytes", cfg.shard.group_bytes)
     _positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)
+    _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
+    if not cfg.checkpoint.resume:
+        raise ValueError("checkpoint.resume must be none, auto or a checkpoint path")
     _positive("run.steps", cfg.run.steps)
     _positive("run.world_size", cfg.run.world_size)
     _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))

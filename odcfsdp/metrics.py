@@ -14,11 +14,16 @@ class MetricsWriter:
     Lines are flushed as they are written, so a killed run keeps every finished step.
     """
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = False):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = False, first_step: int = 1):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
-        self._file = self.path.open("w")
+        if first_step > 1 and self.path.is_file():  # a resumed run: keep the steps before it, drop any after
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < first_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+            self._file = self.path.open("a")
+        else:
+            self._file = self.path.open("w")
         self._tb = None
         if tensorboard:
             try:
@@ -53,14 +58,15 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 class ProgressBar:
     """A one-line progress bar on stderr: step, loss, throughput, MFU, ETA."""
 
-    def __init__(self, total: int, width: int = 28):
-        self.total, self.width, self.start = total, width, time.perf_counter()
+    def __init__(self, total: int, width: int = 28, first_step: int = 1):
+        self.total, self.width, self.start, self.first = total, width, time.perf_counter(), first_step
 
     def update(self, row: dict) -> None:
         done = row["step"] / self.total
+        run_share = (row["step"] - self.first + 1) / (self.total - self.first + 1)
         filled = int(self.width * done)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / done - elapsed if done else 0.0
+        eta = elapsed / run_share - elapsed if run_share else 0.0
         mfu = f" mfu {row['mfu']:.1%}" if row.get("mfu") is not None else ""
         print(
             f"\r[{'#' * filled}{'-' * (self.width - filled)}] {row['step']}/{self.total} loss {row['loss']:.4f} "

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from . import optim
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, register, validate
 from .data.balance import CostModel, plan_minibatch
 from .data.jsonl import JsonlSource
@@ -137,14 +138,18 @@ def train(cfg: TrainConfig) -> list[dict]:
     peak = cfg.run.peak_tflops
     if peak is None and device.type == "cuda":
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+    ck = cfg.checkpoint
+    ck_dir = Path(ck.dir or Path(cfg.run.out_dir) / "checkpoints")
+    start = resume(cfg, ck_dir, model, opt)
 
-    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if rank == 0 else None
+    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard, first_step=start + 1) if rank == 0 else None
     if writer:
         (writer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    bar = ProgressBar(cfg.run.steps) if rank == 0 else None
+    bar = ProgressBar(cfg.run.steps, first_step=start + 1) if rank == 0 else None
     cap, batch = cfg.data.micro_batch_tokens, cfg.data.batch_size
     metrics = []
-    for step in range(cfg.run.steps):
+    end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
+    for step in range(start, end):
         t_step = time.perf_counter()
         samples = [_truncate(source[step * batch + i], cap + 1) for i in range(batch)]
         sizes = [x.n_inputs for x in samples]
@@ -186,7 +191,11 @@ def train(cfg: TrainConfig) -> list[dict]:
         if writer:
             writer.write(row)
             bar.update(row)
-    if writer:
+        if ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end):
+            save_checkpoint(ck_dir, model, opt, step=step + 1, keep_last=ck.keep_last or None,
+                            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                            extra={"samples_consumed": (step + 1) * batch})
+    if writer and metrics:
         bar.close()
         writer.close()
         summary = summarize(metrics, cfg.run.warmup_steps)
@@ -195,6 +204,24 @@ def train(cfg: TrainConfig) -> list[dict]:
               f"{summary['tokens_per_s']:.0f} tokens/s after warm-up", file=sys.stderr)
     model.close()
     return metrics
+
+
+def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt) -> int:
+    """Load the checkpoint ``checkpoint.resume`` asks for; return the step to continue from."""
+    spec = cfg.checkpoint.resume
+    if spec == "none":
+        return 0
+    path = latest_checkpoint(ck_dir) if spec == "auto" else Path(spec)
+    if path is None:
+        return 0  # auto with nothing saved yet: a fresh start
+    manifest = load_checkpoint(path, model, opt)
+    expected = manifest["step"] * cfg.data.batch_size
+    if manifest.get("extra", {}).get("samples_consumed", expected) != expected:
+        raise CheckpointError(f"{path}: saved after {manifest['extra']['samples_consumed']} samples, but "
+                              f"data.batch_size={cfg.data.batch_size} puts step {manifest['step']} at {expected}")
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        print(f"resumed from {path} at step {manifest['step']}", file=sys.stderr)
+    return manifest["step"]
 
 
 def summarize(metrics: list[dict], warmup: int) -> dict:

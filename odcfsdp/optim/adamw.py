@@ -155,6 +155,17 @@ class AdamW:
         transport.barrier()
         return norm
 
+    def full_state_dict(self) -> dict:
+        """Step count and full per-parameter moments (collective: every rank calls it; for inspection)."""
+        state = {"step_count": self.step_count, "exp_avg": {}, "exp_avg_sq": {}}
+        transport = self.model.transport
+        for g, m, v in zip(self.groups, self.exp_avg, self.exp_avg_sq):
+            for key, row in (("exp_avg", m), ("exp_avg_sq", v)):
+                full = g.layout.unpack(transport.all_gather_rows(row))
+                for i, s in enumerate(g.layout.slots):
+                    state[key][s.name] = g.layout.param_view(full, i).clone()
+        return state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op kept so training loops read like PyTorch: ``step`` consumes the gradients.
 

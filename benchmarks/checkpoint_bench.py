@@ -1,0 +1,109 @@
+"""Checkpoint timing: save, load (same and different world size are the same code) and HF export of a Llama.
+
+    torchrun --nproc-per-node=2 benchmarks/checkpoint_bench.py --size 1b --dir /tmp/ckpt --out results/checkpoint
+
+Builds the model on the meta device (no rank holds it whole), wraps it with the
+nvshmem transport, runs one training step so AdamW state exists, then times
+``save_checkpoint``, ``load_checkpoint`` (checksums verified) and ``export_hf``
+and records bytes written. Rank 0 writes ``checkpoint_bench.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from odcfsdp import ODCShard, optim
+from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from odcfsdp.models import Llama, causal_lm_loss, llama_config
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1b")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dir", default="/tmp/odcfsdp_ckpt")
+    parser.add_argument("--out", default="results/checkpoint")
+    parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    args = parser.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    cfg = llama_config(args.size, args.vocab)
+    with torch.device("meta"):
+        inner = Llama(cfg)
+    model = ODCShard(inner, comm="nvshmem", device=device)
+    with torch.no_grad():  # give the rows real values without building the model anywhere
+        for row in model.transport.rows:
+            row.normal_(0, 0.02)
+        for g in model.groups:
+            g.master.copy_(model.transport.rows[g.index])
+    opt = optim.AdamW(model, lr=1e-4)
+    x = torch.randint(0, args.vocab, (1, 2048), device=device)
+    causal_lm_loss(model(x), x).backward()
+    opt.step()
+
+    root = Path(args.dir)
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    save_s = timed(lambda: save_checkpoint(root / "sharded", model, opt, step=1))
+    load_s = timed(lambda: load_checkpoint(root / "sharded" / "step_00000001", model, opt))
+    export_s = timed(lambda: export_hf(model, root / "hf", dtype=torch.bfloat16))
+    if rank == 0:
+        sharded_bytes = dir_bytes(root / "sharded")
+        hf_bytes = dir_bytes(root / "hf")
+        result = {
+            "meta": {"device": torch.cuda.get_device_name(device), "world_size": world, "commit": args.commit,
+                     "date": datetime.date.today().isoformat(), "size": args.size, "params": cfg.num_params(),
+                     "command": f"torchrun --nproc-per-node={world} benchmarks/checkpoint_bench.py --size {args.size}",
+                     "filesystem": str(root)},
+            "save_s": save_s, "load_s": load_s, "export_hf_bf16_s": export_s,
+            "sharded_bytes": sharded_bytes, "hf_bytes": hf_bytes,
+            "save_gbps": sharded_bytes / save_s / 1e9, "load_gbps": sharded_bytes / load_s / 1e9,
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "checkpoint_bench.json").write_text(json.dumps(result, indent=1))
+        m = result["meta"]
+        (out / "checkpoint_bench.md").write_text(
+            f"# Checkpoint timing\n\n- {m['device']} x {m['world_size']}, {m['date']}, commit {m['commit']}\n"
+            f"- command: `{m['command']}`; files under {m['filesystem']}\n- model: Llama {m['size']}, "
+            f"{m['params'] / 1e9:.2f}B parameters (fp32 masters + AdamW moments)\n\n"
+            f"| operation | seconds | bytes | GB/s |\n|---|---|---|---|\n"
+            f"| save (sharded, all ranks) | {save_s:.2f} | {sharded_bytes} | {result['save_gbps']:.2f} |\n"
+            f"| load (checksums verified) | {load_s:.2f} | {sharded_bytes} | {result['load_gbps']:.2f} |\n"
+            f"| export HF (bf16, rank 0 writes) | {export_s:.2f} | {hf_bytes} | {hf_bytes / export_s / 1e9:.2f} |\n"
+        )
+        print((out / "checkpoint_bench.md").read_text())
+    model.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
