@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard, optim
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from odcfsdp.launch import init_torchrun
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
 
 
@@ -48,10 +49,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/checkpoint")
     parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
     args = parser.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_torchrun(use_cuda=True)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     cfg = llama_config(args.size, args.vocab)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from odcfsdp.launch import init_torchrun
 from odcfsdp.sharding.layout import plan_groups
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 from odcfsdp.sharding.transport.nvshmem import NvshmemTransport
@@ -209,10 +210,7 @@ def main() -> None:
     parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
     args = parser.parse_args()
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_torchrun(use_cuda=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(3 * max(args.sizes_mib) << 20))
     results = []

@@ -22,6 +22,22 @@ import torch
 import torch.distributed as dist
 
 
+def init_torchrun(use_cuda: bool | None = None) -> torch.device:
+    """Initialise torch.distributed in a process started by ``torchrun``; return this rank's device.
+
+    CUDA (NCCL, one GPU per local rank) when available unless ``use_cuda`` is False;
+    otherwise the CPU with gloo.
+    """
+    cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket() as s:
@@ -100,4 +116,4 @@ def spawn(
     return [out[r] for r in range(world_size)]
 
 
-__all__ = ["free_port", "spawn"]
+__all__ = ["free_port", "init_torchrun", "spawn"]

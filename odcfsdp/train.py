@@ -39,7 +39,7 @@ from .data.lengths import LengthDistribution
 from .data.packing import IGNORE, MicroBatch, Sample, pack
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
-from .launch import spawn
+from .launch import init_torchrun, spawn
 from .metrics import MetricsWriter, ProgressBar
 from .models.llama import Llama, causal_lm_loss, llama_config
 from .sharding import ODCShard
@@ -251,10 +251,7 @@ def run(cfg: TrainConfig) -> None:
     """Start ranks as needed (torchrun's, or spawned locally) and train."""
     validate(cfg)
     if "RANK" in os.environ:  # started by torchrun
-        cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        init_torchrun(use_cuda=cfg.run.device != "cpu" and torch.cuda.is_available())
         try:
             train(cfg)
         finally:
