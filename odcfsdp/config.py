@@ -30,6 +30,7 @@ class ModelConfig:
     size: str = "tiny"  # llama: tiny | 150m | 1b | 3b | 8b
     overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
     hf_config: str | None = None  # name=hf: local directory holding config.json
+    activation_checkpointing: bool = False  # llama: recompute each decoder layer in backward
 
 
 @dataclass

@@ -69,7 +69,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, Cos
         dim, layers = c.hidden_size, c.num_hidden_layers
         matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
     else:
-        lcfg = llama_config(cfg.model.size, vocab_size, **cfg.model.overrides)
+        lcfg = llama_config(cfg.model.size, vocab_size, **{
+            "activation_checkpointing": cfg.model.activation_checkpointing, **cfg.model.overrides})
         model = Llama(lcfg)
         dim, layers, matmul = lcfg.dim, lcfg.n_layers, lcfg.matmul_params()
     cost = CostModel.for_transformer(layers, dim, matmul)
@@ -100,7 +101,7 @@ def _truncate(sample: Sample, max_tokens: int) -> Sample:
 def _empty_micro_batch() -> MicroBatch:
     """A one-position micro-batch with no target: keeps collectives matched when a rank has no work."""
     z = torch.zeros(1, 1, dtype=torch.long)
-    return MicroBatch(z, torch.full_like(z, IGNORE), z.clone(), z.clone(), [])
+    return MicroBatch(z, torch.full_like(z, IGNORE), z.clone(), z.clone(), [], [1])
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -160,8 +161,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         loss_sum = torch.zeros((), device=device)
         for mb in mine:
             micro = (pack([samples[i] for i in mb]) if mb else _empty_micro_batch()).to(device)
-            loss = causal_lm_loss(model(micro.tokens, micro.positions, micro.document_ids), micro.targets,
-                                  global_targets)
+            loss = causal_lm_loss(model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
+                                  micro.targets, global_targets)
             loss.backward()
             loss_sum += loss.detach()
         if device.type == "cuda":

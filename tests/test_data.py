@@ -102,9 +102,27 @@ def test_packed_logits_equal_documents_run_one_by_one():
     docs = [torch.randint(0, 50, (n,)) for n in (7, 3, 12, 5)]
     samples = [Sample(i, d, torch.ones_like(d, dtype=torch.bool)) for i, d in enumerate(docs)]
     mb = pack(samples)
+    assert mb.doc_lengths == [6, 2, 11, 4]
     with torch.no_grad():
-        packed = model(mb.tokens, mb.positions, mb.document_ids)[0]
+        masked = model(mb.tokens, mb.positions, mb.document_ids)[0]  # dense document mask
+        per_doc = model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)[0]  # attention per document
         alone = torch.cat([model(d[:-1][None])[0] for d in docs])
         leaky = model(mb.tokens)[0]  # plain causal attention over the packed row
-    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)
-    assert not torch.allclose(leaky, alone)  # the check above would notice attention across documents
+    torch.testing.assert_close(masked, alone, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(per_doc, alone, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(leaky, alone)  # the checks above would notice attention across documents
+    with pytest.raises(ValueError, match="doc_lengths must describe one packed row"):
+        model(mb.tokens, doc_lengths=[3, 3])
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    plain = Llama(cfg).double()
+    ckpt = Llama(LlamaConfig(**{**cfg.__dict__, "activation_checkpointing": True})).double()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 50, (2, 9))
+    for m in (plain, ckpt):
+        m(x).pow(2).mean().backward()
+    for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=n)

@@ -56,6 +56,7 @@ class MicroBatch:
     positions: torch.Tensor
     document_ids: torch.Tensor
     sample_indices: list[int]
+    doc_lengths: list[int]  # positions of each packed document, in order (host-side: no device sync)
 
     @property
     def n_targets(self) -> int:
@@ -63,7 +64,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(self.tokens.to(device), self.targets.to(device), self.positions.to(device),
-                          self.document_ids.to(device), self.sample_indices)
+                          self.document_ids.to(device), self.sample_indices, self.doc_lengths)
 
 
 def pack(samples: list[Sample]) -> MicroBatch:
@@ -79,5 +80,5 @@ def pack(samples: list[Sample]) -> MicroBatch:
         doc_ids.append(torch.full((n,), k))
     return MicroBatch(
         torch.cat(tokens)[None], torch.cat(targets)[None], torch.cat(positions)[None], torch.cat(doc_ids)[None],
-        [s.index for s in samples],
+        [s.index for s in samples], [s.n_inputs for s in samples],
     )

@@ -47,7 +47,11 @@ class HFCausalLM(nn.Module):
                 for name, buf in fresh.named_buffers(recurse=False):
                     setattr(mod, name, buf.to(getattr(mod, name).device))
 
-    def forward(self, tokens, positions=None, document_ids=None):
+    def forward(self, tokens, positions=None, document_ids=None, doc_lengths=None):
+        if doc_lengths is not None and document_ids is None:  # HF attention takes masks: build one
+            document_ids = torch.repeat_interleave(
+                torch.arange(len(doc_lengths), device=tokens.device),
+                torch.tensor(doc_lengths, device=tokens.device))[None]
         mask = None
         if document_ids is not None:
             allowed = document_mask(document_ids)

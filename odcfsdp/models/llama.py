@@ -2,8 +2,11 @@
 
 Used by tests, examples and benchmarks. Parameter names and the rotate-half RoPE
 convention follow Hugging Face's Llama so weights map one to one. Supports packed
-micro-batches: ``positions`` restart at every document and ``document_ids`` keep
-attention inside each document.
+micro-batches: ``positions`` restart at every document, and attention stays inside
+each document, either by running causal attention per document (``doc_lengths``, a
+host-side list: cost grows with the sum of squared document lengths, no mask) or
+through a dense mask built from ``document_ids`` (cost grows with the square of the
+whole row).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -31,6 +35,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -137,7 +142,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, doc_lengths=None):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -148,7 +153,12 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if mask is None:
+        if doc_lengths is not None and len(doc_lengths) > 1:
+            out = torch.cat([
+                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
+            ], dim=2)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -178,8 +188,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, doc_lengths=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, doc_lengths)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -222,15 +232,24 @@ class Llama(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        doc_lengths: list[int] | None = None,
     ) -> torch.Tensor:
+        """Logits for ``tokens`` (B, S); packed rows pass ``positions`` and ``doc_lengths`` (B = 1) or ``document_ids``."""
         b, s = tokens.shape
+        if doc_lengths is not None and (b != 1 or sum(doc_lengths) != s):
+            raise ValueError(f"doc_lengths must describe one packed row of {s} tokens, got {b} rows and "
+                             f"lengths summing to {sum(doc_lengths)}")
         if positions is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        mask = None if document_ids is None else document_mask(document_ids)
+        mask = None if document_ids is None or doc_lengths is not None else document_mask(document_ids)
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            if recompute:
+                h = checkpoint(layer, h, cos, sin, mask, doc_lengths, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask, doc_lengths)
         return self.lm_head(self.norm(h))
 
 
