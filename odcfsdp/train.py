@@ -36,7 +36,7 @@ from .config import TrainConfig, register, validate
 from .data.balance import CostModel, plan_minibatch
 from .data.jsonl import JsonlSource
 from .data.lengths import LengthDistribution
-from .data.packing import IGNORE, MicroBatch, Sample, pack
+from .data.packing import empty_micro_batch, pack
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
 from .launch import init_torchrun, spawn
@@ -92,18 +92,6 @@ def lr_lambda(o, steps: int):
     return f
 
 
-def _truncate(sample: Sample, max_tokens: int) -> Sample:
-    if sample.tokens.numel() <= max_tokens:
-        return sample
-    return Sample(sample.index, sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])
-
-
-def _empty_micro_batch() -> MicroBatch:
-    """A one-position micro-batch with no target: keeps collectives matched when a rank has no work."""
-    z = torch.zeros(1, 1, dtype=torch.long)
-    return MicroBatch(z, torch.full_like(z, IGNORE), z.clone(), z.clone(), [], [1])
-
-
 def _device(cfg: TrainConfig) -> torch.device:
     want = cfg.run.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -152,7 +140,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
     for step in range(start, end):
         t_step = time.perf_counter()
-        samples = [_truncate(source[step * batch + i], cap + 1) for i in range(batch)]
+        samples = [source[step * batch + i].truncated(cap + 1) for i in range(batch)]
         sizes = [x.n_inputs for x in samples]
         plan = plan_minibatch(sizes, world, cfg.balance.kind, cap, cost)
         mine = plan[rank]
@@ -160,7 +148,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         model.begin_minibatch(len(mine))
         loss_sum = torch.zeros((), device=device)
         for mb in mine:
-            micro = (pack([samples[i] for i in mb]) if mb else _empty_micro_batch()).to(device)
+            micro = (pack([samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
             loss = causal_lm_loss(model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
                                   micro.targets, global_targets)
             loss.backward()

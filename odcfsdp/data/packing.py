@@ -46,6 +46,12 @@ class Sample:
         """Loss-bearing targets of this sample."""
         return int(self.loss_mask[1:].sum())
 
+    def truncated(self, max_tokens: int) -> "Sample":
+        """This sample cut to at most ``max_tokens`` tokens."""
+        if self.tokens.numel() <= max_tokens:
+            return self
+        return Sample(self.index, self.tokens[:max_tokens], self.loss_mask[:max_tokens])
+
 
 @dataclass
 class MicroBatch:
@@ -65,6 +71,12 @@ class MicroBatch:
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(self.tokens.to(device), self.targets.to(device), self.positions.to(device),
                           self.document_ids.to(device), self.sample_indices, self.doc_lengths)
+
+
+def empty_micro_batch() -> MicroBatch:
+    """A one-position micro-batch with no target: keeps collectives matched when a rank has no work."""
+    z = torch.zeros(1, 1, dtype=torch.long)
+    return MicroBatch(z, torch.full_like(z, IGNORE), z.clone(), z.clone(), [], [1])
 
 
 def pack(samples: list[Sample]) -> MicroBatch:

@@ -1,0 +1,284 @@
+"""End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs.
+
+    torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --size 1b --out results/e2e --commit <sha>
+    python benchmarks/e2e_bench.py --cpu-ranks 2 --size tiny --steps 2 --warmup 1   # CPU smoke run
+
+Methods (each trains the same model from the same seed on the same micro-batches
+with the same AdamW settings and clipping; warm-up steps are excluded):
+
+* ``odc``: ``ODCShard(comm="auto")`` (nvshmem on GPUs, shm on CPU) + odcfsdp AdamW;
+* ``odc_collective``: ``ODCShard(comm="collective")`` (NCCL / gloo) + odcfsdp AdamW;
+* ``fsdp2``: ``fully_shard`` per decoder layer + root, ``MixedPrecisionPolicy(bf16, fp32
+  reduce)`` on GPUs, ``torch.optim.AdamW``;
+* ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs, ``torch.optim.AdamW``.
+
+Workloads: ``balanced`` (every sample ``--seq`` tokens) and ``longtail`` (LongAlign-like
+8K-64K lengths packed under ``--cap`` tokens). Collective methods need ``lb_micro``;
+``odc`` runs with ``lb_mini`` and also ``lb_micro``. Reported per run: tokens/s, MFU,
+peak allocated / reserved memory (plus the NVSHMEM heap for ``odc``), step-time
+spread, per-rank compute vs optimizer-step time, and the loss of every step. Rank 0
+writes ``e2e_bench.json``, ``e2e_bench.md`` and ``e2e_bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from odcfsdp import ODCShard, optim
+from odcfsdp.data.balance import CostModel, plan_minibatch
+from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution
+from odcfsdp.data.packing import empty_micro_batch, pack
+from odcfsdp.data.synthetic import SyntheticSFT
+from odcfsdp.launch import init_torchrun, spawn
+from odcfsdp.models import Llama, causal_lm_loss, llama_config
+from odcfsdp.train import PEAK_TFLOPS
+
+NO_DECAY = ("norm",)
+
+
+def runs_for(workloads: list[str], methods: list[str]) -> list[tuple[str, str, str]]:
+    """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini."""
+    out = []
+    for w in workloads:
+        for m in methods:
+            for b in (("lb_mini", "lb_micro") if m == "odc" and w == "longtail" else ("lb_micro",)):
+                out.append((w, m, b))
+    return out
+
+
+def wrap(method: str, model: nn.Module, device: torch.device, args):
+    """The method's distributed model and a function doing one optimizer step (returns the pre-clip norm)."""
+    cuda = device.type == "cuda"
+    if method in ("odc", "odc_collective"):
+        sharded = ODCShard(model, args.group_bytes, comm="auto" if method == "odc" else "collective",
+                           param_dtype=torch.bfloat16 if cuda else torch.float32, prefetch=args.prefetch)
+        opt = optim.AdamW(sharded, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                          no_decay=[f"*{n}*" for n in NO_DECAY])
+        return sharded, lambda: opt.step(max_norm=1.0), contextlib.nullcontext
+    if method == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
+        kwargs = {"mp_policy": mp} if mp else {}
+        for layer in model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        wrapped, autocast = model, contextlib.nullcontext
+    elif method == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    decay = [p for n, p in model.named_parameters() if not any(k in n for k in NO_DECAY)]
+    keep = [p for n, p in model.named_parameters() if any(k in n for k in NO_DECAY)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": keep, "weight_decay": 0.0}], lr=args.lr,
+                            betas=(0.9, 0.95), weight_decay=0.1, fused=cuda or None)
+
+    def step():
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    return wrapped, step, autocast
+
+
+def run_one(workload: str, method: str, balance: str, args, device: torch.device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if workload == "balanced":
+        lengths = LengthConfig(kind="fixed", min_len=args.seq + 1, max_len=args.seq + 1)
+    else:  # LongAlign's 8K-64K spread, scaled so the longest sample just fits the cap
+        scale = (args.cap + 1) / LONGALIGN_BINS[-1][1]
+        lengths = LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)]
+                                                       for lo, hi in LONGALIGN_BINS])
+    cap = args.seq if workload == "balanced" else args.cap
+    source = SyntheticSFT(args.vocab, LengthDistribution(lengths, args.seed), args.seed, pool_tokens=args.pool)
+    cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing)
+    cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = Llama(cfg)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    wrapped, opt_step, autocast = wrap(method, model, device, args)
+    heap = getattr(getattr(wrapped, "transport", None), "heap_bytes", 0)
+    peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if device.type == "cuda"
+                                 and k in torch.cuda.get_device_name(device)), ""), None)
+    steps = []
+    for step in range(args.warmup + args.steps):
+        samples = [source[step * args.batch + i].truncated(cap + 1) for i in range(args.batch)]
+        sizes = [s.n_inputs for s in samples]
+        plan = plan_minibatch(sizes, world, balance, cap, cost)
+        mine = plan[rank]
+        targets = max(1, sum(s.n_targets for s in samples))
+        if isinstance(wrapped, ODCShard):
+            wrapped.begin_minibatch(len(mine))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for k, mb in enumerate(mine):
+            micro = (pack([samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
+            sync = wrapped.no_sync() if method == "ddp" and k < len(mine) - 1 else contextlib.nullcontext()
+            with sync, autocast():
+                loss = causal_lm_loss(wrapped(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
+                                      micro.targets, targets)
+            loss.backward()
+            loss_sum += loss.detach()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        norm = opt_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t2 = time.perf_counter()
+        local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(sizes[i] for m in mine for i in m),
+                              sum(cost(sizes[i]) for m in mine for i in m)], dtype=torch.float64, device=device)
+        table = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(table, local)
+        table = torch.stack(table).cpu()
+        wall = (table[:, 1] + table[:, 2]).max().item()
+        steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": float(norm), "step_s": wall,
+                      "tokens": int(table[:, 4].sum()), "flops": table[:, 5].sum().item(),
+                      "rank_compute_s": table[:, 1].tolist(), "rank_step_s": table[:, 2].tolist(),
+                      "rank_micro_batches": [int(x) for x in table[:, 3]]})
+    measured = steps[args.warmup:]
+    total_s = sum(s["step_s"] for s in measured)
+    alloc = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+    result = {
+        "workload": workload, "method": method, "balance": balance,
+        "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
+        "mfu": sum(s["flops"] for s in measured) / total_s / (peak * 1e12 * world) if peak else None,
+        "peak_alloc_gib": alloc, "peak_reserved_gib": reserved, "nvshmem_heap_gib": heap / 2**30,
+        "step_s_mean": total_s / len(measured), "step_s_min": min(s["step_s"] for s in measured),
+        "step_s_max": max(s["step_s"] for s in measured),
+        "step_s_stdev": statistics.pstdev([s["step_s"] for s in measured]),
+        "rank_compute_s": [sum(s["rank_compute_s"][r] for s in measured) for r in range(world)],
+        "rank_step_s": [sum(s["rank_step_s"][r] for s in measured) for r in range(world)],
+        "losses": [s["loss"] for s in steps], "steps": steps,
+    }
+    if isinstance(wrapped, ODCShard):
+        wrapped.close()
+    del wrapped, model
+    return result
+
+
+def report(results: list[dict], meta: dict) -> str:
+    lines = [
+        "# End-to-end training: odcfsdp vs PyTorch FSDP2 vs DDP", "",
+        f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
+        f"- command: `{meta['command']}`",
+        f"- model: Llama {meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} measured steps after "
+        f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch",
+        "- memory: torch's peak allocated / reserved per rank; odc adds its NVSHMEM heap (rows + fp32 accumulators)",
+        "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc GiB (+heap) | step s (min-max) | "
+        "compute s per rank | optimizer-step s per rank | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] == "fsdp2"}
+    for r in results:
+        ratio = f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        mem = "-" if r["peak_alloc_gib"] is None else f"{r['peak_alloc_gib']:.1f} (+{r['nvshmem_heap_gib']:.1f})"
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {mem} | "
+            f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | "
+            f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
+            f"{r['losses'][-1]:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    workloads = sorted({r["workload"] for r in results})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        rows = [r for r in results if r["workload"] == w]
+        ax.bar([f"{r['method']}\n{r['balance']}" for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.set_title(f"{w}: tokens/s (higher is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main_worker(args) -> list[dict] | None:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_ranks \
+        else torch.device("cpu")
+    results = [run_one(w, m, b, args, device) for w, m, b in runs_for(args.workloads, args.methods)]
+    if dist.get_rank() != 0:
+        return results
+    cfg = llama_config(args.size, args.vocab)
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world_size": dist.get_world_size(), "date": datetime.date.today().isoformat(), "commit": args.commit,
+            "command": args.command, "size": args.size, "params": cfg.num_params(), "steps": args.steps,
+            "warmup": args.warmup, "batch": args.batch, "args": vars(args)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "e2e_bench.md").write_text(report(results, meta))
+    chart(results, out / "e2e_bench.png")
+    print(report(results, meta))
+    return results
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="1b")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
+    p.add_argument("--methods", nargs="+", default=["odc", "odc_collective", "fsdp2", "ddp"])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")
+    p.add_argument("--seq", type=int, default=4096, help="balanced workload: tokens per sample")
+    p.add_argument("--cap", type=int, default=65536, help="longtail workload: tokens per packed micro-batch")
+    p.add_argument("--pool", type=int, default=1 << 22, help="synthetic token pool")
+    p.add_argument("--group-bytes", type=int, default=32 << 20)
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/e2e")
+    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU instead")
+    args = p.parse_args(argv)
+    args.command = "benchmarks/e2e_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.cpu_ranks:
+        spawn(main_worker, args.cpu_ranks, args, timeout=3600)
+        return
+    init_torchrun()
+    try:
+        main_worker(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
