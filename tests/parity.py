@@ -129,7 +129,8 @@ def sharded_run(
         ParityModel(dtype).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
         prefetch=prefetch, param_dtype=param_dtype,
     )
-    opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY)
+    # Unfused: bitwise comparable with torch's single-tensor AdamW (tests/test_fused_adamw.py covers fused).
+    opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY, fused=False)
     losses, norms = [], []
     for step in range(run.steps):
         mine = run.data[step][rank]
