@@ -47,24 +47,35 @@ from odcfsdp.train import PEAK_TFLOPS
 NO_DECAY = ("norm",)
 
 
-def runs_for(workloads: list[str], methods: list[str]) -> list[tuple[str, str, str]]:
-    """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini."""
+ABLATIONS = ("prefetch0", "no_overlap", "unfused")  # odc with one speed feature turned off
+
+
+def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = ()) -> list[tuple[str, str, str]]:
+    """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini.
+
+    Each ablation adds an ``odc-<ablation>`` run with odc's first balancer.
+    """
     out = []
     for w in workloads:
         for m in methods:
-            for b in (("lb_mini", "lb_micro") if m == "odc" and w == "longtail" else ("lb_micro",)):
-                out.append((w, m, b))
+            balancers = ("lb_mini", "lb_micro") if m == "odc" and w == "longtail" else ("lb_micro",)
+            out += [(w, m, b) for b in balancers]
+            if m == "odc":
+                out += [(w, f"odc-{a}", balancers[0]) for a in ablate]
     return out
 
 
 def wrap(method: str, model: nn.Module, device: torch.device, args):
     """The method's distributed model and a function doing one optimizer step (returns the pre-clip norm)."""
     cuda = device.type == "cuda"
-    if method in ("odc", "odc_collective"):
-        sharded = ODCShard(model, args.group_bytes, comm="auto" if method == "odc" else "collective",
-                           param_dtype=torch.bfloat16 if cuda else torch.float32, prefetch=args.prefetch)
+    if method.startswith("odc"):
+        ablation = method.partition("-")[2]
+        sharded = ODCShard(model, args.group_bytes, comm="collective" if method == "odc_collective" else "auto",
+                           param_dtype=torch.bfloat16 if cuda else torch.float32,
+                           prefetch=0 if ablation == "prefetch0" else args.prefetch,
+                           overlap_push=ablation != "no_overlap")
         opt = optim.AdamW(sharded, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                          no_decay=[f"*{n}*" for n in NO_DECAY])
+                          no_decay=[f"*{n}*" for n in NO_DECAY], fused=False if ablation == "unfused" else None)
         return sharded, lambda: opt.step(max_norm=1.0), contextlib.nullcontext
     if method == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -226,7 +237,7 @@ def chart(results: list[dict], path: Path) -> None:
 def main_worker(args) -> list[dict] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_ranks \
         else torch.device("cpu")
-    results = [run_one(w, m, b, args, device) for w, m, b in runs_for(args.workloads, args.methods)]
+    results = [run_one(w, m, b, args, device) for w, m, b in runs_for(args.workloads, args.methods, args.ablate)]
     if dist.get_rank() != 0:
         return results
     cfg = llama_config(args.size, args.vocab)
@@ -249,6 +260,8 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
     p.add_argument("--methods", nargs="+", default=["odc", "odc_collective", "fsdp2", "ddp"])
+    p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
+                   help="extra odc runs with one speed feature off (before/after measurements)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")

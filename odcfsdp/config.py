@@ -70,6 +70,7 @@ class OptimConfig:
     schedule: str = "cosine"  # constant | cosine
     min_lr_ratio: float = 0.1
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])
+    fused: bool | None = None  # one Triton kernel per row for the update; None: on CUDA
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ShardConfig:
     reshard_after_forward: bool = True
     param_dtype: str | None = None  # float32 | bfloat16 | float16; None: bf16 on CUDA, fp32 on CPU
     prefetch: int = 1
+    overlap_push: bool = True  # CUDA: push gradients on a side stream during backward
 
 
 @dataclass

@@ -120,10 +120,11 @@ def train(cfg: TrainConfig) -> list[dict]:
         model, cost = build_model(cfg, vocab)
     s = cfg.shard
     model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
-                     param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch)
+                     param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
+                     overlap_push=s.overlap_push)
     o = cfg.optim
     opt = optim.AdamW(model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                      no_decay=list(o.no_decay), lr_lambda=lr_lambda(o, cfg.run.steps))
+                      no_decay=list(o.no_decay), lr_lambda=lr_lambda(o, cfg.run.steps), fused=o.fused)
     peak = cfg.run.peak_tflops
     if peak is None and device.type == "cuda":
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)

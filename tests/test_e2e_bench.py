@@ -14,11 +14,12 @@ import e2e_bench  # noqa: E402
 def test_all_methods_train_the_same_model(tmp_path):
     e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "3", "--warmup", "1",
                     "--batch", "8", "--seq", "64", "--cap", "512", "--pool", "20000", "--group-bytes", "8192",
-                    "--lr", "1e-2", "--out", str(tmp_path)])
+                    "--lr", "1e-2", "--ablate", "prefetch0", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "e2e_bench.json").read_text())
     runs = data["results"]
     assert {(r["workload"], r["method"], r["balance"]) for r in runs} == set(
-        e2e_bench.runs_for(["balanced", "longtail"], ["odc", "odc_collective", "fsdp2", "ddp"]))
+        e2e_bench.runs_for(["balanced", "longtail"], ["odc", "odc_collective", "fsdp2", "ddp"], ["prefetch0"]))
+    assert any(r["method"] == "odc-prefetch0" for r in runs)
     for workload in ("balanced", "longtail"):
         rows = [r for r in runs if r["workload"] == workload]
         ref = next(r for r in rows if r["method"] == "ddp")["losses"]

@@ -131,6 +131,7 @@ class AdamW:
         model, transport = self.model, self.model.transport
         model.reshard_all()  # rows are about to change; full copies would go stale
         t0 = time.perf_counter()
+        model.wait_pushes()
         transport.finish_pushes()
         transport.barrier()
         self.last_wait_s = time.perf_counter() - t0
@@ -202,6 +203,7 @@ class AdamW:
         """Drop every gradient accumulated since the last step (collective: all ranks call it)."""
         transport = self.model.transport
         self.model.consume_push_count()
+        self.model.wait_pushes()
         transport.finish_pushes()
         transport.barrier()
         for g in self.groups:

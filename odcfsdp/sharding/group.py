@@ -143,11 +143,21 @@ class FlatGroup:
         self._grads_seen += 1
         return self._grads_seen >= self._trainable
 
-    def push_grad(self) -> bool:
-        """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed."""
+    def push_grad(self, stream: torch.cuda.Stream | None = None) -> bool:
+        """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed.
+
+        With ``stream`` the push runs there, after everything queued so far on the
+        current stream (which wrote the gradient), overlapping what comes next.
+        """
         if self.grad is None:
             return False
         with torch.no_grad():
-            self.transport.scatter_accumulate(self.index, self.grad)
+            if stream is None:
+                self.transport.scatter_accumulate(self.index, self.grad)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                with torch.cuda.stream(stream):
+                    self.transport.scatter_accumulate(self.index, self.grad)
+                self.grad.record_stream(stream)  # freed only once the push has read it
         self.grad = None
         return True

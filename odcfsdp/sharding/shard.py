@@ -126,6 +126,7 @@ class ODCShard(nn.Module):
         param_dtype: torch.dtype | None = None,
         prefetch: int = 1,
         device: torch.device | str | None = None,
+        overlap_push: bool = True,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -159,6 +160,7 @@ class ODCShard(nn.Module):
         self.module = module
         self.prefetch = prefetch
         self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
+        self._push_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap_push else None
         self._order: list[FlatGroup] = []  # groups in the order the first forward used them
         self._order_done = False
         self.rank, self.world_size = _default_world(process_group)
@@ -307,14 +309,19 @@ class ODCShard(nn.Module):
         self._enter_backward()
         grad, param.grad = param.grad, None
         if group.add_grad(i, grad):
-            self._pushes += group.push_grad()
+            self._pushes += group.push_grad(self._push_stream)
             group.to_sharded()
 
     def _post_backward(self) -> None:
         for g in self.groups:
-            self._pushes += g.push_grad()
+            self._pushes += g.push_grad(self._push_stream)
             g.to_sharded()
         self._phase = TrainingPhase.IDLE
+
+    def wait_pushes(self) -> None:
+        """Make the current stream wait for every push issued so far (the optimizer reads accumulators)."""
+        if self._push_stream is not None:
+            torch.cuda.current_stream(self._push_stream.device).wait_stream(self._push_stream)
 
     # -- minibatch protocol --------------------------------------------------------
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
