@@ -87,6 +87,20 @@ def test_bf16_uneven_micro_batches_nvshmem(micro_batches):
     compare(f"bf16_uneven{micro_batches}", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 
+def _with_gather_mode(mode: str, run: Run) -> dict:
+    os.environ["ODC_NVSHMEM_GATHER"] = mode
+    return sharded_run(run, torch.float32, 4096, True, "nvshmem", "cuda")
+
+
+@two_gpus
+@pytest.mark.parametrize("mode", ["get", "copy_engine"])
+def test_bf16_parity_other_gather_modes(mode):
+    """The NVSHMEM get path (for peers without load/store access) and the copy-engine gather."""
+    run = Run(2, micro_batches=[2, 1])
+    results = spawn(_with_gather_mode, 2, mode, run, backend="nccl")
+    compare(f"bf16_parity[gather={mode}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
 @two_gpus
 def test_fp32_parity_nvshmem():
     """param_dtype=float32 on GPU: as tight as the CPU parity tests."""

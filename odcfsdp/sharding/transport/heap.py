@@ -61,13 +61,16 @@ class SymmetricHeap(ABC):
         self.world_size = world_size
 
     @abstractmethod
-    def region(self, q: int) -> torch.Tensor:
-        """Rank q's region as a uint8 tensor this rank can read and atomically add into."""
+    def region(self, q: int) -> torch.Tensor | None:
+        """Rank q's region as a uint8 tensor this rank can read and atomically add into (None: not reachable)."""
 
-    def view(self, q: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """``numel`` elements of ``dtype`` at byte ``offset`` of rank q's region."""
+    def view(self, q: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of rank q's region (None if unreachable)."""
+        region = self.region(q)
+        if region is None:
+            return None
         size = torch.empty((), dtype=dtype).element_size()
-        return self.region(q)[offset : offset + numel * size].view(dtype)
+        return region[offset : offset + numel * size].view(dtype)
 
     @abstractmethod
     def close(self) -> None:

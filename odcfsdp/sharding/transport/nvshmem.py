@@ -5,6 +5,11 @@ load/store (GPUs of one NVLink node) are read and atomically added into through
 peer pointers (``nvshmem_ptr``) by the Triton kernels of ``odcfsdp.kernels.rows``:
 one launch per group fetches every rank's row and unpacks it into the
 parameter-major buffer, or pushes every owner's segments into its accumulator.
+Peers without a load/store path are gathered from with NVSHMEM get device calls
+(``odcfsdp.kernels.nvshmem_get``); pushing gradients to them would need remote fp32
+atomics, which NVSHMEM offers only through peer pointers, so training across such
+peers is refused with a clear error. ``ODC_NVSHMEM_GATHER=kernel|copy_engine|get``
+picks the gather explicitly (``get`` on NVLink peers is how it is tested).
 
 Design note [nvshmem-runtime]
 -----------------------------
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...kernels.chunks import chunk_table
+from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport
@@ -36,6 +42,7 @@ HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
 # Tuned on 2x H200 (see benchmarks/comm_bench.py and results/); change with NvshmemTransport.tune.
 GATHER_BLOCK, GATHER_WARPS = 8192, 8
 SCATTER_BLOCK, SCATTER_WARPS = 2048, 4
+GATHER_MODES = ("kernel", "copy_engine", "get")
 
 
 class _NvshmemRuntime:
@@ -125,20 +132,16 @@ class NvshmemHeap(SymmetricHeap):
                 f"set NVSHMEM_SYMMETRIC_SIZE to at least {nbytes + HEAP_HEADROOM}"
             ) from e
         RUNTIME.in_use += nbytes
-        self._regions = []
+        self._regions: list[torch.Tensor | None] = []
         for q in range(world_size):
             if q == rank:
                 self._regions.append(self._local)
                 continue
             peer = nvshmem.core.get_peer_tensor(self._local, q)
-            if peer is None or peer.data_ptr() == 0:
-                raise RuntimeError(
-                    f"rank {q}'s GPU memory is not load/store reachable from rank {rank} (no NVLink/P2P path); "
-                    "the get/put path for such peers is not implemented yet"
-                )
-            self._regions.append(peer)
+            # No load/store path to that GPU (another node): only NVSHMEM get/put reach it.
+            self._regions.append(None if peer is None or peer.data_ptr() == 0 else peer)
 
-    def region(self, q: int) -> torch.Tensor:
+    def region(self, q: int) -> torch.Tensor | None:
         return self._regions[q]
 
     def close(self) -> None:
@@ -164,20 +167,31 @@ class NvshmemTransport(OneSidedTransport):
         super().__init__(rank, world_size, device, group)
         self.gather_block, self.gather_warps = GATHER_BLOCK, GATHER_WARPS
         self.scatter_block, self.scatter_warps = SCATTER_BLOCK, SCATTER_WARPS
-        # "kernel": one Triton launch fetches and unpacks; "copy_engine": peer memcpys per segment.
-        self.gather_mode = os.environ.get("ODC_GATHER_MODE", "kernel")
-        if self.gather_mode not in ("kernel", "copy_engine"):
-            raise ValueError(f"ODC_GATHER_MODE must be 'kernel' or 'copy_engine', got {self.gather_mode!r}")
+        # "kernel": one Triton launch reads peers' rows through peer pointers and unpacks;
+        # "copy_engine": peer memcpys per segment; "get": NVSHMEM get calls (peers without load/store).
+        self.gather_mode = os.environ.get("ODC_NVSHMEM_GATHER", "kernel")
+        if self.gather_mode not in GATHER_MODES:
+            raise ValueError(f"ODC_NVSHMEM_GATHER must be one of {GATHER_MODES}, got {self.gather_mode!r}")
 
     def _make_heap(self, nbytes: int) -> NvshmemHeap:
         return NvshmemHeap(nbytes, self.rank, self.world_size, self.group, self.device)
 
     def _allocate(self, layouts):
         rows, accs = super()._allocate(layouts)
-
-        self.row_offsets = [
-            row_offsets(rows[g], [self.peer_rows[q][g] for q in range(self.world_size)]) for g in range(len(layouts))
-        ]
+        unreachable = [q for q in range(self.world_size) if self.heap.region(q) is None]
+        if unreachable:
+            if any(lay.requires_grad for lay in layouts):
+                raise RuntimeError(
+                    f"ranks {unreachable} are not load/store reachable from rank {self.rank} (no NVLink/P2P path): "
+                    "scatter-accumulate needs remote fp32 atomics, which NVSHMEM offers only through peer pointers; "
+                    "train within one NVLink domain, or use comm='collective'"
+                )
+            self.gather_mode = "get"
+        if self.gather_mode != "get":
+            self.row_offsets = [
+                row_offsets(rows[g], [self.peer_rows[q][g] for q in range(self.world_size)])
+                for g in range(len(layouts))
+            ]
         self.acc_offsets = [
             row_offsets(accs[g], [self.peer_accs[q][g] for q in range(self.world_size)]) if lay.requires_grad else None
             for g, lay in enumerate(layouts)
@@ -202,6 +216,10 @@ class NvshmemTransport(OneSidedTransport):
     def gather(self, g: int, out: torch.Tensor) -> None:
         if self.gather_mode == "copy_engine":
             self._gather_copy_engine(g, out)
+            return
+        if self.gather_mode == "get":
+            gather_rows_get(self.rows[g], out, self.gather_chunks[g], self.world_size, self.rank,
+                            num_warps=self.gather_warps)
             return
         gather_rows(self.rows[g], self.row_offsets[g], out, self.gather_chunks[g], self.world_size,
                     num_warps=self.gather_warps, rank=self.rank)
