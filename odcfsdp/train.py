@@ -272,8 +272,12 @@ def main() -> None:
                 "hydra/hydra_logging=disabled"]
     if CONFIGS_DIR.is_dir():  # source checkout: experiment presets under configs/
         defaults.append(f"hydra.searchpath=[file://{CONFIGS_DIR}]")
-    given = {a.split("=")[0] for a in sys.argv[1:]}
-    sys.argv += [d for d in defaults if d.split("=")[0] not in given]  # after any --flags
+    args = sys.argv[1:]
+    given = {a.split("=")[0] for a in args}
+    extra = [d for d in defaults if d.split("=")[0] not in given]
+    # Hydra wants the overrides contiguous: put ours right before the user's first one.
+    first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
+    sys.argv[1:] = args[:first] + extra + args[first:]
     _hydra_main()
 
 
