@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -119,13 +120,19 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     source = SyntheticSFT(args.vocab, LengthDistribution(lengths, args.seed), args.seed, pool_tokens=args.pool)
     cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing)
     cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())
+    gc.collect()  # the previous run's objects must be gone before this one is measured
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+    leftover = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Llama(cfg)
-    if device.type == "cuda":
+    wrapped, opt_step, autocast = wrap(method, model, device, args)
+    if cuda:  # after wrapping: building the full model first is the same for every method, not counted
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    wrapped, opt_step, autocast = wrap(method, model, device, args)
+    resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
     heap = getattr(getattr(wrapped, "transport", None), "heap_bytes", 0)
     peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if device.type == "cuda"
                                  and k in torch.cuda.get_device_name(device)), ""), None)
@@ -177,6 +184,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
         "mfu": sum(s["flops"] for s in measured) / total_s / (peak * 1e12 * world) if peak else None,
         "peak_alloc_gib": alloc, "peak_reserved_gib": reserved, "nvshmem_heap_gib": heap / 2**30,
+        "resident_after_wrap_gib": resident, "leftover_before_gib": leftover,
         "step_s_mean": total_s / len(measured), "step_s_min": min(s["step_s"] for s in measured),
         "step_s_max": max(s["step_s"] for s in measured),
         "step_s_stdev": statistics.pstdev([s["step_s"] for s in measured]),
@@ -186,7 +194,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     }
     if isinstance(wrapped, ODCShard):
         wrapped.close()
-    del wrapped, model
+    del wrapped, model, opt_step
     return result
 
 
@@ -197,7 +205,11 @@ def report(results: list[dict], meta: dict) -> str:
         f"- command: `{meta['command']}`",
         f"- model: Llama {meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} measured steps after "
         f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch",
-        "- memory: torch's peak allocated / reserved per rank; odc adds its NVSHMEM heap (rows + fp32 accumulators)",
+        "- memory: torch's peak allocated / reserved per rank during training (reset after wrapping; building "
+        "the full fp32 model first is the same for every method and not counted); odc adds its NVSHMEM heap "
+        "(rows + fp32 accumulators), which lives outside torch's allocator",
+        "- DDP keeps fp32 parameters and computes under bf16 autocast; odc and FSDP2 compute with bf16 "
+        "parameters and reduce gradients in fp32",
         "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc GiB (+heap) | step s (min-max) | "
         "compute s per rank | optimizer-step s per rank | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -166,6 +166,8 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.checkpoint.resume:
         raise ValueError("checkpoint.resume must be none, auto or a checkpoint path")
     _positive("run.steps", cfg.run.steps)
+    if cfg.run.stop_after is not None:
+        _positive("run.stop_after", cfg.run.stop_after)
     _positive("run.world_size", cfg.run.world_size)
     _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
     if cfg.shard.comm == "collective" and cfg.balance.kind != "lb_micro":

@@ -19,7 +19,8 @@ class MetricsWriter:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         if first_step > 1 and self.path.is_file():  # a resumed run: keep the steps before it, drop any after
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < first_step]
+            kept = [line for line in self.path.read_text().splitlines()
+                    if (row := _parse(line)) is not None and row["step"] < first_step]
             self.path.write_text("".join(line + "\n" for line in kept))
             self._file = self.path.open("a")
         else:
@@ -47,12 +48,20 @@ class MetricsWriter:
             self._tb.close()
 
 
+def _parse(line: str) -> dict | None:
+    """One metrics row; None for a blank or torn line (a run killed while writing it)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of a run's ``metrics.jsonl``."""
+    """The rows of a run's ``metrics.jsonl`` (a torn last line is skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for line in path.read_text().splitlines() if (row := _parse(line)) is not None]
 
 
 class ProgressBar:

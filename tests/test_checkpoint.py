@@ -288,3 +288,91 @@ def test_rng_state_round_trips(saved):
     assert torch.equal(torch.rand(3), expected)
     with safe_open(str(path / "rank00000.safetensors"), framework="pt") as f:
         assert "python_random" in f.metadata()
+
+
+# -- review fixes ----------------------------------------------------------------------------------
+def test_rollback_save_is_kept_and_later_steps_move_aside(tmp_path):
+    model, opt = build()
+    train_steps(model, opt, 1)
+    save_checkpoint(tmp_path, model, opt, step=200)
+    with pytest.warns(UserWarning, match="moved .*step_00000200.* aside"):
+        path = save_checkpoint(tmp_path, model, opt, step=110, keep_last=1)
+    assert path.is_dir() and latest_checkpoint(tmp_path) == path
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000110"]
+    assert list(tmp_path.glob("step_00000200.abandoned-*"))  # not deleted
+
+
+def test_a_step_cut_between_its_renames_is_still_listed(tmp_path):
+    model, opt = build()
+    path = save_checkpoint(tmp_path, model, opt, step=5)
+    path.rename(tmp_path / "step_00000005.old-abcd")  # the window between the two renames of a re-save
+    (found,) = list_checkpoints(tmp_path)
+    assert found.name == "step_00000005.old-abcd"
+    assert load_checkpoint(found, model, opt)["step"] == 5
+
+
+def test_second_export_replaces_the_first(tmp_path):
+    model, _ = build()
+    export_hf(model, tmp_path, max_shard_bytes=10_000)  # sharded, with an index
+    with torch.no_grad():
+        for g in model.groups:
+            g.master.add_(1.0)
+            g.publish()
+    export_hf(model, tmp_path)  # single file: the index and shards of the first must go
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+    fresh, _ = build(seed=9)
+    load_hf(fresh, tmp_path)
+    want = model.full_state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in fresh.full_state_dict().items())
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="both model.safetensors and model.safetensors.index.json"):
+        load_hf(fresh, tmp_path)
+
+
+class WithBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor([2.0]))  # persistent: part of the model's state
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_persistent_buffers_are_saved_and_restored(tmp_path):
+    model = ODCShard(WithBuffer())
+    opt = optim.AdamW(model)
+    path = save_checkpoint(tmp_path, model, opt, step=1)
+    model.module.scale.fill_(-1.0)
+    load_checkpoint(path, model, opt)
+    assert model.module.scale.item() == 2.0
+
+
+def test_closed_model_is_freed():
+    import gc
+    import weakref
+
+    model, opt = build()
+    train_steps(model, opt, 1)
+    ref = weakref.ref(model)
+    model.close()
+    del model, opt
+    gc.collect()
+    assert ref() is None
+
+
+def _save_with_pending_on_one_rank(path: str) -> str:
+    model, opt = build()
+    if dist.get_rank() == 1:
+        model(torch.randint(0, CFG.vocab_size, (1, 4))).sum().backward()
+    try:
+        save_checkpoint(path, model, opt, step=1)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_pending_gradients_on_one_rank_stop_every_rank(tmp_path):
+    for message in spawn(_save_with_pending_on_one_rank, 2, str(tmp_path), timeout=120):
+        assert "between optimizer steps" in message

@@ -131,3 +131,10 @@ def test_lb_mini_lets_ranks_run_different_micro_batch_counts(tmp_path):
 
 def test_default_config_is_valid():
     validate(TrainConfig())
+
+
+def test_torn_metrics_line_is_skipped(tmp_path):
+    from odcfsdp.metrics import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]

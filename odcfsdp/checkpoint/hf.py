@@ -42,7 +42,7 @@ def hf_llama_config(cfg: LlamaConfig, max_positions: int = 131072) -> dict:
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": max_positions, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": "float32",
+        "mlp_bias": False,
     }
 
 
@@ -92,6 +92,8 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
     shard_of = {name: k for k, names in enumerate(shards) for name in names}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*out_dir.glob("model*.safetensors"), out_dir / INDEX]:  # an earlier export must not mix in
+            stale.unlink(missing_ok=True)
 
     pending: dict[str, torch.Tensor] = {}
     written: list[Path] = []
@@ -121,12 +123,15 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
             (out_dir / INDEX).write_text(json.dumps(index, indent=1))
         config = _config_json(model)
         if config is not None:
+            config["torch_dtype"] = str(dtype or model.layouts[0].dtype).removeprefix("torch.")
             (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     model.transport.barrier()
     return written
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
+    if (path / INDEX).is_file() and (path / SINGLE).is_file():
+        raise CheckpointError(f"{path} holds both {SINGLE} and {INDEX}: which export is current is ambiguous")
     if (path / INDEX).is_file():
         index = json.loads((path / INDEX).read_text())
         return {name: path / file for name, file in index["weight_map"].items()}
@@ -150,7 +155,9 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
             if key not in where:
                 raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
             file = where[key]
-            f = handles.setdefault(file, safe_open(str(file), framework="pt"))
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            f = handles[file]
             sl = f.get_slice(key)
             if tuple(sl.get_shape()) != s.shape:
                 raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's {s.name!r} "

@@ -2,12 +2,15 @@
 
 Save (collective), as numbered steps:
 
-1. rank 0 picks ``step_<k>.tmp-<token>/`` and clears temporaries left by crashed saves;
+1. the ranks agree that no gradient is pending; rank 0 picks ``step_<k>.tmp-<token>/``
+   (clearing leftovers of an earlier, killed save of the same step);
 2. each rank writes ``rank<r>.safetensors``: per parameter, its segment of the fp32
    master row and of the AdamW moments (views of the rows: no full model anywhere),
-   plus its RNG states; then fsyncs it and reports size and CRC-32;
+   plus its RNG states (rank 0 also the persistent buffers); then fsyncs it and
+   reports size and CRC-32;
 3. rank 0 writes ``manifest.json``, renames the directory to ``step_<k>/`` (atomic),
-   fsyncs the parent and prunes to ``keep_last`` complete checkpoints.
+   fsyncs the parent, moves checkpoints of *later* steps aside (a rollback) and
+   prunes to ``keep_last`` complete checkpoints, never the one just written.
 
 A checkpoint is complete exactly when ``step_<k>/manifest.json`` exists, so a save
 killed at any point leaves the previous checkpoints as they were and a ``.tmp-``
@@ -26,6 +29,7 @@ import random
 import re
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +42,7 @@ from .files import all_gather_object, broadcast_object, crc32_of, fsync_path, wr
 from .manifest import FORMAT, MANIFEST, VERSION, CheckpointError, check_params, rank_file, read_manifest
 
 _COMPLETE = re.compile(r"^step_(\d{8})$")
+_ASIDE = re.compile(r"^step_(\d{8})\.old-[0-9a-f]+$")  # the previous copy of a step saved twice
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -60,12 +65,36 @@ def _moments(optimizer: AdamW | None) -> dict[int, tuple[torch.Tensor, torch.Ten
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Complete checkpoints under ``directory``, oldest first."""
+    """Complete checkpoints under ``directory``, oldest first.
+
+    A step whose re-save was cut between its two renames survives as ``step_<k>.old-*``
+    and is listed in place of the missing ``step_<k>``.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _COMPLETE.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(_COMPLETE.match(p.name).group(1)))
+    found: dict[int, Path] = {}
+    for p in directory.iterdir():
+        m = _COMPLETE.match(p.name) or _ASIDE.match(p.name)
+        if m and (p / MANIFEST).is_file() and (_COMPLETE.match(p.name) or int(m.group(1)) not in found):
+            found[int(m.group(1))] = p
+    return [found[k] for k in sorted(found)]
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[5:13])
+
+
+def _commit(directory: Path, tmp: Path, final: Path, token: str) -> None:
+    """Make ``tmp`` visible as ``final`` by renames (a step saved again replaces the old copy last)."""
+    old = None
+    if final.exists():
+        old = directory / f"{final.name}.old-{token}"
+        final.rename(old)
+    tmp.rename(final)
+    fsync_path(directory)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -89,7 +118,9 @@ def save_checkpoint(
     Call it between optimizer steps. ``config`` and ``extra`` (e.g. the data
     position) are stored in the manifest. Returns the checkpoint's path.
     """
-    if model.pending_pushes:
+    pending = model.transport.all_reduce_sum(
+        torch.tensor([float(model.pending_pushes)], device=model.transport.device))
+    if pending.item():  # decided together: a rank raising alone would leave the others waiting
         raise CheckpointError("save_checkpoint was called with gradients pending; save between optimizer steps")
     directory = Path(directory)
     rank, world = model.rank, model.world_size
@@ -98,7 +129,7 @@ def save_checkpoint(
     tmp = directory / f"{final.name}.tmp-{token}"
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("step_*.tmp-*"):  # left by saves that were killed
+        for stale in directory.glob(f"{final.name}.tmp-*"):  # an earlier, killed save of this step
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     model.reshard_all()
@@ -116,6 +147,9 @@ def save_checkpoint(
                 rows.update(zip(MOMENTS, moments[g.index]))
             for kind, row in rows.items():
                 tensors[f"{s.name}/{kind}"] = row[s.offset : s.offset + hi - lo].detach().cpu()
+    if rank == 0:  # persistent buffers are replicated: one copy, read back by every rank
+        for name, buf in model.persistent_buffers().items():
+            tensors[f"__buffer__/{name}"] = buf.detach().cpu()
     tensors["__rng__/torch"] = torch.get_rng_state()
     if model.transport.device.type == "cuda":
         tensors["__rng__/cuda"] = torch.cuda.get_rng_state(model.transport.device)
@@ -142,17 +176,18 @@ def save_checkpoint(
         }
         write_json_durably(tmp / MANIFEST, manifest)
         fsync_path(tmp)
-        old = None
-        if final.exists():  # the same step saved again: keep it until the new one is in place
-            old = directory / f"{final.name}.old-{token}"
-            final.rename(old)
-        tmp.rename(final)
-        fsync_path(directory)
-        if old is not None:
-            shutil.rmtree(old)
+        _commit(directory, tmp, final, token)
+        later = [p for p in list_checkpoints(directory) if _step_of(p) > step]
+        if later:  # a rollback: those belong to the abandoned continuation; keep them, but out of the way
+            for p in later:
+                p.rename(p.with_name(f"{p.name.split('.')[0]}.abandoned-{token}"))
+            warnings.warn(f"saved step {step} below existing checkpoints; moved {[p.name for p in later]} aside "
+                          f"as *.abandoned-{token} so that resuming picks this one")
         if keep_last:
-            for stale in list_checkpoints(directory)[:-keep_last]:
-                shutil.rmtree(stale)
+            for old in list_checkpoints(directory)[:-keep_last]:  # never the one just written: it is the newest
+                shutil.rmtree(old)
+                for leftover in directory.glob(f"{old.name.split('.')[0]}.tmp-*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
     model.transport.barrier()
     return final
 
@@ -224,6 +259,15 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: AdamW | None =
                     if a < b:
                         dest[a - lo : b - lo].copy_(files.read(q, f"{s.name}/{kind}", a - qlo, b - qlo))
         g.publish()
+    buffers = model.persistent_buffers()
+    if buffers:
+        f0 = files.get(0)
+        for name, buf in buffers.items():
+            key = f"__buffer__/{name}"
+            if key not in f0.keys():
+                raise CheckpointError(f"{path / rank_file(0)}: buffer {name!r} of the model is not in the checkpoint")
+            with torch.no_grad():
+                buf.copy_(f0.get_tensor(key))
     if optimizer is not None:
         optimizer.step_count = manifest["optimizer"]["step_count"]
     if old_world == model.world_size:

@@ -194,6 +194,9 @@ class ODCShard(nn.Module):
         self._closed = False
         self._pushes = 0
         self._forward_modules: dict[FlatGroup, int] = {g: 0 for g in self.groups}
+        # The hooks hold this object; parameter hooks live in C++, where Python's garbage collector
+        # cannot see the cycle, so close() removes them for the wrapper to be freed.
+        self._hooks: list = []
         self._register_hooks()
 
     # -- set-up ------------------------------------------------------------------
@@ -204,11 +207,20 @@ class ODCShard(nn.Module):
                 if p is not None and id(p) in new_by_old_id:
                     mod._parameters[name] = new_by_old_id[id(p)]
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The wrapped model's persistent buffers by name (replicated on every rank; checkpoints keep them)."""
+        out = {}
+        for prefix, mod in self.module.named_modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and name not in mod._non_persistent_buffers_set:
+                    out[f"{prefix}.{name}" if prefix else name] = buf
+        return out
+
     def _materialize_buffers(self, device: torch.device) -> None:
         for mod in self.module.modules():
             for name, buf in mod._buffers.items():
                 if buf is not None and buf.is_meta:
-                    mod._buffers[name] = torch.empty_like(buf, device=device)
+                    mod._buffers[name] = torch.zeros_like(buf, device=device)  # then init_buffers / a load
         for mod in self.module.modules():
             init = getattr(mod, "init_buffers", None)
             if callable(init):
@@ -235,14 +247,16 @@ class ODCShard(nn.Module):
             for g in groups:
                 self._forward_modules[g] += 1
             frozen = tuple(g for g in groups if not g.layout.requires_grad)
-            mod.register_forward_pre_hook(
+            self._hooks.append(mod.register_forward_pre_hook(
                 lambda _m, args, kwargs, gs=tuple(groups), fz=frozen: self._pre_forward(gs, fz, args, kwargs),
                 with_kwargs=True,
-            )
-            mod.register_forward_hook(lambda _m, _a, out, gs=tuple(groups): self._post_forward(gs, out))
+            ))
+            self._hooks.append(
+                mod.register_forward_hook(lambda _m, _a, out, gs=tuple(groups): self._post_forward(gs, out)))
         for p, (g, i) in self._slot_of.items():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda param, g=g, i=i: self._on_grad(g, i, param))
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(lambda param, g=g, i=i: self._on_grad(g, i, param)))
 
     # -- hooks -------------------------------------------------------------------
     def _use(self, groups: tuple[FlatGroup, ...], backward: bool) -> None:
@@ -477,10 +491,15 @@ class ODCShard(nn.Module):
         )
 
     def close(self) -> None:
-        """Release the transport's resources; the model cannot be used afterwards (collective)."""
+        """Release the transport, hooks and rows; the model cannot be used afterwards (collective)."""
         if not self._closed:
             self.reshard_all()
             self._closed = True
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+            for g in self.groups:
+                g.master = g.grad = None
             self.transport.close()
 
     def _check_open(self) -> None:
