@@ -129,73 +129,121 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     with torch.device(device):
         model = Llama(cfg)
     wrapped, opt_step, autocast = wrap(method, model, device, args)
-    if cuda:  # after wrapping: building the full model first is the same for every method, not counted
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
-    heap = getattr(getattr(wrapped, "transport", None), "heap_bytes", 0)
-    peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if device.type == "cuda"
-                                 and k in torch.cuda.get_device_name(device)), ""), None)
-    steps = []
-    for step in range(args.warmup + args.steps):
-        samples = [source[step * args.batch + i].truncated(cap + 1) for i in range(args.batch)]
-        sizes = [s.n_inputs for s in samples]
-        plan = plan_minibatch(sizes, world, balance, cap, cost)
-        mine = plan[rank]
-        targets = max(1, sum(s.n_targets for s in samples))
+    try:
+        if cuda:  # after wrapping: building the full model first is the same for every method, not counted
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
+        heap = getattr(getattr(wrapped, "transport", None), "heap_bytes", 0)
+        peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if device.type == "cuda"
+                                     and k in torch.cuda.get_device_name(device)), ""), None)
+        steps = []
+        profile = None
+        n_steps = args.warmup + args.steps
+        for step in range(n_steps + (method in args.profile)):  # a profiled step comes last, not counted
+            prof = step_profiler() if step == n_steps else None
+            samples = [source[step * args.batch + i].truncated(cap + 1) for i in range(args.batch)]
+            sizes = [s.n_inputs for s in samples]
+            plan = plan_minibatch(sizes, world, balance, cap, cost)
+            mine = plan[rank]
+            targets = max(1, sum(s.n_targets for s in samples))
+            if isinstance(wrapped, ODCShard):
+                wrapped.begin_minibatch(len(mine))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            if prof is not None:
+                prof.__enter__()
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for k, mb in enumerate(mine):
+                micro = (pack([samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
+                sync = wrapped.no_sync() if method == "ddp" and k < len(mine) - 1 else contextlib.nullcontext()
+                with sync, autocast():
+                    loss = causal_lm_loss(wrapped(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
+                                          micro.targets, targets)
+                loss.backward()
+                loss_sum += loss.detach()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            norm = opt_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t2 = time.perf_counter()
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                try:
+                    profile = dict(kernel_summary(prof), step_s=t2 - t0)
+                except Exception as e:  # noqa: BLE001 - a profiler API change must not lose the run's timings
+                    profile = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(sizes[i] for m in mine for i in m),
+                                  sum(cost(sizes[i]) for m in mine for i in m)], dtype=torch.float64, device=device)
+            table = [torch.zeros_like(local) for _ in range(world)]
+            dist.all_gather(table, local)
+            table = torch.stack(table).cpu()
+            wall = (table[:, 1] + table[:, 2]).max().item()
+            steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": float(norm), "step_s": wall,
+                          "tokens": int(table[:, 4].sum()), "flops": table[:, 5].sum().item(),
+                          "rank_compute_s": table[:, 1].tolist(), "rank_step_s": table[:, 2].tolist(),
+                          "rank_micro_batches": [int(x) for x in table[:, 3]], "rank_cost": table[:, 5].tolist()})
+        measured = steps[args.warmup:]
+        total_s = sum(s["step_s"] for s in measured)
+        alloc = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+        result = {
+            "workload": workload, "method": method, "balance": balance,
+            "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
+            "mfu": sum(s["flops"] for s in measured) / total_s / (peak * 1e12 * world) if peak else None,
+            "peak_alloc_gib": alloc, "peak_reserved_gib": reserved, "nvshmem_heap_gib": heap / 2**30,
+            "resident_after_wrap_gib": resident, "leftover_before_gib": leftover,
+            "step_s_mean": total_s / len(measured), "step_s_min": min(s["step_s"] for s in measured),
+            "step_s_max": max(s["step_s"] for s in measured),
+            "step_s_stdev": statistics.pstdev([s["step_s"] for s in measured]),
+            # what the balancer achieved by the cost model: 1.0 = every rank had the same work
+            "rank_cost_max_over_mean": sum(max(s["rank_cost"]) for s in measured)
+            / sum(sum(s["rank_cost"]) / world for s in measured),
+            "rank_compute_s": [sum(s["rank_compute_s"][r] for s in measured) for r in range(world)],
+            "rank_step_s": [sum(s["rank_step_s"][r] for s in measured) for r in range(world)],
+            "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile,
+        }
+    finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
         if isinstance(wrapped, ODCShard):
-            wrapped.begin_minibatch(len(mine))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for k, mb in enumerate(mine):
-            micro = (pack([samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
-            sync = wrapped.no_sync() if method == "ddp" and k < len(mine) - 1 else contextlib.nullcontext()
-            with sync, autocast():
-                loss = causal_lm_loss(wrapped(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
-                                      micro.targets, targets)
-            loss.backward()
-            loss_sum += loss.detach()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
-        norm = opt_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(sizes[i] for m in mine for i in m),
-                              sum(cost(sizes[i]) for m in mine for i in m)], dtype=torch.float64, device=device)
-        table = [torch.zeros_like(local) for _ in range(world)]
-        dist.all_gather(table, local)
-        table = torch.stack(table).cpu()
-        wall = (table[:, 1] + table[:, 2]).max().item()
-        steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": float(norm), "step_s": wall,
-                      "tokens": int(table[:, 4].sum()), "flops": table[:, 5].sum().item(),
-                      "rank_compute_s": table[:, 1].tolist(), "rank_step_s": table[:, 2].tolist(),
-                      "rank_micro_batches": [int(x) for x in table[:, 3]]})
-    measured = steps[args.warmup:]
-    total_s = sum(s["step_s"] for s in measured)
-    alloc = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
-    result = {
-        "workload": workload, "method": method, "balance": balance,
-        "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
-        "mfu": sum(s["flops"] for s in measured) / total_s / (peak * 1e12 * world) if peak else None,
-        "peak_alloc_gib": alloc, "peak_reserved_gib": reserved, "nvshmem_heap_gib": heap / 2**30,
-        "resident_after_wrap_gib": resident, "leftover_before_gib": leftover,
-        "step_s_mean": total_s / len(measured), "step_s_min": min(s["step_s"] for s in measured),
-        "step_s_max": max(s["step_s"] for s in measured),
-        "step_s_stdev": statistics.pstdev([s["step_s"] for s in measured]),
-        "rank_compute_s": [sum(s["rank_compute_s"][r] for s in measured) for r in range(world)],
-        "rank_step_s": [sum(s["rank_step_s"][r] for s in measured) for r in range(world)],
-        "losses": [s["loss"] for s in steps], "steps": steps,
-    }
-    if isinstance(wrapped, ODCShard):
-        wrapped.close()
+            wrapped.close()
     del wrapped, model, opt_step
     return result
+
+
+def step_profiler():
+    """A torch profiler for one extra step of the methods named by ``--profile`` (kernel time by kind)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if torch.cuda.is_available()
+                   else [ProfilerActivity.CPU])
+
+
+KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("odc gather", ("_gather_kernel", "_gather_get_kernel")), ("odc scatter-accumulate", ("_scatter_acc",)),
+    ("odc fused adamw", ("_adamw_kernel",)), ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention")), ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+    ("memcpy / memset", ("Memcpy", "Memset")),
+)
+
+
+def kernel_summary(prof, top: int = 12) -> dict:
+    """Device time of one profiled step by kind of kernel, plus the top kernels (this rank)."""
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and device_us(e) > 0]
+    by_kind: dict[str, float] = {}
+    for e in events:
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in e.key for x in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + device_us(e) / 1e3
+    events.sort(key=lambda e: -device_us(e))
+    return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]]}
 
 
 def report(results: list[dict], meta: dict) -> str:
@@ -210,9 +258,12 @@ def report(results: list[dict], meta: dict) -> str:
         "(rows + fp32 accumulators), which lives outside torch's allocator",
         "- DDP keeps fp32 parameters and computes under bf16 autocast; odc and FSDP2 compute with bf16 "
         "parameters and reduce gradients in fp32",
+        "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
+        "the mean, over the measured steps (1.00 = perfectly balanced); compute s per rank: forward/backward time "
+        "summed over the measured steps; optimizer-step s: the step including the wait for the other ranks",
         "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc GiB (+heap) | step s (min-max) | "
-        "compute s per rank | optimizer-step s per rank | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "rank cost max/mean | compute s per rank | optimizer-step s per rank | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] == "fsdp2"}
     for r in results:
@@ -221,9 +272,21 @@ def report(results: list[dict], meta: dict) -> str:
         mem = "-" if r["peak_alloc_gib"] is None else f"{r['peak_alloc_gib']:.1f} (+{r['nvshmem_heap_gib']:.1f})"
         lines.append(
             f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {mem} | "
-            f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | "
+            f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | {r['rank_cost_max_over_mean']:.3f} | "
             f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
             f"{r['losses'][-1]:.4f} |")
+    for f in meta.get("failed", []):
+        lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
+    profiled = [r for r in results if (r.get("profile") or {}).get("device_ms_by_kind")]  # GPU kernels only
+    if profiled:
+        kinds = sorted({k for r in profiled for k in r["profile"]["device_ms_by_kind"]})
+        lines += ["", "## Where the device time goes (rank 0, one profiled step, ms of kernel time)", "",
+                  "| workload | method | balance | profiled step s | " + " | ".join(kinds) + " |",
+                  "|---|---|---|---|" + "---|" * len(kinds)]
+        for r in profiled:
+            by = r["profile"]["device_ms_by_kind"]
+            lines.append(f"| {r['workload']} | {r['method']} | {r['balance']} | {r['profile']['step_s']:.2f} | "
+                         + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -249,21 +312,41 @@ def chart(results: list[dict], path: Path) -> None:
 def main_worker(args) -> list[dict] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_ranks \
         else torch.device("cpu")
-    results = [run_one(w, m, b, args, device) for w, m, b in runs_for(args.workloads, args.methods, args.ablate)]
-    if dist.get_rank() != 0:
-        return results
+    results, failed = [], []
+    for w, m, b in runs_for(args.workloads, args.methods, args.ablate):
+        try:
+            results.append(run_one(w, m, b, args, device))
+        except Exception as e:  # noqa: BLE001 - one method failing must not lose the others' results
+            if not args.keep_going:
+                raise
+            failed.append({"workload": w, "method": m, "balance": b, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"[rank {dist.get_rank()}] {w}/{m}/{b} failed: {failed[-1]['error']}", flush=True)
+            del e
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            dist.barrier()
+        if dist.get_rank() == 0:
+            write_outputs(results, failed, args, device, final=False)
+    if dist.get_rank() == 0:
+        write_outputs(results, failed, args, device, final=True)
+    return results
+
+
+def write_outputs(results: list[dict], failed: list[dict], args, device: torch.device, final: bool) -> None:
+    """JSON + markdown (+ PNG at the end) under ``--out``, rewritten after every run: a cut-off run keeps its part."""
     cfg = llama_config(args.size, args.vocab)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "world_size": dist.get_world_size(), "date": datetime.date.today().isoformat(), "commit": args.commit,
             "command": args.command, "size": args.size, "params": cfg.num_params(), "steps": args.steps,
-            "warmup": args.warmup, "batch": args.batch, "args": vars(args)}
+            "warmup": args.warmup, "batch": args.batch, "args": vars(args), "complete": final, "failed": failed}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "e2e_bench.md").write_text(report(results, meta))
-    chart(results, out / "e2e_bench.png")
-    print(report(results, meta))
-    return results
+    if final:
+        chart(results, out / "e2e_bench.png")
+        print(report(results, meta))
 
 
 def parse(argv=None):
@@ -287,6 +370,9 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/e2e")
     p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--profile", nargs="*", default=[],
+                   help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
+    p.add_argument("--keep-going", action="store_true", help="record a failing run and go on with the others")
     p.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU instead")
     args = p.parse_args(argv)
     args.command = "benchmarks/e2e_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:])

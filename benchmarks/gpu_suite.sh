@@ -1,40 +1,77 @@
 #!/usr/bin/env bash
-# The GPU runs, by section, each packed into one archive under OUT (the device tool returns few files).
+# The GPU runs, by section, in lanes: each lane is a set of GPUs running its sections one after another,
+# and lanes run side by side (a 4-GPU host runs two 2-GPU lanes at once, or one 4-GPU lane).
 #
-#   bash benchmarks/gpu_suite.sh OUT COMMIT SECTION...
+#   bash benchmarks/gpu_suite.sh OUT COMMIT LANE [LANE ...]      LANE = GPUS:SECTION[,SECTION...]
+#   e.g. bash benchmarks/gpu_suite.sh $OUT abc1234 0,1:tests,e2e_balanced 2,3:checkpoint,train1b
 #
-# Sections: tests, comm, checkpoint, train1b, e2e_balanced, e2e_longtail.
-# Run from the repository root on a host with 2 GPUs, python3 with torch/triton, and nvshmem4py and
-# hydra on PYTHONPATH. Every section goes on after a failure of another, and logs to OUT/<section>.log.
+# Sections: tests (2-GPU tests; 4-GPU ones too where the lane has 4), comm, checkpoint, train1b,
+# e2e_balanced, e2e_longtail. Results go to OUT/<section>_n<GPUs>/; each lane is packed into
+# OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
+# time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
+# and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
+# Needs python3 with torch/triton, and nvshmem4py + hydra on PYTHONPATH.
 set -u
 OUT=$1; COMMIT=$2; shift 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export ODC_COMMIT=$COMMIT
-run2() { torchrun --nproc-per-node=2 "$@"; }
-for section in "$@"; do
-  dir=$OUT/$section
-  mkdir -p "$dir"
-  echo "=== $section ($(date +%T))"
-  case $section in
+mkdir -p "$OUT"
+{ date -u +%FT%TZ; nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
+  > "$OUT/host.txt" 2>&1
+
+declare -A LIMIT=([tests]=300 [comm]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300 [e2e_longtail]=420)
+
+section_cmd() {  # section, gpus in lane, port, dir
+  local s=$1 n=$2 port=$3 dir=$4 extra
+  local var="ARGS_$s"; extra=${!var:-}
+  local run="torchrun --nproc-per-node=$n --master-port=$port"
+  case $s in
     tests)
-      ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py tests/test_fused_adamw.py \
-        tests/test_gpu.py -q -p no:cacheprovider --junitxml="$dir/gpu_tests.xml" ;;
-    comm)
-      run2 benchmarks/comm_bench.py --iters 20 --out "$dir" --commit "$COMMIT" ;;
-    checkpoint)
-      run2 benchmarks/checkpoint_bench.py --size 1b --dir /tmp/odcfsdp_ckpt --out "$dir" --commit "$COMMIT" ;;
-    train1b)
-      run2 -m odcfsdp.train +experiment=llama1b_longtail run.out_dir="$dir" \
-        && python3 -m odcfsdp.plot "$dir" --warmup 2 ;;
-    e2e_balanced)
-      run2 benchmarks/e2e_bench.py --size 1b --workloads balanced --steps 5 --warmup 2 \
-        --ablate prefetch0 no_overlap unfused --out "$dir" --commit "$COMMIT" ;;
-    e2e_longtail)
-      run2 benchmarks/e2e_bench.py --size 1b --workloads longtail --steps 4 --warmup 1 --activation-checkpointing \
-        --ablate no_overlap --out "$dir" --commit "$COMMIT" ;;
-    *) echo "unknown section $section"; continue ;;
-  esac > "$dir/$section.log" 2>&1
-  echo "exit $? ; $(tail -3 "$dir/$section.log" | tr '\n' ' ')"
-  rm -rf "$dir/checkpoints"
-  tar -czf "$OUT/$section.tar.gz" -C "$OUT" "$section" && rm -rf "$dir"
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py tests/test_fused_adamw.py" \
+           "tests/test_gpu.py -q -p no:cacheprovider --junitxml=$dir/gpu_tests.xml $extra" ;;
+    comm) echo "$run benchmarks/comm_bench.py --iters 20 --out $dir --commit $COMMIT $extra" ;;
+    checkpoint) echo "$run benchmarks/checkpoint_bench.py --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
+    train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;
+    e2e_balanced)  # weak scaling: 8 samples of 4096 tokens per GPU per minibatch
+      echo "$run benchmarks/e2e_bench.py --size 1b --workloads balanced --batch $((8 * n)) --steps 6 --warmup 2" \
+           "--ablate prefetch0 no_overlap unfused --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
+    e2e_longtail)  # 4 samples of 8K-64K tokens per GPU per minibatch
+      echo "$run benchmarks/e2e_bench.py --size 1b --workloads longtail --batch $((4 * n)) --steps 4 --warmup 1" \
+           "--activation-checkpointing --ablate no_overlap --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
+    *) return 1 ;;
+  esac
+}
+
+pack() {  # lane index: its folder into OUT/lane<k>.tar.gz, replaced atomically
+  tar -czf "$OUT/.lane$1.tmp" -C "$OUT" --exclude=checkpoints "lane$1" 2>/dev/null && mv "$OUT/.lane$1.tmp" "$OUT/lane$1.tar.gz"
+}
+
+lane() {  # index, gpus, sections (comma-separated)
+  local k=$1 gpus=$2 sections=$3 n port s dir cmd limit var
+  n=$(awk -F, '{print NF}' <<<"$gpus")
+  port=$((29500 + 17 * k))
+  for s in ${sections//,/ }; do
+    dir=$OUT/lane$k/${s}_n$n
+    mkdir -p "$dir"
+    if ! cmd=$(section_cmd "$s" "$n" "$port" "$dir"); then echo "lane $k: unknown section $s"; continue; fi
+    var="SECTION_TIMEOUT_$s"; limit=${!var:-${LIMIT[$s]}}
+    echo "=== lane $k (GPUs $gpus) $s: start $(date +%T), limit ${limit}s"
+    echo "$cmd" > "$dir/command.txt"
+    CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$limit" bash -c "$cmd" > "$dir/$s.log" 2>&1 &
+    pid=$!
+    t=0  # pack every 30 s while it runs: partial results survive a call cut off by its time limit
+    while kill -0 $pid 2>/dev/null; do sleep 2; t=$((t + 2)); ((t % 30)) || pack "$k"; done
+    wait $pid
+    echo "=== lane $k $s: exit $? at $(date +%T); $(tail -2 "$dir/$s.log" | tr '\n' ' ' | cut -c1-300)"
+    rm -rf "$dir/checkpoints"
+    pack "$k"
+  done
+}
+
+k=0
+for spec in "$@"; do
+  lane "$k" "${spec%%:*}" "${spec#*:}" &
+  k=$((k + 1))
 done
+wait
+rm -rf "$OUT"/lane*/

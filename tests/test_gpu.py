@@ -18,6 +18,7 @@ from parity import FROZEN, Run, mixed_precision_reference, reference_run, sharde
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 
 # bf16 compute: both runs start from identical bf16 copies and compute each micro-batch
 # with the same kernels, so they differ only by the order in which fp32 gradient sums
@@ -85,6 +86,16 @@ def test_bf16_uneven_micro_batches_nvshmem(micro_batches):
     run = Run(2, micro_batches=micro_batches)
     results = spawn(sharded_run, 2, run, torch.float32, 4096, True, "nvshmem", "cuda", backend="nccl")
     compare(f"bf16_uneven{micro_batches}", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
+@four_gpus
+@pytest.mark.parametrize("comm, micro_batches", [("nvshmem", [1, 3, 0, 2]), ("collective", [2, 2, 2, 2])])
+def test_bf16_parity_four_gpus(comm, micro_batches):
+    """N = 4: every rank gathers from three peers and pushes into three owners (uneven counts one-sided)."""
+    run = Run(4, micro_batches=micro_batches)
+    results = spawn(sharded_run, 4, run, torch.float32, 4096, True, comm, "cuda", backend="nccl")
+    compare(f"bf16_parity_4gpu[{comm},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"),
+            BF16_TOL)
 
 
 def _with_gather_mode(mode: str, run: Run) -> dict:

@@ -60,7 +60,7 @@ def test_parity_single_process(comm):
     check_against_reference(run, [sharded_run(run, torch.float32, 4096, True, comm)], torch.float32)
 
 
-@pytest.mark.parametrize("micro_batches", [[1, 3], [2, 0, 3]])
+@pytest.mark.parametrize("micro_batches", [[1, 3], [2, 0, 3], [1, 3, 0, 2]])
 def test_uneven_micro_batches_one_sided(micro_batches):
     """Ranks run different numbers of micro-batches (zero included): same result as one process on the union."""
     run = Run(len(micro_batches), micro_batches=micro_batches)
