@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import os
@@ -108,16 +109,22 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     return wrapped, step, autocast
 
 
-def run_one(workload: str, method: str, balance: str, args, device: torch.device) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+@functools.lru_cache(maxsize=2)
+def workload_source(workload: str, vocab: int, seed: int, pool: int, seq: int, cap: int) -> tuple[SyntheticSFT, int]:
+    """The workload's samples and packing cap; one token pool per workload and process, shared by its runs."""
     if workload == "balanced":
-        lengths = LengthConfig(kind="fixed", min_len=args.seq + 1, max_len=args.seq + 1)
+        lengths = LengthConfig(kind="fixed", min_len=seq + 1, max_len=seq + 1)
     else:  # LongAlign's 8K-64K spread, scaled so the longest sample just fits the cap
-        scale = (args.cap + 1) / LONGALIGN_BINS[-1][1]
+        scale = (cap + 1) / LONGALIGN_BINS[-1][1]
         lengths = LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)]
                                                        for lo, hi in LONGALIGN_BINS])
-    cap = args.seq if workload == "balanced" else args.cap
-    source = SyntheticSFT(args.vocab, LengthDistribution(lengths, args.seed), args.seed, pool_tokens=args.pool)
+    source = SyntheticSFT(vocab, LengthDistribution(lengths, seed), seed, pool_tokens=pool)
+    return source, seq if workload == "balanced" else cap
+
+
+def run_one(workload: str, method: str, balance: str, args, device: torch.device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source, cap = workload_source(workload, args.vocab, args.seed, args.pool, args.seq, args.cap)
     cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing)
     cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())
     gc.collect()  # the previous run's objects must be gone before this one is measured
@@ -362,7 +369,7 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")
     p.add_argument("--seq", type=int, default=4096, help="balanced workload: tokens per sample")
     p.add_argument("--cap", type=int, default=65536, help="longtail workload: tokens per packed micro-batch")
-    p.add_argument("--pool", type=int, default=1 << 22, help="synthetic token pool")
+    p.add_argument("--pool", type=int, default=1 << 20, help="synthetic token pool (samples are windows of it)")
     p.add_argument("--group-bytes", type=int, default=32 << 20)
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--activation-checkpointing", action="store_true")

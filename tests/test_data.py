@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from odcfsdp.data.jsonl import JsonlSource
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution
 from odcfsdp.data.packing import IGNORE, Sample, pack
-from odcfsdp.data.synthetic import SyntheticSFT
+from odcfsdp.data.synthetic import MarkovTokens, SyntheticSFT
 from odcfsdp.data.tokenizer import ByteTokenizer
 from odcfsdp.models import Llama, LlamaConfig
 
@@ -48,6 +49,22 @@ def test_synthetic_samples_are_deterministic_with_prompt_masks():
         n = x.tokens.numel()
         assert not x.loss_mask[: int(n * 0.25)].any() and x.loss_mask[int(n * 0.25) :].all()
         assert int(x.tokens.max()) < 64
+
+
+def test_markov_chain_with_few_successors_matches_its_dense_matrix():
+    """Large vocabularies keep ``successors`` next tokens per token; the entropy merges repeats."""
+    chain = MarkovTokens(600, seed=3, successors=16)
+    dense = torch.zeros(600, 600, dtype=torch.float64)
+    dense.scatter_add_(1, chain.next_tokens, chain.transition.double())
+    torch.testing.assert_close(dense.sum(1), torch.ones(600, dtype=torch.float64))
+    p = dense.clamp_min(1e-300)
+    assert abs(chain.entropy_rate() - float(-(p * p.log()).sum(1).mean())) < 1e-9
+    stream = chain.stream(5000, index=1)
+    assert torch.equal(stream, chain.stream(5000, index=1))
+    steps = dense[stream[:-1], stream[1:]]
+    assert (steps > 0).all()  # every transition taken is one the chain allows
+    big = MarkovTokens(32000, seed=0)  # would be 4 GB dense; here 32000 x 256
+    assert big.transition.shape == (32000, 256) and 0 < big.entropy_rate() < math.log(256)
 
 
 def test_jsonl_text_and_chat(tmp_path):

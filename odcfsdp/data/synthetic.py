@@ -21,37 +21,55 @@ from .packing import Sample
 class MarkovTokens:
     """A seeded random Markov chain over ``vocab_size`` tokens.
 
+    Each token can be followed by at most ``successors`` tokens (all of them when the
+    vocabulary is that small), so the chain costs ``vocab_size * successors`` numbers
+    rather than ``vocab_size**2``: a dense 32K-token chain would need 4 GB as a tensor
+    and tens of GB as the Python lists sampling bisects on.
+
     Args:
         vocab_size: number of distinct tokens.
         seed: seeds the chain and every stream drawn from it.
         concentration: Dirichlet concentration of each transition row (smaller = easier).
+        successors: most distinct next tokens per token (drawn at random, with repeats
+            merged, when ``vocab_size`` is larger).
     """
 
-    def __init__(self, vocab_size: int, seed: int = 0, concentration: float = 0.05):
+    def __init__(self, vocab_size: int, seed: int = 0, concentration: float = 0.05, successors: int = 256):
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        if successors < 1:
+            raise ValueError(f"successors must be >= 1, got {successors}")
         g = torch.Generator().manual_seed(seed)
-        alpha = torch.full((vocab_size, vocab_size), float(concentration))
-        gamma = torch._standard_gamma(alpha, generator=g)
-        self.transition = gamma / gamma.sum(-1, keepdim=True)
+        k = min(successors, vocab_size)
+        gamma = torch._standard_gamma(torch.full((vocab_size, k), float(concentration)), generator=g)
+        self.transition = gamma / gamma.sum(-1, keepdim=True)  # row t: probabilities of next_tokens[t]
+        if k == vocab_size:
+            self.next_tokens = torch.arange(vocab_size).expand(vocab_size, k)
+        else:
+            self.next_tokens = torch.randint(0, vocab_size, (vocab_size, k), generator=g)
         self.vocab_size = vocab_size
         self.seed = seed
         # Python lists: bisect on them is far cheaper per token than torch scalar ops.
         self._cdf = self.transition.double().cumsum(-1).tolist()
+        self._next = self.next_tokens.tolist()
 
     def entropy_rate(self) -> float:
         """Expected next-token entropy in nats under a uniform state (a loss floor)."""
-        p = self.transition.clamp_min(1e-30)
-        return float(-(p * p.log()).sum(-1).mean())
+        v = self.vocab_size
+        keys = (torch.arange(v)[:, None] * v + self.next_tokens).flatten()
+        uniq, inverse = keys.unique(return_inverse=True)  # one entry per distinct (token, next token)
+        p = torch.zeros(uniq.numel(), dtype=torch.float64).index_add_(0, inverse, self.transition.double().flatten())
+        p = p.clamp_min(1e-300)
+        return float(-(p * p.log()).sum() / v)
 
     def stream(self, length: int, index: int = 0) -> torch.Tensor:
         """Token stream number ``index`` of ``length`` tokens (the same for every caller)."""
         rng = random.Random(self.seed * 1_000_003 + index)
-        last = self.vocab_size - 1
+        last = len(self._cdf[0]) - 1
         tok = rng.randrange(self.vocab_size)
         out = [tok]
         for _ in range(length - 1):
-            tok = min(bisect.bisect_left(self._cdf[tok], rng.random()), last)
+            tok = self._next[tok][min(bisect.bisect_left(self._cdf[tok], rng.random()), last)]
             out.append(tok)
         return torch.tensor(out, dtype=torch.long)
 
