@@ -231,7 +231,7 @@ def step_profiler():
 
 
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("odc gather", ("_gather_kernel", "_gather_get_kernel")), ("odc scatter-accumulate", ("_scatter_acc",)),
+    ("odc gather", ("gather_rows", "gather_get")), ("odc scatter-accumulate", ("scatter_accumulate",)),
     ("odc fused adamw", ("_adamw_kernel",)), ("nccl", ("nccl",)),
     ("attention", ("flash", "fmha", "attention")), ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
     ("memcpy / memset", ("Memcpy", "Memset")),
@@ -243,7 +243,9 @@ def kernel_summary(prof, top: int = 12) -> dict:
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    events = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and device_us(e) > 0]
+    # "nccl:..." entries are annotations spanning NCCL's kernels, which are listed themselves.
+    events = [e for e in prof.key_averages()
+              if str(e.device_type).endswith("CUDA") and device_us(e) > 0 and not e.key.startswith("nccl:")]
     by_kind: dict[str, float] = {}
     for e in events:
         kind = next((k for k, keys in KERNEL_KINDS if any(x in e.key for x in keys)), "other")

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
+
+# Packed variable-length rows give attention a new shape almost every call. cuDNN's kernels, which
+# scaled_dot_product_attention may prefer on Hopper, build and cache an execution plan per new shape:
+# with long-tailed data that is paid at nearly every step, and in a benchmark it favours whichever
+# method meets the same shapes second. Flash attention needs no per-shape set-up.
+VARLEN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -153,11 +160,12 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if doc_lengths is not None and len(doc_lengths) > 1:
-            out = torch.cat([
-                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-                for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
-            ], dim=2)
+        if doc_lengths is not None:  # packed documents: attention within each one
+            with sdpa_kernel(VARLEN_BACKENDS):
+                out = torch.cat([
+                    F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                    for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
+                ], dim=2) if len(doc_lengths) > 1 else F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -26,7 +26,9 @@ to set. NVLink multicast is never used (the host's shared GPUs require
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,16 +84,14 @@ class _NvshmemRuntime:
         except ImportError:  # cuda-core < 1.0
             from cuda.core.experimental import Device
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-        preset = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
-        if preset is None:
-            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(need + HEAP_HEADROOM)
-        self.heap_bytes = (need + HEAP_HEADROOM if preset is None else _parse_size(preset)) - HEAP_HEADROOM
         uid = [nvshmem.core.get_unique_id(empty=rank != 0)]
         if world_size > 1:
             dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        nvshmem.core.init(
-            device=Device(device.index), uid=uid[0], rank=rank, nranks=world_size, initializer_method="uid"
-        )
+        with heap_size_env(need) as size:
+            nvshmem.core.init(
+                device=Device(device.index), uid=uid[0], rank=rank, nranks=world_size, initializer_method="uid"
+            )
+        self.heap_bytes = size - HEAP_HEADROOM
         self.initialized, self.n_pes = True, world_size
         atexit.register(self.finalize)
 
@@ -104,6 +104,26 @@ class _NvshmemRuntime:
                 nvshmem.core.finalize()
             except Exception:  # noqa: BLE001 - at exit, peers may already be gone
                 pass
+
+
+@contextlib.contextmanager
+def heap_size_env(need: int) -> Iterator[int]:
+    """``NVSHMEM_SYMMETRIC_SIZE`` for NVSHMEM's initialisation; yields the heap size in bytes.
+
+    The user's value if set; otherwise ``need`` plus headroom, set only while NVSHMEM
+    initialises: left in ``os.environ`` it would reach processes started later (the
+    ranks of a test, a data loader's workers), which would take it for the user's
+    setting and size their heaps for this model instead of theirs.
+    """
+    preset = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    if preset is not None:
+        yield _parse_size(preset)
+        return
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(need + HEAP_HEADROOM)
+    try:
+        yield need + HEAP_HEADROOM
+    finally:
+        del os.environ["NVSHMEM_SYMMETRIC_SIZE"]
 
 
 def _parse_size(text: str) -> int:
