@@ -68,7 +68,14 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = ()) -
 
 
 def wrap(method: str, model: nn.Module, device: torch.device, args):
-    """The method's distributed model and a function doing one optimizer step (returns the pre-clip norm)."""
+    """The method's model, a function doing one optimizer step (returning the pre-clip norm), its autocast
+    context and the factor its losses are scaled by before backward.
+
+    Every method divides each micro-batch loss by the minibatch's global target count, so the
+    gradient the optimizer must see is the *sum* over ranks. odcfsdp sums; FSDP2 and DDP average
+    over ranks, so their losses are scaled by the world size before backward (else they would
+    clip and step on a gradient N times smaller, and the runs would not train the same thing).
+    """
     cuda = device.type == "cuda"
     if method.startswith("odc"):
         ablation = method.partition("-")[2]
@@ -78,7 +85,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            overlap_push=ablation != "no_overlap")
         opt = optim.AdamW(sharded, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                           no_decay=[f"*{n}*" for n in NO_DECAY], fused=False if ablation == "unfused" else None)
-        return sharded, lambda: opt.step(max_norm=1.0), contextlib.nullcontext
+        return sharded, lambda: opt.step(max_norm=1.0), contextlib.nullcontext, 1.0
     if method == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -106,7 +113,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
         opt.zero_grad(set_to_none=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    return wrapped, step, autocast
+    return wrapped, step, autocast, float(dist.get_world_size())
 
 
 @functools.lru_cache(maxsize=2)
@@ -135,7 +142,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Llama(cfg)
-    wrapped, opt_step, autocast = wrap(method, model, device, args)
+    wrapped, opt_step, autocast, loss_scale = wrap(method, model, device, args)
     try:
         if cuda:  # after wrapping: building the full model first is the same for every method, not counted
             torch.cuda.empty_cache()
@@ -169,7 +176,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                 with sync, autocast():
                     loss = causal_lm_loss(wrapped(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
                                           micro.targets, targets)
-                loss.backward()
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
                 loss_sum += loss.detach()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

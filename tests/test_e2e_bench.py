@@ -25,9 +25,12 @@ def test_all_methods_train_the_same_model(tmp_path):
         ref = next(r for r in rows if r["method"] == "ddp")["losses"]
         assert min(ref) > 1.0  # real losses, not empty batches
         assert ref[-1] < ref[0]  # it trains
+        ref_norms = [s["grad_norm"] for s in next(r for r in rows if r["method"] == "ddp")["steps"]]
         for r in rows:  # same data, model, optimizer: fp32 on CPU agrees closely across methods
             for a, b in zip(r["losses"], ref):
                 assert abs(a - b) <= 1e-4 * abs(b), (workload, r["method"], r["balance"], r["losses"], ref)
+            for a, b in zip([s["grad_norm"] for s in r["steps"]], ref_norms):  # the same gradient, not N times it
+                assert abs(a - b) <= 1e-4 * abs(b), (workload, r["method"], r["balance"], "grad norms", a, b)
             assert r["tokens_per_s"] > 0 and len(r["rank_compute_s"]) == 2
     for r in runs:
         if r["balance"] == "lb_micro":  # what the collective methods rely on
