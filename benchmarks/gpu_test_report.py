@@ -39,7 +39,7 @@ def markdown(meta: dict, tests: list[dict], measured: list[dict]) -> str:
         "# GPU test run",
         "",
         f"- device: {meta['device']}; date: {meta['date']}; commit: {meta['commit']}",
-        f"- command: `{COMMAND}`",
+        f"- command: `{meta['command']}`",
         f"- outcome: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
         f"{counts['skipped']} skipped",
         "",
@@ -64,9 +64,10 @@ def main() -> None:
     parser.add_argument("--commit", required=True)
     parser.add_argument("--device", required=True)
     parser.add_argument("--date", required=True)
+    parser.add_argument("--command", default=COMMAND, help="the pytest command of the run, if not the default one")
     args = parser.parse_args()
     tests, measured = parse(args.run_dir)
-    meta = {"device": args.device, "date": args.date, "commit": args.commit, "command": COMMAND}
+    meta = {"device": args.device, "date": args.date, "commit": args.commit, "command": args.command}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gpu_tests.json").write_text(json.dumps({"meta": meta, "tests": tests, "measured": measured}, indent=1))
     (args.out_dir / "gpu_tests.md").write_text(markdown(meta, tests, measured))
