@@ -162,10 +162,13 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         if doc_lengths is not None:  # packed documents: attention within each one
             with sdpa_kernel(VARLEN_BACKENDS):
-                out = torch.cat([
-                    F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-                    for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
-                ], dim=2) if len(doc_lengths) > 1 else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                if len(doc_lengths) == 1:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                else:
+                    out = torch.cat([
+                        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                        for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
+                    ], dim=2)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
