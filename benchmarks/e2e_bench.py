@@ -149,8 +149,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
         heap = getattr(getattr(wrapped, "transport", None), "heap_bytes", 0)
-        peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if device.type == "cuda"
-                                     and k in torch.cuda.get_device_name(device)), ""), None)
+        peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if cuda and k in torch.cuda.get_device_name(device)), ""),
+                               None)
         steps = []
         profile = None
         n_steps = args.warmup + args.steps
@@ -163,7 +163,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             targets = max(1, sum(s.n_targets for s in samples))
             if isinstance(wrapped, ODCShard):
                 wrapped.begin_minibatch(len(mine))
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(device)
             dist.barrier()
             if prof is not None:
@@ -176,13 +176,13 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                 with sync, autocast():
                     loss = causal_lm_loss(wrapped(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
                                           micro.targets, targets)
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+                (loss * loss_scale).backward()
                 loss_sum += loss.detach()
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
             norm = opt_step()
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
             if prof is not None:
@@ -204,8 +204,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                           "rank_micro_batches": [int(x) for x in table[:, 3]], "rank_cost": table[:, 5].tolist()})
         measured = steps[args.warmup:]
         total_s = sum(s["step_s"] for s in measured)
-        alloc = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+        alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None
         result = {
             "workload": workload, "method": method, "balance": balance,
             "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
@@ -337,11 +337,7 @@ def main_worker(args) -> list[dict] | None:
                 raise
             failed.append({"workload": w, "method": m, "balance": b, "error": f"{type(e).__name__}: {e}"[:2000]})
             print(f"[rank {dist.get_rank()}] {w}/{m}/{b} failed: {failed[-1]['error']}", flush=True)
-            del e
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            dist.barrier()
+            dist.barrier()  # the next run_one collects the failed run's memory before it measures
         if dist.get_rank() == 0:
             write_outputs(results, failed, args, device, final=False)
     if dist.get_rank() == 0:
