@@ -6,8 +6,9 @@
 Methods (each trains the same model from the same seed on the same micro-batches
 with the same AdamW settings and clipping; warm-up steps are excluded):
 
-* ``odc``: ``ODCShard(comm="auto")`` (nvshmem on GPUs, shm on CPU) + odcfsdp AdamW;
-* ``odc_collective``: ``ODCShard(comm="collective")`` (NCCL / gloo) + odcfsdp AdamW;
+* ``odc``: ``ODCShard(comm="auto", units=(DecoderLayer,))`` (nvshmem on GPUs, shm on CPU) +
+  odcfsdp AdamW;
+* ``odc_collective``: the same with ``comm="collective"`` (NCCL / gloo);
 * ``fsdp2``: ``fully_shard`` per decoder layer + root, ``MixedPrecisionPolicy(bf16, fp32
   reduce)`` on GPUs, ``torch.optim.AdamW``;
 * ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs, ``torch.optim.AdamW``.
@@ -44,12 +45,13 @@ from odcfsdp.data.packing import empty_micro_batch, pack
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
+from odcfsdp.models.llama import DecoderLayer
 from odcfsdp.train import PEAK_TFLOPS
 
 NO_DECAY = ("norm",)
 
 
-ABLATIONS = ("prefetch0", "no_overlap", "unfused")  # odc with one speed feature turned off
+ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
 
 
 def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = ()) -> list[tuple[str, str, str]]:
@@ -82,7 +84,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
         sharded = ODCShard(model, args.group_bytes, comm="collective" if method == "odc_collective" else "auto",
                            param_dtype=torch.bfloat16 if cuda else torch.float32,
                            prefetch=0 if ablation == "prefetch0" else args.prefetch,
-                           overlap_push=ablation != "no_overlap")
+                           overlap_push=ablation != "no_overlap",
+                           units=() if ablation == "module_hooks" else (DecoderLayer,))
         opt = optim.AdamW(sharded, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                           no_decay=[f"*{n}*" for n in NO_DECAY], fused=False if ablation == "unfused" else None)
         return sharded, lambda: opt.step(max_norm=1.0), contextlib.nullcontext, 1.0
@@ -132,7 +135,8 @@ def workload_source(workload: str, vocab: int, seed: int, pool: int, seq: int, c
 def run_one(workload: str, method: str, balance: str, args, device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     source, cap = workload_source(workload, args.vocab, args.seed, args.pool, args.seq, args.cap)
-    cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing)
+    cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing,
+                       compile=bool(args.compile), compile_backend=args.compile or "inductor")
     cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())
     gc.collect()  # the previous run's objects must be gone before this one is measured
     cuda = device.type == "cuda"
@@ -246,7 +250,7 @@ KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
 
 
 def kernel_summary(prof, top: int = 12) -> dict:
-    """Device time of one profiled step by kind of kernel, plus the top kernels (this rank)."""
+    """Device time of one profiled step by kind of kernel, the time any kernel ran, and the top kernels (this rank)."""
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
@@ -259,7 +263,21 @@ def kernel_summary(prof, top: int = 12) -> dict:
         by_kind[kind] = by_kind.get(kind, 0.0) + device_us(e) / 1e3
     events.sort(key=lambda e: -device_us(e))
     return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "busy_ms": busy_ms(prof),
             "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]]}
+
+
+def busy_ms(prof) -> float:
+    """Milliseconds in which at least one kernel ran on this rank's device (the union over streams)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
+                   and not e.name.startswith("nccl:"))
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
 
 
 def report(results: list[dict], meta: dict) -> str:
@@ -274,6 +292,9 @@ def report(results: list[dict], meta: dict) -> str:
         "(rows + fp32 accumulators), which lives outside torch's allocator",
         "- DDP keeps fp32 parameters and computes under bf16 autocast; odc and FSDP2 compute with bf16 "
         "parameters and reduce gradients in fp32",
+        f"- decoder layers compiled (every method): {meta['args'].get('compile') or 'no'}; activation checkpointing "
+        f"(every method): {'yes' if meta['args'].get('activation_checkpointing') else 'no'}; odc hooks whole decoder "
+        "layers (`units`) unless the run is `odc-module_hooks`",
         "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
         "the mean, over the measured steps (1.00 = perfectly balanced); compute s per rank: forward/backward time "
         "summed over the measured steps; optimizer-step s: the step including the wait for the other ranks",
@@ -297,12 +318,16 @@ def report(results: list[dict], meta: dict) -> str:
     if profiled:
         kinds = sorted({k for r in profiled for k in r["profile"]["device_ms_by_kind"]})
         lines += ["", "## Where the device time goes (rank 0, one profiled step, ms of kernel time)", "",
-                  "| workload | method | balance | profiled step s | " + " | ".join(kinds) + " |",
-                  "|---|---|---|---|" + "---|" * len(kinds)]
+                  "busy s: time in which any kernel ran (union over streams); for the rest of the profiled step the "
+                  "GPU idled (waiting for the host to launch work, or for another rank). The profiler slows the host, "
+                  "so the profiled step is longer than the measured ones.", "",
+                  "| workload | method | balance | profiled step s | busy s | " + " | ".join(kinds) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(kinds)]
         for r in profiled:
             by = r["profile"]["device_ms_by_kind"]
+            busy = r["profile"].get("busy_ms")
             lines.append(f"| {r['workload']} | {r['method']} | {r['balance']} | {r['profile']['step_s']:.2f} | "
-                         + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
+                         f"{'-' if busy is None else f'{busy / 1e3:.2f}'} | " + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -378,6 +403,9 @@ def parse(argv=None):
     p.add_argument("--group-bytes", type=int, default=32 << 20)
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", nargs="?", const="inductor", default="",
+                   help="torch.compile every method's decoder layers (dense parts; attention stays eager) with this "
+                        "backend (inductor when given without one); the warm-up steps absorb compilation")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/e2e")
@@ -387,6 +415,8 @@ def parse(argv=None):
     p.add_argument("--keep-going", action="store_true", help="record a failing run and go on with the others")
     p.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU instead")
     args = p.parse_args(argv)
+    if args.compile and "module_hooks" in args.ablate:
+        p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
     args.command = "benchmarks/e2e_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:])
     return args
 

@@ -31,6 +31,7 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
     hf_config: str | None = None  # name=hf: local directory holding config.json
     activation_checkpointing: bool = False  # llama: recompute each decoder layer in backward
+    compile: bool = False  # llama: torch.compile the decoder layers' dense parts (needs shard.units=[DecoderLayer])
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ShardConfig:
     param_dtype: str | None = None  # float32 | bfloat16 | float16; None: bf16 on CUDA, fp32 on CPU
     prefetch: int = 1
     overlap_push: bool = True  # CUDA: push gradients on a side stream during backward
+    units: list[str] = field(default_factory=list)  # class names hooked as a whole, e.g. [DecoderLayer]
 
 
 @dataclass
@@ -170,6 +172,9 @@ def validate(cfg: TrainConfig) -> None:
         _positive("run.stop_after", cfg.run.stop_after)
     _positive("run.world_size", cfg.run.world_size)
     _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
+    if cfg.model.compile and (cfg.model.name != "llama" or "DecoderLayer" not in cfg.shard.units):
+        raise ValueError("model.compile=true needs model.name=llama and shard.units=[DecoderLayer] (compiled layers "
+                         "must find all their parameters gathered when they start)")
     if cfg.shard.comm == "collective" and cfg.balance.kind != "lb_micro":
         raise ValueError(
             f"shard.comm=collective needs equal micro-batch counts per rank: use balance.kind=lb_micro, "

@@ -70,12 +70,23 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, Cos
         matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
     else:
         lcfg = llama_config(cfg.model.size, vocab_size, **{
-            "activation_checkpointing": cfg.model.activation_checkpointing, **cfg.model.overrides})
+            "activation_checkpointing": cfg.model.activation_checkpointing, "compile": cfg.model.compile,
+            **cfg.model.overrides})
         model = Llama(lcfg)
         dim, layers, matmul = lcfg.dim, lcfg.n_layers, lcfg.matmul_params()
     cost = CostModel.for_transformer(layers, dim, matmul)
     b = cfg.balance
     return model, CostModel(b.cost_a if b.cost_a is not None else cost.a, b.cost_b if b.cost_b is not None else cost.b)
+
+
+def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
+    """The module classes named by ``shard.units``, looked up among the model's own modules."""
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = sorted(set(names) - set(by_name))
+    if missing:
+        raise ValueError(f"shard.units names {missing}, which the model has no module of; its classes: "
+                         f"{sorted(by_name)}")
+    return tuple(by_name[n] for n in names)
 
 
 def lr_lambda(o, steps: int):
@@ -121,7 +132,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     s = cfg.shard
     model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
-                     overlap_push=s.overlap_push)
+                     overlap_push=s.overlap_push, units=unit_classes(model, s.units))
     o = cfg.optim
     opt = optim.AdamW(model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                       no_decay=list(o.no_decay), lr_lambda=lr_lambda(o, cfg.run.steps), fused=o.fused)

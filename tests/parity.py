@@ -7,6 +7,7 @@ run is what each rank executes under ``odcfsdp.launch.spawn``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -25,10 +26,11 @@ NO_DECAY = ["*norm*", "logit_scale"]
 class ParityModel(nn.Module):
     """Llama with a tied embedding, plus a 1-element logit scale and a frozen norm."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32):
+    def __init__(self, dtype: torch.dtype = torch.float32, compile_backend: str | None = None):
         super().__init__()
         torch.manual_seed(0)
-        self.llama = Llama(CONFIG)
+        self.llama = Llama(dataclasses.replace(CONFIG, compile=compile_backend is not None,
+                                               compile_backend=compile_backend or "inductor"))
         self.logit_scale = nn.Parameter(torch.full((1,), 1.1))
         with torch.no_grad():
             frozen = self.get_parameter(FROZEN)
@@ -77,9 +79,9 @@ class Run:
         return sum(t.numel() for rank in self.data[step] for _, t in rank)
 
 
-def reference_run(run: Run, dtype: torch.dtype) -> dict:
+def reference_run(run: Run, dtype: torch.dtype, compile_backend: str | None = None) -> dict:
     """Single-process PyTorch on the union of all ranks' data."""
-    model = ParityModel(dtype)
+    model = ParityModel(dtype, compile_backend)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and not _no_decay(n)]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _no_decay(n)]
     opt = torch.optim.AdamW(
@@ -117,17 +119,20 @@ def sharded_run(
     device: str = "cpu",
     prefetch: int = 1,
     param_dtype: torch.dtype | None = None,
+    units: tuple = (),
+    compile_backend: str | None = None,
 ) -> dict:
     """What every rank runs: ODCShard + odcfsdp AdamW on this rank's micro-batches.
 
     On ``device="cuda"`` each rank uses its current GPU; ``param_dtype`` defaults to
-    bf16 there (ODCShard's default) and to ``dtype`` on CPU.
+    bf16 there (ODCShard's default) and to ``dtype`` on CPU. ``units`` goes to
+    ``ODCShard``; ``compile_backend`` compiles the decoder layers' dense parts.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     model = ODCShard(
-        ParityModel(dtype).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
-        prefetch=prefetch, param_dtype=param_dtype,
+        ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
+        prefetch=prefetch, param_dtype=param_dtype, units=units,
     )
     # Unfused: bitwise comparable with torch's single-tensor AdamW (tests/test_fused_adamw.py covers fused).
     opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY, fused=False)
@@ -147,7 +152,10 @@ def sharded_run(
         opt.zero_grad()
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
     model.close()
-    return {"losses": losses, "norms": norms, "params": state, "groups": len(model.groups)}
+    from torch._dynamo.utils import counters
+
+    return {"losses": losses, "norms": norms, "params": state, "groups": len(model.groups),
+            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16) -> dict:

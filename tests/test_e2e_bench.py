@@ -37,3 +37,18 @@ def test_all_methods_train_the_same_model(tmp_path):
             assert all(len(set(s["rank_micro_batches"])) == 1 for s in r["steps"]), r["method"]
     assert "| longtail | fsdp2 | lb_micro |" in (tmp_path / "e2e_bench.md").read_text()
     assert (tmp_path / "e2e_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compiled_layers_with_recomputation_train_the_same_model(tmp_path):
+    """--compile (aot_eager on CPU) and --activation-checkpointing for every method: still one model trained."""
+    e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "2", "--warmup", "1",
+                    "--batch", "8", "--cap", "512", "--pool", "20000", "--group-bytes", "8192", "--lr", "1e-2",
+                    "--workloads", "longtail", "--methods", "odc", "fsdp2", "ddp", "--compile", "aot_eager",
+                    "--activation-checkpointing", "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["results"]
+    assert len(runs) == 4
+    ref = next(r for r in runs if r["method"] == "ddp")["losses"]
+    for r in runs:
+        for a, b in zip(r["losses"], ref):
+            assert abs(a - b) <= 1e-4 * abs(b), (r["method"], r["balance"], r["losses"], ref)
+    assert "decoder layers compiled (every method): aot_eager" in (tmp_path / "e2e_bench.md").read_text()

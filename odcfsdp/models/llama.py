@@ -11,6 +11,8 @@ whole row).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,6 +45,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    compile: bool = False  # torch.compile each decoder layer's dense parts (attention itself stays eager)
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -149,31 +153,40 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask, doc_lengths=None):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated queries (B, H, S, D) and keys, and values (B, H_kv, S, D)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        if doc_lengths is not None:  # packed documents: attention within each one
-            with sdpa_kernel(VARLEN_BACKENDS):
-                if len(doc_lengths) == 1:
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                else:
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def attend(self, q, k, v, mask, doc_lengths=None) -> torch.Tensor:
+        """Causal attention of (B, H, S, D) inputs, within documents; returns (B, S, H * D)."""
+        b, _, s, _ = q.shape
+        # Grouped heads inside the kernel saves repeated copies of k and v (and summing their
+        # gradients back). Only flash attention takes them natively (not with a dense mask), and on
+        # CPUs the math kernel's own repeat gains nothing.
+        gqa = self.n_heads != self.n_kv_heads and q.is_cuda and mask is None
+        if self.n_heads != self.n_kv_heads and not gqa:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            with sdpa_kernel(VARLEN_BACKENDS) if doc_lengths is not None else contextlib.nullcontext():
+                if doc_lengths is None or len(doc_lengths) == 1:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                else:  # packed documents: attention within each one
                     out = torch.cat([
-                        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
                         for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
                     ], dim=2)
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    def forward(self, x, cos, sin, mask, doc_lengths=None):
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(self.attend(q, k, v, mask, doc_lengths))
 
 
 class MLP(nn.Module):
@@ -198,10 +211,40 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        self.compiled = cfg.compile_backend if cfg.compile else None
 
     def forward(self, x, cos, sin, mask, doc_lengths=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, doc_lengths)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.compiled and self.mlp.down_proj.weight.untyped_storage().nbytes() == 0:
+            # A sharding wrapper's per-module hooks would run inside the compiled code, too late.
+            raise RuntimeError("compiled decoder layers need all their parameters in hand when the layer starts: "
+                               "with ODCShard, hook whole layers (units=(DecoderLayer,))")
+        pre, post = _layer_parts(self.compiled)
+        q, k, v = pre(self, x, cos, sin)
+        return post(self, x, self.self_attn.attend(q, k, v, mask, doc_lengths))
+
+
+def _before_attention(layer: DecoderLayer, x, cos, sin):
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def _after_attention(layer: DecoderLayer, x, attended):
+    x = x + layer.self_attn.o_proj(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_parts(backend: str | None):
+    """The two dense parts of a decoder layer around attention, compiled with ``backend`` (None: eager).
+
+    Attention stays outside: packed rows run one kernel per document, whose count and
+    lengths change with every micro-batch. The parts take the layer as an argument, so
+    every layer (and every model) shares one compiled graph per shape class; sequence
+    lengths are dynamic from the start, as long-tailed data changes them every step.
+    """
+    if backend is None:
+        return _before_attention, _after_attention
+    return (torch.compile(_before_attention, backend=backend, dynamic=True),
+            torch.compile(_after_attention, backend=backend, dynamic=True))
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:

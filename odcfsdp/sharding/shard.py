@@ -2,7 +2,9 @@
 
 Design note [hooks]
 -------------------
-Every submodule that directly owns parameters gets four kinds of hook:
+Hooks sit on *hook sites*: each ``units`` module (for all parameters of its subtree)
+and every other submodule outside the units that directly owns parameters. A site
+gets four kinds of hook:
 
 1. forward pre-hook: unshard (gather) the groups holding its parameters;
 2. forward post-hook: count the module off in each of its groups; once every
@@ -27,10 +29,14 @@ post-hooks that run *during* backward (activation recomputation) never reshard,
 because the recomputed activations are about to be used, and prefetch in backward
 order.
 
-Limitation: a parameter is available only while a module that owns it runs (or
-while its group stays resident); code that reads ``child.weight`` from a parent's
-forward without calling ``child`` sees freed storage. Call the module instead, or
-use ``reshard_after_forward=False``.
+Units (like FSDP2's ``fully_shard`` per block) cost one hook call per block instead of
+one per parameter-owning module, and keep the hooks outside the block's own code, so
+the block's forward can be compiled (``torch.compile``) in one piece.
+
+Limitation: a parameter is available only while its site runs (or while its group
+stays resident); code that reads ``child.weight`` from a parent's forward without
+calling ``child`` sees freed storage. Call the module instead, make the parent a
+unit, or use ``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -109,10 +115,15 @@ class ODCShard(nn.Module):
             ``init_buffers()`` is called; then load values with
             ``odcfsdp.checkpoint.load_hf`` or ``load_checkpoint``. Defaults to the
             parameters' device.
-        prefetch: how many groups ahead to gather (forward order, reversed in
-            backward); 0 disables. On CUDA on a side stream while the current layer
-            computes; elsewhere simply ahead of use. Each prefetched group holds its
-            unsharded buffer early.
+        prefetch: how many hook sites ahead to gather (forward order, reversed in
+            backward; sites whose groups are already in hand do not count); 0
+            disables. On CUDA on a side stream while the current site computes;
+            elsewhere simply ahead of use. Each prefetched group holds its unsharded
+            buffer early.
+        overlap_push: on CUDA, push gradients on a side stream while backward goes on.
+        units: module classes whose instances are hooked as a whole (all parameters
+            of their subtree gathered before their forward, e.g. the decoder layer
+            class); other modules that own parameters are hooked one by one.
     """
 
     def __init__(
@@ -127,6 +138,7 @@ class ODCShard(nn.Module):
         prefetch: int = 1,
         device: torch.device | str | None = None,
         overlap_push: bool = True,
+        units: tuple[type[nn.Module], ...] | list[type[nn.Module]] = (),
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -155,13 +167,18 @@ class ODCShard(nn.Module):
         if not param_dtype.is_floating_point:
             raise ValueError(f"param_dtype must be a floating dtype, got {param_dtype}")
 
+        units = tuple(units)
+        if not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
+            raise TypeError(f"units must be nn.Module subclasses, got {units!r}")
+        if units and not any(isinstance(m, units) for m in module.modules()):
+            raise ValueError(f"no module of the model is one of units={[u.__name__ for u in units]}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
         self.module = module
         self.prefetch = prefetch
         self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         self._push_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap_push else None
-        self._order: list[FlatGroup] = []  # groups in the order the first forward used them
+        self._sites: list[tuple[FlatGroup, ...]] = []  # hook sites' groups, in the order the first forward ran them
         self._order_done = False
         self.rank, self.world_size = _default_world(process_group)
         self.param_dtype = param_dtype
@@ -197,7 +214,8 @@ class ODCShard(nn.Module):
         # The hooks hold this object; parameter hooks live in C++, where Python's garbage collector
         # cannot see the cycle, so close() removes them for the wrapper to be freed.
         self._hooks: list = []
-        self._register_hooks()
+        self.units = units
+        self._register_hooks(units)
 
     # -- set-up ------------------------------------------------------------------
     def _swap_meta_params(self, new_by_old_id: dict[int, nn.Parameter]) -> None:
@@ -235,10 +253,22 @@ class ODCShard(nn.Module):
             if not p.dtype.is_floating_point:
                 raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
 
-    def _register_hooks(self) -> None:
-        for mod in self.module.modules():
+    def _hook_sites(self, units: tuple[type[nn.Module], ...]) -> Iterator[tuple[nn.Module, list[nn.Parameter]]]:
+        """(module, parameters it gathers): each unit with its subtree, other modules with their own."""
+        inside: set[int] = set()  # modules below a unit: the unit covers them
+        for mod in self.module.modules():  # parents before children
+            if id(mod) in inside:
+                continue
+            if isinstance(mod, units):
+                inside.update(id(m) for m in mod.modules())
+                yield mod, list(mod.parameters())
+            else:
+                yield mod, list(mod.parameters(recurse=False))
+
+    def _register_hooks(self, units: tuple[type[nn.Module], ...]) -> None:
+        for mod, params in self._hook_sites(units):
             groups = []
-            for p in mod.parameters(recurse=False):
+            for p in params:
                 g = self._slot_of[p][0]
                 if g not in groups:
                     groups.append(g)
@@ -260,20 +290,28 @@ class ODCShard(nn.Module):
 
     # -- hooks -------------------------------------------------------------------
     def _use(self, groups: tuple[FlatGroup, ...], backward: bool) -> None:
-        """Unshard ``groups`` for use on the current stream, then prefetch what comes next."""
+        """Unshard ``groups`` for use on the current stream, then prefetch what the next sites need."""
         for g in groups:
             g.to_unsharded()
             g.wait_ready()
-            if not self._order_done and g not in self._order:
-                self._order.append(g)
-        if not self.prefetch or not self._order_done:
+        if not self._order_done:
+            if groups not in self._sites:
+                self._sites.append(groups)
             return
-        order = self._order[::-1] if backward else self._order
-        last = max((order.index(g) for g in groups if g in order), default=None)
-        if last is None:  # groups first used after the first forward (a conditional branch)
+        if not self.prefetch or groups not in self._sites:  # (a site first run after the first forward)
             return
-        for g in order[last + 1 : last + 1 + self.prefetch]:
-            g.to_unsharded(self._gather_stream)  # on CPU (no stream) a plain gather ahead of use
+        order = self._sites[::-1] if backward else self._sites
+        seen, ahead = set(groups), 0
+        for site in order[order.index(groups) + 1:]:
+            new = [g for g in site if g not in seen]
+            if not new:  # a site using only groups already counted (e.g. the next norm in the same group)
+                continue
+            for g in new:
+                g.to_unsharded(self._gather_stream)  # on CPU (no stream) a plain gather ahead of use
+            seen.update(new)
+            ahead += 1
+            if ahead == self.prefetch:
+                return
 
     def _pre_forward(self, groups: tuple[FlatGroup, ...], frozen: tuple[FlatGroup, ...], args, kwargs):
         # During backward this is activation recomputation: what comes next is backward order.
@@ -510,4 +548,5 @@ class ODCShard(nn.Module):
         return (
             f"groups={len(self.groups)}, world_size={self.world_size}, comm={self.transport.name}, "
             f"param_dtype={self.param_dtype}, reshard_after_forward={self.reshard_after_forward}"
+            + (f", units={[u.__name__ for u in self.units]}" if self.units else "")
         )
