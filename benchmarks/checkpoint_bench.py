@@ -60,7 +60,8 @@ def main() -> None:
         for row in model.transport.rows:
             row.normal_(0, 0.02)
         for g in model.groups:
-            g.master.copy_(model.transport.rows[g.index])
+            with g.updating_master() as master:
+                master.copy_(model.transport.rows[g.index])
     opt = optim.AdamW(model, lr=1e-4)
     x = torch.randint(0, args.vocab, (1, 2048), device=device)
     causal_lm_loss(model(x), x).backward()

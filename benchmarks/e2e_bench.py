@@ -120,7 +120,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
 
 
 @functools.lru_cache(maxsize=2)
-def workload_source(workload: str, vocab: int, seed: int, pool: int, seq: int, cap: int) -> tuple[SyntheticSFT, int]:
+def workload_source(workload: str, vocab: int, seed: int, pool: int, seq: int, cap: int,
+                    per_micro: int = 1) -> tuple[SyntheticSFT, int]:
     """The workload's samples and packing cap; one token pool per workload and process, shared by its runs."""
     if workload == "balanced":
         lengths = LengthConfig(kind="fixed", min_len=seq + 1, max_len=seq + 1)
@@ -129,12 +130,13 @@ def workload_source(workload: str, vocab: int, seed: int, pool: int, seq: int, c
         lengths = LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)]
                                                        for lo, hi in LONGALIGN_BINS])
     source = SyntheticSFT(vocab, LengthDistribution(lengths, seed), seed, pool_tokens=pool)
-    return source, seq if workload == "balanced" else cap
+    return source, seq * per_micro if workload == "balanced" else cap
 
 
 def run_one(workload: str, method: str, balance: str, args, device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    source, cap = workload_source(workload, args.vocab, args.seed, args.pool, args.seq, args.cap)
+    source, cap = workload_source(workload, args.vocab, args.seed, args.pool, args.seq, args.cap,
+                                  args.balanced_micro_samples)
     cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing,
                        compile=bool(args.compile), compile_backend=args.compile or "inductor")
     cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())
@@ -182,6 +184,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                                           micro.targets, targets)
                 (loss * loss_scale).backward()
                 loss_sum += loss.detach()
+            t_issued = time.perf_counter()  # the host has queued every kernel of the minibatch
             if cuda:
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
@@ -197,7 +200,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                     profile = {"error": f"{type(e).__name__}: {e}"}
                 continue
             local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(sizes[i] for m in mine for i in m),
-                                  sum(cost(sizes[i]) for m in mine for i in m)], dtype=torch.float64, device=device)
+                                  sum(cost(sizes[i]) for m in mine for i in m), t_issued - t0],
+                                 dtype=torch.float64, device=device)
             table = [torch.zeros_like(local) for _ in range(world)]
             dist.all_gather(table, local)
             table = torch.stack(table).cpu()
@@ -205,7 +209,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": float(norm), "step_s": wall,
                           "tokens": int(table[:, 4].sum()), "flops": table[:, 5].sum().item(),
                           "rank_compute_s": table[:, 1].tolist(), "rank_step_s": table[:, 2].tolist(),
-                          "rank_micro_batches": [int(x) for x in table[:, 3]], "rank_cost": table[:, 5].tolist()})
+                          "rank_micro_batches": [int(x) for x in table[:, 3]], "rank_cost": table[:, 5].tolist(),
+                          "rank_host_s": table[:, 6].tolist()})
         measured = steps[args.warmup:]
         total_s = sum(s["step_s"] for s in measured)
         alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
@@ -224,6 +229,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             / sum(sum(s["rank_cost"]) / world for s in measured),
             "rank_compute_s": [sum(s["rank_compute_s"][r] for s in measured) for r in range(world)],
             "rank_step_s": [sum(s["rank_step_s"][r] for s in measured) for r in range(world)],
+            # time the host took to queue the forward/backward work: close to compute s = launch-bound
+            "rank_host_s": [sum(s["rank_host_s"][r] for s in measured) for r in range(world)],
             "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile,
         }
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
@@ -286,7 +293,9 @@ def report(results: list[dict], meta: dict) -> str:
         f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
         f"- command: `{meta['command']}`",
         f"- model: Llama {meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} measured steps after "
-        f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch",
+        f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch; balanced: "
+        f"{meta['args'].get('balanced_micro_samples', 1)} sample(s) of {meta['args'].get('seq')} tokens per micro-batch; "
+        f"PYTORCH_CUDA_ALLOC_CONF={meta['args'].get('alloc_conf') or '(default)'}",
         "- memory: torch's peak allocated / reserved per rank during training (reset after wrapping; building "
         "the full fp32 model first is the same for every method and not counted); odc adds its NVSHMEM heap "
         "(rows + fp32 accumulators), which lives outside torch's allocator",
@@ -297,10 +306,12 @@ def report(results: list[dict], meta: dict) -> str:
         "layers (`units`) unless the run is `odc-module_hooks`",
         "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
         "the mean, over the measured steps (1.00 = perfectly balanced); compute s per rank: forward/backward time "
-        "summed over the measured steps; optimizer-step s: the step including the wait for the other ranks",
+        "summed over the measured steps; host-issue s: the part of it until the host had queued the last kernel "
+        "(close to compute s: the host, not the GPU, sets the pace); optimizer-step s: the step including the wait "
+        "for the other ranks",
         "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc GiB (+heap) | step s (min-max) | "
-        "rank cost max/mean | compute s per rank | optimizer-step s per rank | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "rank cost max/mean | compute s per rank | host-issue s per rank | optimizer-step s per rank | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] == "fsdp2"}
     for r in results:
@@ -310,7 +321,8 @@ def report(results: list[dict], meta: dict) -> str:
         lines.append(
             f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {mem} | "
             f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | {r['rank_cost_max_over_mean']:.3f} | "
-            f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
+            f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | "
+            f"{', '.join(f'{x:.1f}' for x in r.get('rank_host_s', []))} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
             f"{r['losses'][-1]:.4f} |")
     for f in meta.get("failed", []):
         lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
@@ -399,6 +411,8 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")
     p.add_argument("--seq", type=int, default=4096, help="balanced workload: tokens per sample")
     p.add_argument("--cap", type=int, default=65536, help="longtail workload: tokens per packed micro-batch")
+    p.add_argument("--balanced-micro-samples", type=int, default=1,
+                   help="balanced workload: samples packed into one micro-batch (one row, attention per sample)")
     p.add_argument("--pool", type=int, default=1 << 20, help="synthetic token pool (samples are windows of it)")
     p.add_argument("--group-bytes", type=int, default=32 << 20)
     p.add_argument("--prefetch", type=int, default=1)
@@ -413,6 +427,9 @@ def parse(argv=None):
     p.add_argument("--profile", nargs="*", default=[],
                    help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
     p.add_argument("--keep-going", action="store_true", help="record a failing run and go on with the others")
+    p.add_argument("--alloc-conf", default="expandable_segments:True",
+                   help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set): growable segments keep "
+                        "reserved memory near allocated memory, as torchtitan runs do; '' for the default")
     p.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU instead")
     args = p.parse_args(argv)
     if args.compile and "module_hooks" in args.ablate:
@@ -423,6 +440,9 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     args = parse(argv)
+    if args.alloc_conf:  # before the first CUDA allocation
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.alloc_conf)
+    args.alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if args.cpu_ranks:
         spawn(main_worker, args.cpu_ranks, args, timeout=3600)
         return

@@ -316,8 +316,8 @@ def test_second_export_replaces_the_first(tmp_path):
     export_hf(model, tmp_path, max_shard_bytes=10_000)  # sharded, with an index
     with torch.no_grad():
         for g in model.groups:
-            g.master.add_(1.0)
-            g.publish()
+            with g.updating_master() as master:
+                master.add_(1.0)
     export_hf(model, tmp_path)  # single file: the index and shards of the first must go
     assert not (tmp_path / "model.safetensors.index.json").exists()
     assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]

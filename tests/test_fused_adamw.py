@@ -9,6 +9,7 @@ import torch
 
 from odcfsdp import ODCShard, optim
 from odcfsdp.kernels.adamw import decay_runs, fused_adamw_
+from odcfsdp.kernels.split_master import join_master, split_master_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,6 +56,28 @@ def test_kernel_matches_the_elementwise_formula(with_row):
             assert ((row.float() - want_row.float()).abs() <= ulp).all()
 
 
+def test_kernel_on_a_split_master_matches_the_fp32_one():
+    """The bf16 row + low bits give the fp32 master the same update, and are stored back exactly."""
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    p, m, grad = (torch.randn(n, generator=g).to(DEVICE) for _ in range(3))
+    v = torch.rand(n, generator=g).to(DEVICE)
+    row, lo = torch.empty(n, dtype=torch.bfloat16, device=DEVICE), torch.empty(n, dtype=torch.int16, device=DEVICE)
+    split_master_(p, row, lo)
+    assert torch.equal(join_master(row, lo), p)
+    runs = decay_runs(n, [(16, 160)], block=64, device=DEVICE)
+    args = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, block=64)
+    m2, v2, grad2 = m.clone(), v.clone(), grad.clone()
+    coef = torch.tensor(0.5, device=DEVICE)
+    fused_adamw_(p, m, v, grad, None, runs, coef, **args)
+    fused_adamw_(None, m2, v2, grad2, row, runs, coef, master_lo=lo, **args)
+    assert torch.equal(join_master(row, lo), p) and torch.equal(m2, m) and torch.equal(v2, v)
+    want_row, want_lo = torch.empty_like(row), torch.empty_like(lo)
+    split_master_(p, want_row, want_lo)
+    assert torch.equal(row.view(torch.int16), want_row.view(torch.int16)) and torch.equal(lo, want_lo)
+    assert (grad2 == 0).all()
+
+
 class _Mlp(torch.nn.Module):
     """Dense layers only, so that both runs see bitwise equal gradients on GPUs too.
 
@@ -75,17 +98,18 @@ class _Mlp(torch.nn.Module):
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
-def test_fused_optimizer_tracks_the_unfused_one():
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])  # bf16: split masters
+def test_fused_optimizer_tracks_the_unfused_one(param_dtype):
     torch.manual_seed(0)
     base = _Mlp().to(DEVICE)
     runs = []
     for fused in (False, True):
-        model = ODCShard(copy.deepcopy(base), 4096, param_dtype=torch.float32)
+        model = ODCShard(copy.deepcopy(base), 4096, param_dtype=param_dtype)
         opt = optim.AdamW(model, lr=1e-2, weight_decay=0.1, eps=1e-6, no_decay=["*norm*"], fused=fused)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
-            x = torch.randn(8, 24, generator=g).to(DEVICE)
-            model(x).pow(2).mean().backward()
+            x = torch.randn(8, 24, generator=g).to(DEVICE, param_dtype)
+            model(x).float().pow(2).mean().backward()
             opt.step(max_norm=0.05)  # clipping active
         runs.append(model.full_state_dict())
         model.close()

@@ -142,7 +142,7 @@ def save_checkpoint(
             lo, hi = _segment(s.numel, s.seg, rank)
             if hi <= lo:
                 continue
-            rows = {"master": g.master}
+            rows = {"master": g.read_master()}
             if g.index in moments:
                 rows.update(zip(MOMENTS, moments[g.index]))
             for kind, row in rows.items():
@@ -244,21 +244,21 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: AdamW | None =
     model.reshard_all()
     model.transport.barrier()  # nobody reads rows while they change
     for g in model.groups:
-        for s in g.layout.slots:
-            lo, hi = _segment(s.numel, s.seg, rank)
-            rows = {"master": g.master}
-            if g.index in moments:
-                rows.update(zip(MOMENTS, moments[g.index]))
-            for kind, row in rows.items():
-                dest = row[s.offset : s.offset + s.seg]
-                dest.zero_()  # padding past the parameter's end stays zero
-                seg = old_seg[s.name]
-                for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
-                    qlo, qhi = _segment(s.numel, seg, q)
-                    a, b = max(lo, qlo), min(hi, qhi)
-                    if a < b:
-                        dest[a - lo : b - lo].copy_(files.read(q, f"{s.name}/{kind}", a - qlo, b - qlo))
-        g.publish()
+        with g.updating_master() as master:
+            for s in g.layout.slots:
+                lo, hi = _segment(s.numel, s.seg, rank)
+                rows = {"master": master}
+                if g.index in moments:
+                    rows.update(zip(MOMENTS, moments[g.index]))
+                for kind, row in rows.items():
+                    dest = row[s.offset : s.offset + s.seg]
+                    dest.zero_()  # padding past the parameter's end stays zero
+                    seg = old_seg[s.name]
+                    for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
+                        qlo, qhi = _segment(s.numel, seg, q)
+                        a, b = max(lo, qlo), min(hi, qhi)
+                        if a < b:
+                            dest[a - lo : b - lo].copy_(files.read(q, f"{s.name}/{kind}", a - qlo, b - qlo))
     buffers = model.persistent_buffers()
     if buffers:
         f0 = files.get(0)

@@ -68,9 +68,20 @@ class MicroBatch:
     def n_targets(self) -> int:
         return int((self.targets != IGNORE).sum())
 
-    def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(self.tokens.to(device), self.targets.to(device), self.positions.to(device),
-                          self.document_ids.to(device), self.sample_indices, self.doc_lengths)
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """The same micro-batch on ``device``.
+
+        To a GPU through pinned memory, asynchronously: a copy from pageable memory
+        first waits for all work queued on the stream, which would drain the GPU's
+        queue at every micro-batch and leave it idle while the host launches the next.
+        """
+        device = torch.device(device)
+        if device.type == "cuda":
+            move = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
+        else:
+            move = lambda t: t.to(device)  # noqa: E731
+        return MicroBatch(move(self.tokens), move(self.targets), move(self.positions), move(self.document_ids),
+                          self.sample_indices, self.doc_lengths)
 
 
 def empty_micro_batch() -> MicroBatch:

@@ -11,7 +11,9 @@ communicated row in its own dtype:
     p  <- p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
 
 the update of ``torch.optim.AdamW``, up to rounding (fused multiply-adds may round
-differently from the separate kernels).
+differently from the separate kernels). With a split master (see
+``odcfsdp.kernels.split_master``) ``p`` is rebuilt from the bf16 row and its low
+bits, and both are written back.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ def _adamw_kernel(
     m,  # *fp32 [C]: first moment
     v,  # *fp32 [C]: second moment
     g,  # *fp32 [C]: accumulated gradient (read, then zeroed)
-    row,  # *T [C]: communicated row (written when HAS_ROW)
+    row,  # *T [C]: communicated row (written when HAS_ROW; read too when SPLIT)
+    lo,  # *int16 [C]: the master's low 16 bits (SPLIT)
     runs,  # *int64 [n, 3]: (start, length, decay 0/1) chunks of the row
     coef,  # *fp32 []: gradient scale (clipping)
     lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt,  # fp32 scalars
     HAS_ROW: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -44,17 +48,29 @@ def _adamw_kernel(
     mask = tl.arange(0, BLOCK) < n
     grad = tl.load(g + offs, mask=mask) * tl.load(coef)
     tl.store(g + offs, tl.zeros_like(grad), mask=mask)
-    pv = tl.load(p + offs, mask=mask)
+    if SPLIT:  # fp32 bits = (rounded upper half - carry) << 16 | low half
+        low = tl.load(lo + offs, mask=mask).to(tl.int32) & 0xFFFF
+        high = (tl.load(row + offs, mask=mask).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) - (low >> 15)
+        pv = ((high << 16) | low).to(tl.float32, bitcast=True)
+    else:
+        pv = tl.load(p + offs, mask=mask)
     pv = pv * (1.0 - lr * weight_decay * decay)
     mv = tl.load(m + offs, mask=mask)
     mv = mv + (1.0 - beta1) * (grad - mv)
     vv = tl.load(v + offs, mask=mask) * beta2 + (1.0 - beta2) * grad * grad
     pv = pv - step_size * mv / (tl.sqrt(vv) / bc2_sqrt + eps)
-    tl.store(p + offs, pv, mask=mask)
     tl.store(m + offs, mv, mask=mask)
     tl.store(v + offs, vv, mask=mask)
-    if HAS_ROW:
-        tl.store(row + offs, pv.to(row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if SPLIT:
+        bits = pv.to(tl.int32, bitcast=True)
+        low = bits & 0xFFFF
+        high = ((bits >> 16) & 0xFFFF) + (low >> 15)
+        tl.store(lo + offs, low.to(tl.int16), mask=mask)
+        tl.store(row + offs, high.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(p + offs, pv, mask=mask)
+        if HAS_ROW:
+            tl.store(row + offs, pv.to(row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def decay_runs(row_len: int, decay_ranges: Sequence[tuple[int, int]], block: int, device) -> torch.Tensor:
@@ -69,21 +85,31 @@ def decay_runs(row_len: int, decay_ranges: Sequence[tuple[int, int]], block: int
 
 
 def fused_adamw_(
-    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, row: torch.Tensor | None,
+    p: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, row: torch.Tensor | None,
     runs: torch.Tensor, coef: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, step: int, block: int,
+    weight_decay: float, step: int, block: int, master_lo: torch.Tensor | None = None,
 ) -> None:
-    """One AdamW step on a row (see the module docstring); ``runs`` from ``decay_runs`` with the same block."""
+    """One AdamW step on a row (see the module docstring); ``runs`` from ``decay_runs`` with the same block.
+
+    The master is ``p`` (fp32), or, when ``p`` is None, the split pair of the bf16 ``row``
+    and int16 ``master_lo``.
+    """
+    split = p is None
+    if split and (master_lo is None or row is None or row.dtype != torch.bfloat16 or master_lo.dtype != torch.int16
+                  or master_lo.shape != row.shape or not master_lo.is_contiguous()):
+        raise ValueError("a split master needs a bf16 row and a contiguous int16 master_lo of its shape")
     for name, t in (("master", p), ("exp_avg", m), ("exp_avg_sq", v), ("gradient", g)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != p.shape:
+        if t is None and split:
+            continue
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != m.shape:
             raise ValueError(f"{name} must be a contiguous fp32 tensor shaped like the master row")
-    if row is not None and (row.shape != p.shape or not row.is_contiguous()):
+    if row is not None and (row.shape != m.shape or not row.is_contiguous()):
         raise ValueError("the communicated row must be contiguous and shaped like the master row")
     bc1 = 1 - beta1**step
     bc2_sqrt = (1 - beta2**step) ** 0.5
     if runs.shape[0]:
         _adamw_kernel[(runs.shape[0],)](
-            p, m, v, g, row if row is not None else p, runs, coef.to(torch.float32),
-            lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2_sqrt,
-            HAS_ROW=row is not None, BLOCK=block,
+            m if split else p, m, v, g, row if row is not None else p, master_lo if split else m, runs,
+            coef.to(torch.float32), lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2_sqrt,
+            HAS_ROW=row is not None, SPLIT=split, BLOCK=block,
         )

@@ -110,12 +110,13 @@ class AdamW:
         self.last_wait_s = 0.0  # time the last step spent waiting for the other ranks (phase 1)
         skip = _no_decay_predicate(no_decay)
         self.groups: list[FlatGroup] = [g for g in model.groups if g.layout.requires_grad]
-        self.exp_avg = [torch.zeros_like(g.master) for g in self.groups]
-        self.exp_avg_sq = [torch.zeros_like(g.master) for g in self.groups]
+        rows = [model.transport.rows[g.index] for g in self.groups]
+        self.exp_avg = [torch.zeros_like(r, dtype=g.master_dtype) for r, g in zip(rows, self.groups)]
+        self.exp_avg_sq = [torch.zeros_like(r, dtype=g.master_dtype) for r, g in zip(rows, self.groups)]
         self.decay_ranges = [_decay_ranges(g.layout, skip) for g in self.groups]
         device = model.transport.device
         self.fused = device.type == "cuda" if fused is None else fused
-        if self.fused and any(g.master.dtype != torch.float32 for g in self.groups):
+        if self.fused and any(g.master_dtype != torch.float32 for g in self.groups):
             raise ValueError("fused AdamW needs fp32 master rows; pass fused=False for float64 models")
         self._runs = [decay_runs(g.layout.row_len, r, self.FUSED_BLOCK, device) for g, r in
                       zip(self.groups, self.decay_ranges)] if self.fused else []
@@ -154,9 +155,11 @@ class AdamW:
             ones = torch.ones((), device=norm.device)
             for g, grad, m, v, runs in zip(self.groups, accs, self.exp_avg, self.exp_avg_sq, self._runs):
                 row = transport.rows[g.index]
-                fused_adamw_(g.master, m, v, grad, None if row is g.master else row, runs,
+                master = None if g.split else g.read_master()
+                fused_adamw_(master, m, v, grad, None if row is master else row, runs,
                              coef if coef is not None else ones, lr=lr, beta1=beta1, beta2=beta2, eps=self.eps,
-                             weight_decay=self.weight_decay, step=self.step_count, block=self.FUSED_BLOCK)
+                             weight_decay=self.weight_decay, step=self.step_count, block=self.FUSED_BLOCK,
+                             master_lo=g.master_lo)
             model.after_update()
             transport.barrier()
             return norm
@@ -165,15 +168,14 @@ class AdamW:
         bc1 = 1 - beta1**self.step_count
         bc2_sqrt = math.sqrt(1 - beta2**self.step_count)
         for g, grad, m, v, ranges in zip(self.groups, accs, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
-            p = g.master
-            if self.weight_decay:
-                for lo, hi in ranges:
-                    p[lo:hi].mul_(1 - lr * self.weight_decay)
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-lr / bc1)
-            g.publish()
+            with g.updating_master() as p:
+                if self.weight_decay:
+                    for lo, hi in ranges:
+                        p[lo:hi].mul_(1 - lr * self.weight_decay)
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
+                p.addcdiv_(m, denom, value=-lr / bc1)
             grad.zero_()
         model.after_update()
         transport.barrier()

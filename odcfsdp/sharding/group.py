@@ -9,16 +9,27 @@ refills it in place. Autograd keeps references to the parameters it saved for
 backward; because those references share the storage, a re-gather before backward
 makes them valid again without autograd noticing (the parameters' version counters
 are their own, not the buffer's, so the in-place refill trips no check).
+
+Design note [split-master]
+--------------------------
+With bf16 rows and fp32 masters, the master is not kept as a separate fp32 row: the
+communicated bf16 row holds its upper 16 bits (rounded to nearest, ties away from
+zero) and ``master_lo`` its lower 16 bits, from which the exact fp32 value is rebuilt
+(``odcfsdp.kernels.split_master``). That saves 2 bytes per parameter over N, the
+cost of the bf16 row copy other mixed-precision FSDPs cast on the fly. Code reads
+masters with ``read_master`` and changes them inside ``updating_master``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 
+from ..kernels.split_master import join_master, split_master_
 from .layout import GroupLayout
 from .transport import Transport
 
@@ -54,8 +65,11 @@ class FlatGroup:
         self.transport = transport
         self.index = layout.index
         row = transport.rows[self.index]
+        self.master_dtype = master_dtype
+        self.split = row.dtype == torch.bfloat16 and master_dtype == torch.float32  # see [split-master]
         # With comm dtype == master dtype the row *is* the master: no second copy.
-        self.master = row if row.dtype == master_dtype else torch.zeros_like(row, dtype=master_dtype)
+        self._master = None if self.split else row if row.dtype == master_dtype else torch.zeros_like(row, dtype=master_dtype)
+        self.master_lo = torch.zeros_like(row, dtype=torch.int16) if self.split else None
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=row.dtype, device=row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad: torch.Tensor | None = None
@@ -74,14 +88,29 @@ class FlatGroup:
     # -- values ----------------------------------------------------------------
     def load_full_(self, values: list[torch.Tensor]) -> None:
         """Set this rank's master row (and row) from full parameter values."""
-        self.master.copy_(self.layout.shard_row(values, self.transport.rank, self.master.dtype))
-        self.publish()
+        with self.updating_master() as master:
+            master.copy_(self.layout.shard_row(values, self.transport.rank, master.dtype))
 
-    def publish(self) -> None:
-        """Copy the master row into the communicated row (cast to the comm dtype)."""
+    def read_master(self) -> torch.Tensor:
+        """This rank's master row in ``master_dtype`` (treat as read-only: it may be the stored row itself)."""
+        if self.split:
+            return join_master(self.transport.rows[self.index], self.master_lo)
+        return self._master
+
+    @contextlib.contextmanager
+    def updating_master(self) -> Iterator[torch.Tensor]:
+        """The master row to change in place; on exit it is stored and published to the communicated row."""
+        master = self.read_master()
+        yield master
         row = self.transport.rows[self.index]
-        if row is not self.master:
-            row.copy_(self.master)
+        if self.split:
+            split_master_(master, row, self.master_lo)
+        elif row is not master:
+            row.copy_(master)
+
+    def release_master(self) -> None:
+        """Drop the master row (the wrapper is closing)."""
+        self._master = self.master_lo = None
 
     def bind_params(self) -> None:
         """Point every parameter at its view of the unsharded buffer.

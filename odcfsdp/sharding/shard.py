@@ -483,7 +483,7 @@ class ODCShard(nn.Module):
         self._check_open()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            full = g.layout.unpack(self.transport.all_gather_rows(g.master))
+            full = g.layout.unpack(self.transport.all_gather_rows(g.read_master()))
             for i, s in enumerate(g.layout.slots):
                 out[s.name] = g.layout.param_view(full, i).to(g.layout.dtype).clone()
         for alias, name in self.aliases.items():
@@ -504,7 +504,7 @@ class ODCShard(nn.Module):
         self.reshard_all()
         self.transport.barrier()  # nobody may be reading rows while they change
         for g in self.groups:
-            g.load_full_([state[s.name].to(g.master.device) for s in g.layout.slots])
+            g.load_full_([state[s.name].to(self.transport.device) for s in g.layout.slots])
         self.after_update()
         self.transport.barrier()
 
@@ -537,7 +537,8 @@ class ODCShard(nn.Module):
                 handle.remove()
             self._hooks = []
             for g in self.groups:
-                g.master = g.grad = None
+                g.release_master()
+                g.grad = None
             self.transport.close()
 
     def _check_open(self) -> None:
