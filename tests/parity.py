@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from odcfsdp import ODCShard, optim
+from odcfsdp.kernels.split_master import split_master_
 from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
 
 # Sizes chosen so no parameter count divides evenly by both 2 and 3.
@@ -158,13 +159,25 @@ def sharded_run(
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
+@torch.no_grad()
+def cast_into(compute: nn.Module, master: nn.Module) -> None:
+    """Copy master values into the compute copy; bf16 rounds as ODCShard does (ties away from zero)."""
+    for p, q in zip(compute.parameters(), master.parameters()):
+        if p.dtype == torch.bfloat16:  # see [split-master]
+            split_master_(q, p, torch.empty_like(p, dtype=torch.int16))
+        else:
+            p.copy_(q)
+
+
 def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Plain PyTorch with FSDP2-style mixed precision, on one device, on the union of the data.
 
     A copy of the model with ``compute_dtype`` parameters runs forward/backward per micro-batch; its
     gradients are summed in fp32 into the fp32 master parameters, which
     ``torch.optim.AdamW`` (after ``clip_grad_norm_``) updates and which are cast back
-    into the compute copy after every step.
+    into the compute copy after every step (bf16: to nearest with ties away from zero,
+    ODCShard's rounding; torch's cast breaks ties to even, which Adam would amplify
+    from one-ulp differences into visible ones).
     """
     import copy
 
@@ -172,6 +185,7 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
     compute = copy.deepcopy(master)
     for p in compute.parameters():  # parameters only: buffers (RoPE frequencies) stay fp32, as in ODCShard
         p.data = p.data.to(compute_dtype)
+    cast_into(compute, master)
     names = [n for n, p in master.named_parameters() if p.requires_grad]
     decay = [p for n, p in master.named_parameters() if p.requires_grad and not _no_decay(n)]
     no_decay = [p for n, p in master.named_parameters() if p.requires_grad and _no_decay(n)]
@@ -200,7 +214,5 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
         norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), run.max_norm).item())
         opt.step()
         opt.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(compute.parameters(), master.parameters()):
-                p.copy_(q)
+        cast_into(compute, master)
     return {"losses": losses, "norms": norms, "params": {n: p.detach().cpu() for n, p in master.named_parameters()}}
