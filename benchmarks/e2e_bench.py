@@ -227,10 +227,9 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             # what the balancer achieved by the cost model: 1.0 = every rank had the same work
             "rank_cost_max_over_mean": sum(max(s["rank_cost"]) for s in measured)
             / sum(sum(s["rank_cost"]) / world for s in measured),
-            "rank_compute_s": [sum(s["rank_compute_s"][r] for s in measured) for r in range(world)],
-            "rank_step_s": [sum(s["rank_step_s"][r] for s in measured) for r in range(world)],
-            # time the host took to queue the forward/backward work: close to compute s = launch-bound
-            "rank_host_s": [sum(s["rank_host_s"][r] for s in measured) for r in range(world)],
+            **{key: [sum(s[key][r] for s in measured) for r in range(world)]
+               # host: time to queue the forward/backward work (close to compute = launch-bound)
+               for key in ("rank_compute_s", "rank_step_s", "rank_host_s")},
             "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile,
         }
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it

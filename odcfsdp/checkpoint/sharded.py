@@ -138,13 +138,11 @@ def save_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     moments = _moments(optimizer)
     for g in model.groups:
+        rows = {"master": g.read_master(), **dict(zip(MOMENTS, moments.get(g.index, ())))}  # once per group
         for s in g.layout.slots:
             lo, hi = _segment(s.numel, s.seg, rank)
             if hi <= lo:
                 continue
-            rows = {"master": g.read_master()}
-            if g.index in moments:
-                rows.update(zip(MOMENTS, moments[g.index]))
             for kind, row in rows.items():
                 tensors[f"{s.name}/{kind}"] = row[s.offset : s.offset + hi - lo].detach().cpu()
     if rank == 0:  # persistent buffers are replicated: one copy, read back by every rank
@@ -245,11 +243,9 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: AdamW | None =
     model.transport.barrier()  # nobody reads rows while they change
     for g in model.groups:
         with g.updating_master() as master:
+            rows = {"master": master, **dict(zip(MOMENTS, moments.get(g.index, ())))}
             for s in g.layout.slots:
                 lo, hi = _segment(s.numel, s.seg, rank)
-                rows = {"master": master}
-                if g.index in moments:
-                    rows.update(zip(MOMENTS, moments[g.index]))
                 for kind, row in rows.items():
                     dest = row[s.offset : s.offset + s.seg]
                     dest.zero_()  # padding past the parameter's end stays zero

@@ -167,8 +167,9 @@ class Attention(nn.Module):
         # Grouped heads inside the kernel saves repeated copies of k and v (and summing their
         # gradients back). Only flash attention takes them natively (not with a dense mask), and on
         # CPUs the math kernel's own repeat gains nothing.
-        gqa = self.n_heads != self.n_kv_heads and q.is_cuda and mask is None
-        if self.n_heads != self.n_kv_heads and not gqa:
+        grouped = self.n_heads != self.n_kv_heads
+        gqa = grouped and q.is_cuda and mask is None
+        if grouped and not gqa:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if mask is not None:

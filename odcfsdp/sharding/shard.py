@@ -179,6 +179,7 @@ class ODCShard(nn.Module):
         self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         self._push_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap_push else None
         self._sites: list[tuple[FlatGroup, ...]] = []  # hook sites' groups, in the order the first forward ran them
+        self._site_pos: dict[tuple[FlatGroup, ...], int] = {}  # a site's place in that order (hooks look it up)
         self._order_done = False
         self.rank, self.world_size = _default_world(process_group)
         self.param_dtype = param_dtype
@@ -294,16 +295,17 @@ class ODCShard(nn.Module):
         for g in groups:
             g.to_unsharded()
             g.wait_ready()
+        pos = self._site_pos.get(groups)
         if not self._order_done:
-            if groups not in self._sites:
+            if pos is None:
+                self._site_pos[groups] = len(self._sites)
                 self._sites.append(groups)
             return
-        if not self.prefetch or groups not in self._sites:  # (a site first run after the first forward)
+        if not self.prefetch or pos is None:  # (a site first run after the first forward)
             return
-        order = self._sites[::-1] if backward else self._sites
         seen, ahead = set(groups), 0
-        for site in order[order.index(groups) + 1:]:
-            new = [g for g in site if g not in seen]
+        for i in range(pos - 1, -1, -1) if backward else range(pos + 1, len(self._sites)):
+            new = [g for g in self._sites[i] if g not in seen]
             if not new:  # a site using only groups already counted (e.g. the next norm in the same group)
                 continue
             for g in new:
