@@ -268,9 +268,17 @@ def kernel_summary(prof, top: int = 12) -> dict:
         kind = next((k for k, keys in KERNEL_KINDS if any(x in e.key for x in keys)), "other")
         by_kind[kind] = by_kind.get(kind, 0.0) + device_us(e) / 1e3
     events.sort(key=lambda e: -device_us(e))
+    # Where the host's time goes: operators (and launch calls) by their own CPU time, and how many
+    # kernels the step launched (each costs host time, however small the kernel).
+    host = sorted((e for e in prof.key_averages() if not str(e.device_type).endswith("CUDA")),
+                  key=lambda e: -e.self_cpu_time_total)
+    launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                     "cuLaunchKernelEx", "cudaLaunchKernelExC"))
     return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "busy_ms": busy_ms(prof),
-            "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]]}
+            "busy_ms": busy_ms(prof), "kernel_launches": launches,
+            "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]],
+            "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                             for e in host[:2 * top]]}
 
 
 def busy_ms(prof) -> float:

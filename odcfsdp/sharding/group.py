@@ -34,9 +34,6 @@ from .layout import GroupLayout
 from .transport import Transport
 
 
-_nullcontext = contextlib.nullcontext
-
-
 class GroupState(enum.Enum):
     """Whether a group's full values are materialised on this rank."""
 
@@ -131,27 +128,34 @@ class FlatGroup:
     def to_unsharded(self, stream: torch.cuda.Stream | None = None) -> None:
         """Materialise the full values (gather from all ranks); no-op if already there.
 
-        With ``stream`` (a prefetch) the buffer is allocated and filled on that
-        stream; ``wait_ready`` must run before the current stream uses it.
+        With ``stream`` (a prefetch) the buffer is filled on that stream, after the
+        work queued so far on the current stream; ``wait_ready`` must run before the
+        current stream uses it (``to_sharded`` runs it, so a freed buffer is never
+        reused while the gather may still write it).
         """
         if self.state is GroupState.UNSHARDED:
             return
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            # Allocated on the gathering stream, so the gather never waits for the compute queue.
+        with torch.no_grad():
+            # Allocated on the current (compute) stream, whose pool activations share: a buffer from
+            # the prefetch stream's pool could never be reused by the compute stream, and reserved
+            # memory grew by that pool. The prefetch then waits for the compute queue up to here
+            # (when the block's previous user is done), which is the site before the one it serves:
+            # the gather still overlaps the current site's compute.
             self.unsharded.untyped_storage().resize_(self._unsharded_nbytes)
-            self.transport.gather(self.index, self.unsharded)
-            if stream is not None:
-                self._ready = torch.cuda.Event()
-                self._ready.record(stream)
+            if stream is None:
+                self.transport.gather(self.index, self.unsharded)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                with torch.cuda.stream(stream):
+                    self.transport.gather(self.index, self.unsharded)
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(stream)
         self.state = GroupState.UNSHARDED
 
     def wait_ready(self) -> None:
         """Make the current stream wait for a pending prefetch of this group."""
         if self._ready is not None:
-            current = torch.cuda.current_stream(self.unsharded.device)
-            current.wait_event(self._ready)
-            # The buffer came from the prefetch stream's pool: keep it until this stream is done too.
-            self.unsharded.record_stream(current)
+            torch.cuda.current_stream(self.unsharded.device).wait_event(self._ready)
             self._ready = None
 
     def to_sharded(self) -> None:
