@@ -45,6 +45,7 @@ from odcfsdp.data.packing import empty_micro_batch, pack
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
+from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
 from odcfsdp.models.llama import DecoderLayer
 from odcfsdp.train import PEAK_TFLOPS
 
@@ -138,7 +139,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     source, cap = workload_source(workload, args.vocab, args.seed, args.pool, args.seq, args.cap,
                                   args.balanced_micro_samples)
     cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing,
-                       compile=bool(args.compile), compile_backend=args.compile or "inductor")
+                       compile=bool(args.compile), compile_backend=args.compile or "inductor",
+                       attention_backend=args.attention)
     cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())
     gc.collect()  # the previous run's objects must be gone before this one is measured
     cuda = device.type == "cuda"
@@ -146,6 +148,11 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         torch.cuda.empty_cache()
     leftover = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
     torch.manual_seed(args.seed)
+    # cuDNN attention plans for every document length of the run, built before any method is timed
+    # (once per process; see [attention-kernels]).
+    all_steps = args.warmup + args.steps + (method in args.profile)
+    warm_attention([source[i].truncated(cap + 1).n_inputs for i in range(all_steps * args.batch)],
+                   cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device, cfg.attention_backend)
     with torch.device(device):
         model = Llama(cfg)
     wrapped, opt_step, autocast, loss_scale = wrap(method, model, device, args)
@@ -250,7 +257,7 @@ def step_profiler():
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
     ("odc gather", ("gather_rows", "gather_get")), ("odc scatter-accumulate", ("scatter_accumulate",)),
     ("odc fused adamw", ("_adamw_kernel",)), ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha", "attention")), ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")), ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
     ("memcpy / memset", ("Memcpy", "Memset")),
 )
 
@@ -308,7 +315,8 @@ def report(results: list[dict], meta: dict) -> str:
         "(rows + fp32 accumulators), which lives outside torch's allocator",
         "- DDP keeps fp32 parameters and computes under bf16 autocast; odc and FSDP2 compute with bf16 "
         "parameters and reduce gradients in fp32",
-        f"- decoder layers compiled (every method): {meta['args'].get('compile') or 'no'}; activation checkpointing "
+        f"- attention kernels (every method): {meta['args'].get('attention', 'flash')}; "
+        f"decoder layers compiled (every method): {meta['args'].get('compile') or 'no'}; activation checkpointing "
         f"(every method): {'yes' if meta['args'].get('activation_checkpointing') else 'no'}; odc hooks whole decoder "
         "layers (`units`) unless the run is `odc-module_hooks`",
         "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
@@ -427,6 +435,8 @@ def parse(argv=None):
     p.add_argument("--compile", nargs="?", const="inductor", default="",
                    help="torch.compile every method's decoder layers (dense parts; attention stays eager) with this "
                         "backend (inductor when given without one); the warm-up steps absorb compilation")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention kernels for every method (auto: cuDNN on Hopper, documents padded to buckets)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/e2e")

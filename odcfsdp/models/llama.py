@@ -11,7 +11,6 @@ whole row).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -19,15 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-# Packed variable-length rows give attention a new shape almost every call. cuDNN's kernels, which
-# scaled_dot_product_attention may prefer on Hopper, build and cache an execution plan per new shape:
-# with long-tailed data that is paid at nearly every step, and in a benchmark it favours whichever
-# method meets the same shapes second. Flash attention needs no per-shape set-up.
-VARLEN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
+from .attention import ATTENTION_BACKENDS, causal_attention
 
 @dataclass
 class LlamaConfig:
@@ -47,8 +40,11 @@ class LlamaConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
     compile: bool = False  # torch.compile each decoder layer's dense parts (attention itself stays eager)
     compile_backend: str = "inductor"
+    attention_backend: str = "auto"  # "auto" (cuDNN on Hopper+, else flash), "cudnn" or "flash": see [attention-kernels]
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -148,6 +144,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.backend = cfg.attention_backend
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -164,25 +161,12 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask, doc_lengths=None) -> torch.Tensor:
         """Causal attention of (B, H, S, D) inputs, within documents; returns (B, S, H * D)."""
         b, _, s, _ = q.shape
-        # Grouped heads inside the kernel saves repeated copies of k and v (and summing their
-        # gradients back). Only flash attention takes them natively (not with a dense mask), and on
-        # CPUs the math kernel's own repeat gains nothing.
-        grouped = self.n_heads != self.n_kv_heads
-        gqa = grouped and q.is_cuda and mask is None
-        if grouped and not gqa:
+        if mask is None:
+            out = causal_attention(q, k, v, doc_lengths, self.backend)
+        else:  # a dense mask: no kernel takes grouped heads with one, so repeat keys and values
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            with sdpa_kernel(VARLEN_BACKENDS) if doc_lengths is not None else contextlib.nullcontext():
-                if doc_lengths is None or len(doc_lengths) == 1:
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                else:  # packed documents: attention within each one
-                    out = torch.cat([
-                        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
-                        for qd, kd, vd in zip(q.split(doc_lengths, 2), k.split(doc_lengths, 2), v.split(doc_lengths, 2))
-                    ], dim=2)
         return out.transpose(1, 2).reshape(b, s, -1)
 
     def forward(self, x, cos, sin, mask, doc_lengths=None):

@@ -70,9 +70,8 @@ class FlatGroup:
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=row.dtype, device=row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad: torch.Tensor | None = None
-        self._grads_seen = 0
         self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
-        self._trainable = sum(p.requires_grad for p in params)
+        self._trained = [i for i, p in enumerate(params) if p.requires_grad]
         # Modules of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
@@ -167,14 +166,24 @@ class FlatGroup:
         self.state = GroupState.SHARDED
 
     # -- gradients -------------------------------------------------------------
-    def add_grad(self, i: int, grad: torch.Tensor) -> bool:
-        """Add parameter ``i``'s gradient; return True once every trained parameter has one."""
+    def prepare_grad(self) -> None:
+        """Point each trained parameter's ``.grad`` at its view of a zeroed gradient buffer.
+
+        Autograd then accumulates gradients into the buffer in place, with no Python
+        hook per parameter (see [grad-buffers] in the wrapper); no-op when the buffer
+        exists or nothing is trained.
+        """
+        if self.grad is not None or not self._trained:
+            return
+        self.grad = torch.zeros(self.layout.unsharded_numel, dtype=self.unsharded.dtype, device=self.unsharded.device)
+        for i in self._trained:
+            self.params[i].grad = self.layout.param_view(self.grad, i)
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Add a gradient of parameter ``i`` that autograd left outside the buffer (see ``prepare_grad``)."""
         if self.grad is None:
             self.grad = torch.zeros(self.layout.unsharded_numel, dtype=grad.dtype, device=grad.device)
-            self._grads_seen = 0
         self.layout.param_view(self.grad, i).add_(grad)
-        self._grads_seen += 1
-        return self._grads_seen >= self._trainable
 
     def push_grad(self, stream: torch.cuda.Stream | None = None) -> bool:
         """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed.
@@ -193,4 +202,6 @@ class FlatGroup:
                     self.transport.scatter_accumulate(self.index, self.grad)
                 self.grad.record_stream(stream)  # freed only once the push has read it
         self.grad = None
+        for i in self._trained:
+            self.params[i].grad = None
         return True

@@ -4,30 +4,41 @@ Design note [hooks]
 -------------------
 Hooks sit on *hook sites*: each ``units`` module (for all parameters of its subtree)
 and every other submodule outside the units that directly owns parameters. A site
-gets four kinds of hook:
+gets these hooks:
 
-1. forward pre-hook: unshard (gather) the groups holding its parameters;
-2. forward post-hook: count the module off in each of its groups; once every
-   module of a group has run, reshard the group if ``reshard_after_forward`` (or if
-   grad mode is off); then register a pre-backward hook on the module's outputs;
+1. forward pre-hook: unshard (gather) the groups holding its parameters; in grad
+   mode, also hook the site's inputs: once the gradients of all of them are done,
+   the site's backward is through (the post-backward, 4). A hook only observes, so
+   gradients are summed exactly as without the wrapper;
+2. forward post-hook: count the site off in each of its groups; once every site of
+   a group has run, reshard the group if ``reshard_after_forward`` (or if grad mode
+   is off); then register a pre-backward hook on the site's outputs;
 3. pre-backward hook (fires when the gradient of any output is ready, i.e. right
-   before the module's own backward): unshard its groups again;
-4. per trained parameter, a post-accumulate-grad hook: add the gradient into the
-   group's parameter-major gradient buffer and drop ``param.grad``; once every
-   trained parameter of the group has its gradient, push the buffer into the
-   owners' accumulators (scatter-accumulate) and reshard the group.
+   before the site's own backward): unshard its groups again and give each trained
+   group a zeroed gradient buffer, to which the parameters' ``.grad`` point (see
+   [grad-buffers]);
+4. post-backward: count the site off in each of its groups; once every site of a
+   group is through, push its gradient buffer into the owners' accumulators
+   (scatter-accumulate) and reshard it.
 
-5. for modules that own frozen groups, a post-backward hook (an identity autograd
-   function on the module's inputs, whose backward runs once the gradients of the
-   inputs are done): count the module off in its frozen groups and reshard a group
-   once all its modules are through (frozen groups are gathered in backward only to
-   propagate gradients through their modules).
+An end-of-backward callback pushes whatever is still pending (groups of sites whose
+inputs need no gradient, such as the embedding; parameters that got no gradient in
+this pass contribute zeros) and reshards everything. Forward hooks that run
+*during* backward (activation recomputation) never reshard, because the recomputed
+activations are about to be used, and prefetch in backward order.
 
-An end-of-backward callback pushes whatever is still pending (parameters that got
-no gradient in this pass contribute zeros) and reshards everything. Forward
-post-hooks that run *during* backward (activation recomputation) never reshard,
-because the recomputed activations are about to be used, and prefetch in backward
-order.
+Design note [grad-buffers]
+--------------------------
+A trained parameter's ``.grad`` is, during backward, a view of its group's
+parameter-major gradient buffer, so autograd's own gradient accumulation adds into
+the buffer in place: no Python runs per parameter (a post-accumulate-grad hook per
+parameter cost ~0.1 ms of host time each, which made backward launch-bound). The
+post-backward of a site runs after the gradients of its parameters have been
+accumulated: autograd runs gradient accumulation first among the nodes that are
+ready together, which FSDP2 relies on too. A gradient that reaches a parameter after
+its group was pushed (a parameter used outside its site, after the site's backward)
+lands in a fresh ``.grad``; the end-of-backward callback pushes it too, so nothing is
+lost, only pushed late.
 
 Units (like FSDP2's ``fully_shard`` per block) cost one hook call per block instead of
 one per parameter-owning module, and keep the hooks outside the block's own code, so
@@ -48,7 +59,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from .group import FlatGroup, GroupState
 from .layout import GroupLayout, plan_groups
@@ -64,20 +75,6 @@ class TrainingPhase(enum.Enum):
     """Inside the root module's forward."""
     BACKWARD = enum.auto()
     """Between the first pre-backward hook and the end-of-backward callback."""
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs once the module's backward reached them."""
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 def _default_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -277,17 +274,10 @@ class ODCShard(nn.Module):
                 continue
             for g in groups:
                 self._forward_modules[g] += 1
-            frozen = tuple(g for g in groups if not g.layout.requires_grad)
             self._hooks.append(mod.register_forward_pre_hook(
-                lambda _m, args, kwargs, gs=tuple(groups), fz=frozen: self._pre_forward(gs, fz, args, kwargs),
-                with_kwargs=True,
-            ))
+                lambda _m, args, kwargs, gs=tuple(groups): self._pre_forward(gs, args, kwargs), with_kwargs=True))
             self._hooks.append(
                 mod.register_forward_hook(lambda _m, _a, out, gs=tuple(groups): self._post_forward(gs, out)))
-        for p, (g, i) in self._slot_of.items():
-            if p.requires_grad:
-                self._hooks.append(
-                    p.register_post_accumulate_grad_hook(lambda param, g=g, i=i: self._on_grad(g, i, param)))
 
     # -- hooks -------------------------------------------------------------------
     def _use(self, groups: tuple[FlatGroup, ...], backward: bool) -> None:
@@ -295,6 +285,8 @@ class ODCShard(nn.Module):
         for g in groups:
             g.to_unsharded()
             g.wait_ready()
+            if backward:
+                g.prepare_grad()
         pos = self._site_pos.get(groups)
         if not self._order_done:
             if pos is None:
@@ -315,24 +307,34 @@ class ODCShard(nn.Module):
             if ahead == self.prefetch:
                 return
 
-    def _pre_forward(self, groups: tuple[FlatGroup, ...], frozen: tuple[FlatGroup, ...], args, kwargs):
-        # During backward this is activation recomputation: what comes next is backward order.
+    def _pre_forward(self, groups: tuple[FlatGroup, ...], args, kwargs) -> None:
+        # During backward this is activation recomputation: what comes next is backward order. Its
+        # inputs get the post-backward hook too: reentrant checkpointing runs backward through the
+        # recomputed graph (and the original forward ran without grad); otherwise it never fires.
         self._use(groups, backward=self._phase is TrainingPhase.BACKWARD)
-        if not frozen or not torch.is_grad_enabled():
-            return None
-        flat, spec = tree_flatten((args, kwargs))
-        slots = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not slots:
-            return None
-        wrapped = _PostBackward.apply(lambda: self._reshard_frozen(frozen), *(flat[k] for k in slots))
-        for k, t in zip(slots, wrapped):
-            flat[k] = t
-        return tree_unflatten(flat, spec)
+        if not torch.is_grad_enabled():
+            return
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:  # e.g. token ids: the end-of-backward callback finishes this site's groups
+            return
+        # A plain hook per input, counted down: torch's multi-grad hook ("all") keeps the inputs'
+        # autograd nodes in its closure, a reference cycle through C++ that leaks the graph. An input
+        # that gets no gradient leaves the site to the end-of-backward callback (later, never early).
+        left = [len(inputs)]
 
-    def _reshard_frozen(self, frozen: tuple[FlatGroup, ...]) -> None:
-        for g in frozen:
+        def input_grad_done(_grad) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._post_backward_site(groups)
+
+        for t in inputs:
+            t.register_hook(input_grad_done)
+
+    def _post_backward_site(self, groups: tuple[FlatGroup, ...]) -> None:
+        for g in groups:
             g.backward_uses_left -= 1
             if g.backward_uses_left <= 0:
+                self._pushes += g.push_grad(self._push_stream)
                 g.to_sharded()
 
     def _post_forward(self, groups: tuple[FlatGroup, ...], output) -> None:
@@ -359,17 +361,16 @@ class ODCShard(nn.Module):
         self._enter_backward()
         self._use(groups, backward=True)
 
-    def _on_grad(self, group: FlatGroup, i: int, param: nn.Parameter) -> None:
-        self._enter_backward()
-        grad, param.grad = param.grad, None
-        if group.add_grad(i, grad):
-            self._pushes += group.push_grad(self._push_stream)
-            group.to_sharded()
-
     def _post_backward(self) -> None:
         for g in self.groups:
             self._pushes += g.push_grad(self._push_stream)
             g.to_sharded()
+        late = [(g, i, p) for p, (g, i) in self._slot_of.items() if p.grad is not None]  # see [grad-buffers]
+        for g, i, p in late:
+            g.add_grad(i, p.grad)
+            p.grad = None
+        for g in dict.fromkeys(g for g, _, _ in late):
+            self._pushes += g.push_grad(self._push_stream)
         self._phase = TrainingPhase.IDLE
 
     def wait_pushes(self) -> None:
