@@ -45,7 +45,8 @@ from odcfsdp.data.packing import empty_micro_batch, pack
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
-from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
+from odcfsdp.models.attention import ATTENTION_BACKENDS
+from odcfsdp.models.attention import warm_attention as warm_attention_plans
 from odcfsdp.models.llama import DecoderLayer
 from odcfsdp.train import PEAK_TFLOPS
 
@@ -151,6 +152,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     # cuDNN attention plans for every document length of the run, built before any method is timed
     # (once per process; see [attention-kernels]).
     all_steps = args.warmup + args.steps + (method in args.profile)
+    warm_attention = warm_attention_plans if args.warm_attention else (lambda *a: 0)
     warm_attention([source[i].truncated(cap + 1).n_inputs for i in range(all_steps * args.batch)],
                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device, cfg.attention_backend)
     with torch.device(device):
@@ -437,6 +439,8 @@ def parse(argv=None):
                         "backend (inductor when given without one); the warm-up steps absorb compilation")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention kernels for every method (auto: cuDNN on Hopper, documents padded to buckets)")
+    p.add_argument("--no-warm-attention", dest="warm_attention", action="store_false",
+                   help="do not build cuDNN attention plans before the runs (the first method meeting a length pays)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/e2e")
