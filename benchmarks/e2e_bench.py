@@ -45,8 +45,7 @@ from odcfsdp.data.packing import empty_micro_batch, pack
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
-from odcfsdp.models.attention import ATTENTION_BACKENDS
-from odcfsdp.models.attention import warm_attention as warm_attention_plans
+from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
 from odcfsdp.models.llama import DecoderLayer
 from odcfsdp.train import PEAK_TFLOPS
 
@@ -148,13 +147,12 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     if cuda:
         torch.cuda.empty_cache()
     leftover = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
+    if args.warm_attention:  # cuDNN attention plans for every document length of the run, built before any
+        # method is timed (once per process; see [attention-kernels])
+        all_steps = args.warmup + args.steps + (method in args.profile)
+        warm_attention([source[i].truncated(cap + 1).n_inputs for i in range(all_steps * args.batch)],
+                       cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device, cfg.attention_backend)
     torch.manual_seed(args.seed)
-    # cuDNN attention plans for every document length of the run, built before any method is timed
-    # (once per process; see [attention-kernels]).
-    all_steps = args.warmup + args.steps + (method in args.profile)
-    warm_attention = warm_attention_plans if args.warm_attention else (lambda *a: 0)
-    warm_attention([source[i].truncated(cap + 1).n_inputs for i in range(all_steps * args.batch)],
-                   cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device, cfg.attention_backend)
     with torch.device(device):
         model = Llama(cfg)
     wrapped, opt_step, autocast, loss_scale = wrap(method, model, device, args)

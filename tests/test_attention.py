@@ -82,7 +82,10 @@ def test_gpu_cudnn_padded_documents_match_flash_attention():
     for backend in ("cudnn", "flash"):
         out = causal_attention(q, k, v, lengths, backend)
         results[backend] = [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
-    assert warm_attention(lengths, 32, 8, 64, q.device, "cudnn") == 4  # 4096, 1024, 8192, 128
+    rng = torch.cuda.get_rng_state()
+    assert warm_attention(lengths + [300], 32, 8, 64, q.device, "cudnn") == 5  # 4096, 1024, 8192, 128, 384
+    assert warm_attention([290], 32, 8, 64, q.device, "cudnn") == 0  # built already
+    assert torch.equal(rng, torch.cuda.get_rng_state())  # a model initialised next gets the same weights
     # The two kernels order their sums differently: agreement to bf16 rounding (measured ~3e-3 of the max).
     for got, want in zip(results["cudnn"], results["flash"]):
         assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2

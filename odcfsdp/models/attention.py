@@ -99,10 +99,10 @@ def warm_attention(lengths, heads: int, kv_heads: int, head_dim: int, device: to
     key = (heads, kv_heads, head_dim, device, dtype)
     buckets = sorted({bucket_length(n) for n in lengths} - _WARMED.get(key, set()))
     _WARMED.setdefault(key, set()).update(buckets)
+    gen = torch.Generator(device).manual_seed(0)  # the global generators stay untouched (model init follows)
     for n in buckets:
-        q = torch.randn(1, heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
-        k = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
-        v = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
+        q, k, v = (torch.randn(1, h, n, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+                   for h in (heads, kv_heads, kv_heads))
         causal_attention(q, k, v, backend=backend).sum().backward()
     torch.cuda.synchronize(device)
     return len(buckets)
