@@ -59,8 +59,12 @@ def build_source(cfg: TrainConfig):
     return JsonlSource(d.path, tokenizer, d.micro_batch_tokens + 1, cfg.run.seed), tokenizer.vocab_size
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, CostModel]:
-    """The unwrapped model and its FLOP-based cost model (a * s^2 + b * s per sequence)."""
+def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, CostModel, CostModel]:
+    """The unwrapped model, its training FLOPs per sequence (for MFU) and the balancers' cost model.
+
+    Both are ``a * s**2 + b * s``; the balancers' one weighs attention by
+    ``balance.attention_cost_factor`` unless ``balance.cost_a`` / ``cost_b`` set it.
+    """
     if cfg.model.name == "hf":
         from .models.hf import HFCausalLM
 
@@ -74,9 +78,11 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, Cos
             **cfg.model.overrides})
         model = Llama(lcfg)
         dim, layers, matmul = lcfg.dim, lcfg.n_layers, lcfg.matmul_params()
-    cost = CostModel.for_transformer(layers, dim, matmul)
+    flops = CostModel.for_transformer(layers, dim, matmul)
     b = cfg.balance
-    return model, CostModel(b.cost_a if b.cost_a is not None else cost.a, b.cost_b if b.cost_b is not None else cost.b)
+    timed = CostModel.for_transformer(layers, dim, matmul, b.attention_cost_factor)
+    return model, flops, CostModel(b.cost_a if b.cost_a is not None else timed.a,
+                                   b.cost_b if b.cost_b is not None else timed.b)
 
 
 def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
@@ -128,7 +134,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     source, vocab = build_source(cfg)
     torch.manual_seed(cfg.run.seed)  # every rank builds the same initial model
     with torch.device(device):
-        model, cost = build_model(cfg, vocab)
+        model, flops, cost = build_model(cfg, vocab)
     s = cfg.shard
     model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
@@ -172,7 +178,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         norm = opt.step(max_norm=o.max_norm)
         step_s = time.perf_counter() - t_step
         my_tokens = sum(sizes[i] for mb in mine for i in mb)
-        my_flops = sum(cost(sizes[i]) for mb in mine for i in mb)
+        my_flops = sum(flops(sizes[i]) for mb in mine for i in mb)
         local = torch.tensor([loss_sum.item(), compute_s, opt.last_wait_s, len(mine), my_tokens, my_flops, step_s],
                              dtype=torch.float64, device=model.transport.device)
         table = model.transport.all_gather_rows(local).cpu()  # after the step: ranks are together anyway

@@ -69,3 +69,7 @@ def test_cost_model_is_quadratic_in_length():
     assert c(10) == 2 * 100 + 30
     flops = CostModel.for_transformer(n_layers=2, dim=8, matmul_params=100)
     assert flops(4) == 6 * 2 * 8 * 16 + 6 * 100 * 4
+    timed = CostModel.for_transformer(n_layers=2, dim=8, matmul_params=100, attention_factor=1.5)
+    assert timed(4) == 1.5 * 6 * 2 * 8 * 16 + 6 * 100 * 4  # only attention is reweighted
+    with pytest.raises(ValueError, match="attention_factor must be > 0"):
+        CostModel.for_transformer(n_layers=2, dim=8, matmul_params=100, attention_factor=0)

@@ -35,13 +35,19 @@ class CostModel:
         return self.a * s * s + self.b * s
 
     @classmethod
-    def for_transformer(cls, n_layers: int, dim: int, matmul_params: int) -> "CostModel":
+    def for_transformer(cls, n_layers: int, dim: int, matmul_params: int, attention_factor: float = 1.0) -> "CostModel":
         """Training FLOPs: 6 per matmul parameter per token, plus causal attention.
 
         Attention scores and values take 4 * s^2 * dim FLOPs per layer forward, half of
         them masked out by causality; backward doubles forward: 6 * s^2 * dim per layer.
+        ``attention_factor`` weighs an attention FLOP against a matmul FLOP, for a cost
+        that tracks time rather than FLOPs: attention kernels run at a lower rate than
+        large matmuls (on H200 with cuDNN attention a fit of measured compute times gave
+        1.8; ``results/e2e/``). Keep 1.0 where the model's FLOPs are wanted (MFU).
         """
-        return cls(a=6.0 * n_layers * dim, b=6.0 * matmul_params)
+        if attention_factor <= 0:
+            raise ValueError(f"attention_factor must be > 0, got {attention_factor}")
+        return cls(a=6.0 * n_layers * dim * attention_factor, b=6.0 * matmul_params)
 
 
 Plan = list[list[list[int]]]  # plan[rank][micro_batch] = positions in the minibatch
