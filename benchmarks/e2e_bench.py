@@ -207,9 +207,9 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                 except Exception as e:  # noqa: BLE001 - a profiler API change must not lose the run's timings
                     profile = {"error": f"{type(e).__name__}: {e}"}
                 continue
-            local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(sizes[i] for m in mine for i in m),
-                                  sum(cost(sizes[i]) for m in mine for i in m), t_issued - t0,
-                                  sum(flops(sizes[i]) for m in mine for i in m)],
+            my_sizes = [sizes[i] for m in mine for i in m]
+            local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(my_sizes),
+                                  sum(map(cost, my_sizes)), t_issued - t0, sum(map(flops, my_sizes))],
                                  dtype=torch.float64, device=device)
             table = [torch.zeros_like(local) for _ in range(world)]
             dist.all_gather(table, local)

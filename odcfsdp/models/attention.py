@@ -60,15 +60,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_leng
     None means one document. Grouped heads (H a multiple of H_kv) are handled here.
     Returns (B, H, S, D).
     """
-    grouped = q.shape[1] != k.shape[1]
     if not q.is_cuda:  # the math kernel: repeating keys costs nothing extra there
-        if grouped:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return _per_document(q, k, v, doc_lengths, contextlib.nullcontext, pad=False, gqa=False)
+        return _per_document(q, *repeat_kv(q, k, v), doc_lengths, contextlib.nullcontext, pad=False, gqa=False)
     cudnn = _uses_cudnn(backend, q.device.index)
     kernels = functools.partial(sdpa_kernel, _CUDNN_FIRST if cudnn else _FLASH_FIRST, set_priority=True)
-    return _per_document(q, k, v, doc_lengths, kernels, pad=cudnn, gqa=grouped)
+    return _per_document(q, k, v, doc_lengths, kernels, pad=cudnn, gqa=q.shape[1] != k.shape[1])
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values with each head repeated to match the query heads (for kernels without grouped heads)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
 def _per_document(q, k, v, doc_lengths, kernels, pad: bool, gqa: bool) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import ATTENTION_BACKENDS, causal_attention
+from .attention import ATTENTION_BACKENDS, causal_attention, repeat_kv
+
 
 @dataclass
 class LlamaConfig:
@@ -164,9 +165,7 @@ class Attention(nn.Module):
         if mask is None:
             out = causal_attention(q, k, v, doc_lengths, self.backend)
         else:  # a dense mask: no kernel takes grouped heads with one, so repeat keys and values
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), attn_mask=mask)
         return out.transpose(1, 2).reshape(b, s, -1)
 
     def forward(self, x, cos, sin, mask, doc_lengths=None):

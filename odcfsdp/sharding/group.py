@@ -34,6 +34,14 @@ from .layout import GroupLayout
 from .transport import Transport
 
 
+def _after_current(stream: torch.cuda.Stream | None):
+    """Context running on ``stream`` after the work queued so far on the current stream (None: stay)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
+
+
 class GroupState(enum.Enum):
     """Whether a group's full values are materialised on this rank."""
 
@@ -141,12 +149,9 @@ class FlatGroup:
             # (when the block's previous user is done), which is the site before the one it serves:
             # the gather still overlaps the current site's compute.
             self.unsharded.untyped_storage().resize_(self._unsharded_nbytes)
-            if stream is None:
+            with _after_current(stream):
                 self.transport.gather(self.index, self.unsharded)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(stream.device))
-                with torch.cuda.stream(stream):
-                    self.transport.gather(self.index, self.unsharded)
+                if stream is not None:
                     self._ready = torch.cuda.Event()
                     self._ready.record(stream)
         self.state = GroupState.UNSHARDED
@@ -193,14 +198,10 @@ class FlatGroup:
         """
         if self.grad is None:
             return False
-        with torch.no_grad():
-            if stream is None:
-                self.transport.scatter_accumulate(self.index, self.grad)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(stream.device))
-                with torch.cuda.stream(stream):
-                    self.transport.scatter_accumulate(self.index, self.grad)
-                self.grad.record_stream(stream)  # freed only once the push has read it
+        with torch.no_grad(), _after_current(stream):
+            self.transport.scatter_accumulate(self.index, self.grad)
+        if stream is not None:
+            self.grad.record_stream(stream)  # freed only once the push has read it
         self.grad = None
         for i in self._trained:
             self.params[i].grad = None
