@@ -57,11 +57,10 @@ def main() -> None:
         inner = Llama(cfg)
     model = ODCShard(inner, comm="nvshmem", device=device)
     with torch.no_grad():  # give the rows real values without building the model anywhere
-        for row in model.transport.rows:
-            row.normal_(0, 0.02)
         for g in model.groups:
+            g.row.normal_(0, 0.02)
             with g.updating_master() as master:
-                master.copy_(model.transport.rows[g.index])
+                master.copy_(g.row)
     opt = optim.AdamW(model, lr=1e-4)
     x = torch.randint(0, args.vocab, (1, 2048), device=device)
     causal_lm_loss(model(x), x).backward()

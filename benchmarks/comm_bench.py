@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from odcfsdp.launch import init_torchrun
 from odcfsdp.sharding.layout import plan_groups
+from odcfsdp.sharding.mesh import ShardMesh
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 from odcfsdp.sharding.transport.nvshmem import NvshmemTransport
 
@@ -100,8 +101,9 @@ def measure(fn, iters: int, group_bytes: int, world: int) -> dict:
 
 def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, iters: int) -> dict:
     layout = block_layout(group_bytes, world)
-    odc = NvshmemTransport(rank, world, device, None)
-    nccl = CollectiveTransport(rank, world, device, None)
+    mesh = ShardMesh(device)
+    odc = NvshmemTransport(mesh)
+    nccl = CollectiveTransport(mesh)
     for t in (odc, nccl):
         t.setup([layout], torch.bfloat16, torch.float32)
     gen = torch.Generator(device=device).manual_seed(rank)

@@ -19,7 +19,7 @@ from .data.balance import BALANCERS
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
 from .models.llama import LLAMA_SIZES
-from .sharding.transport import COMM_CHOICES
+from .sharding.transport import COMM_CHOICES, is_one_sided
 
 
 @dataclass
@@ -176,8 +176,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.compile and (cfg.model.name != "llama" or "DecoderLayer" not in cfg.shard.units):
         raise ValueError("model.compile=true needs model.name=llama and shard.units=[DecoderLayer] (compiled layers "
                          "must find all their parameters gathered when they start)")
-    if cfg.shard.comm == "collective" and cfg.balance.kind != "lb_micro":
+    if not is_one_sided(cfg.shard.comm) and cfg.balance.kind != "lb_micro":
         raise ValueError(
-            f"shard.comm=collective needs equal micro-batch counts per rank: use balance.kind=lb_micro, "
+            f"shard.comm={cfg.shard.comm} needs equal micro-batch counts per rank: use balance.kind=lb_micro, "
             f"or a one-sided transport (shard.comm=auto) for balance.kind={cfg.balance.kind}"
         )

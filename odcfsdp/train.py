@@ -180,8 +180,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         my_tokens = sum(sizes[i] for mb in mine for i in mb)
         my_flops = sum(flops(sizes[i]) for mb in mine for i in mb)
         local = torch.tensor([loss_sum.item(), compute_s, opt.last_wait_s, len(mine), my_tokens, my_flops, step_s],
-                             dtype=torch.float64, device=model.transport.device)
-        table = model.transport.all_gather_rows(local).cpu()  # after the step: ranks are together anyway
+                             dtype=torch.float64, device=model.mesh.device)
+        table = model.mesh.all_gather_rows(local).cpu()  # after the step: ranks are together anyway
         step_wall = table[:, 6].max().item()
         tokens = int(table[:, 4].sum())
         alloc, reserved = _peak_memory_gib(device)

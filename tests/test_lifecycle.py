@@ -107,9 +107,9 @@ def test_load_full_state_dict_roundtrip():
 def _two_rank_memory():
     """Per-rank resident bytes: row + master share one tensor in fp32, so ~P/N per group."""
     model = ODCShard(llama(), group_bytes=8 << 10)
-    rows = sum(r.numel() for r in model.transport.rows)
-    accs = sum(a.numel() for a in model.transport.accumulators if a is not None)
-    master_is_row = all(g.read_master() is model.transport.rows[g.index] for g in model.groups)
+    rows = sum(g.row.numel() for g in model.groups)
+    accs = sum(g.accumulator.numel() for g in model.groups if g.accumulator is not None)
+    master_is_row = all(g.read_master() is g.row for g in model.groups)
     return rows, accs, master_is_row, CFG.num_params()
 
 
@@ -126,7 +126,7 @@ def test_frozen_groups_have_no_accumulator_and_do_not_move():
     before = copy.deepcopy(inner[0].state_dict())
     model = ODCShard(inner, group_bytes=1 << 20)
     assert [g.layout.requires_grad for g in model.groups] == [False, True]
-    assert model.transport.accumulators[0] is None
+    assert model.groups[0].accumulator is None
     opt = optim.AdamW(model, lr=0.1, weight_decay=0.5)
     for _ in range(3):
         model(torch.randn(3, 4)).sum().backward()
@@ -139,10 +139,10 @@ def test_bf16_compute_keeps_fp32_masters():
     """param_dtype=bf16: compute in bf16, but updates smaller than a bf16 ulp still land in the fp32 masters."""
     ref = llama()
     model = ODCShard(copy.deepcopy(ref), group_bytes=8 << 10, param_dtype=torch.bfloat16)
-    assert all(r.dtype == torch.bfloat16 for r in model.transport.rows)
+    assert all(g.row.dtype == torch.bfloat16 for g in model.groups)
     assert all(g.master_dtype == torch.float32 and g.split for g in model.groups)
     assert all(g.master_lo.dtype == torch.int16 for g in model.groups)  # the row holds the upper half
-    assert all(a.dtype == torch.float32 for a in model.transport.accumulators)
+    assert all(g.accumulator.dtype == torch.float32 for g in model.groups)
     x = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         got = model(x)
@@ -158,7 +158,7 @@ def test_bf16_compute_keeps_fp32_masters():
     moved = (state[w] - ref.get_parameter(w)).abs()
     assert 0.5e-5 < moved.max() < 2e-5  # the fp32 master moved by ~lr ...
     for g in model.groups:  # ... while the communicated row is the master rounded to bf16
-        master, row = g.read_master(), model.transport.rows[g.index]
+        master, row = g.read_master(), g.row
         off = row.float() != master.to(torch.bfloat16).float()
         # to nearest; at exact ties away from zero rather than to even (see [split-master])
         assert ((master.view(torch.int32)[off] & 0xFFFF) == 0x8000).all()
@@ -181,7 +181,7 @@ def grads_by_name(model: ODCShard) -> dict[str, torch.Tensor]:
     """N = 1: accumulator rows hold the full gradients, in the unsharded layout."""
     out = {}
     for g in model.groups:
-        acc = model.transport.accumulators[g.index]
+        acc = g.accumulator
         if acc is not None:
             for i, s in enumerate(g.layout.slots):
                 out[s.name] = g.layout.param_view(acc, i).clone()

@@ -12,13 +12,14 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard
 from odcfsdp.launch import spawn
+from odcfsdp.sharding.mesh import ShardMesh
 from odcfsdp.sharding.transport.shm import ShmHeap, shm_dir, sweep_stale_heaps
 from parity import ParityModel
 
 
 def _heap_roundtrip() -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    heap = ShmHeap(4096, rank, world, None)
+    heap = ShmHeap(4096, ShardMesh(torch.device("cpu")))
     heap.view(rank, 0, 4, torch.float32).fill_(rank + 1)
     dist.barrier()
     seen = [heap.view(q, 0, 4, torch.float32).sum().item() for q in range(world)]
@@ -46,7 +47,7 @@ def _crash_after_setup() -> None:
     model(x).sum().backward()
     if dist.get_rank() == 1:
         os._exit(3)  # die without any clean-up
-    model.transport.barrier()  # rank 0 waits for a peer that is gone
+    model.mesh.barrier()  # rank 0 waits for a peer that is gone
 
 
 def test_crash_leaves_no_files():
@@ -69,7 +70,7 @@ def test_stale_files_of_dead_processes_are_swept(tmp_path):
 
 @pytest.mark.gpu
 def test_shm_refuses_cuda_models():
-    with pytest.raises(ValueError, match="comm='shm' needs CPU tensors"):
+    with pytest.raises(ValueError, match="comm='shm' moves cpu tensors, the model is on cuda"):
         ODCShard(torch.nn.Linear(4, 4).cuda(), comm="shm")
 
 

@@ -50,10 +50,10 @@ def test_units_hook_fewer_sites_and_match_module_hooks():
         inner.load_state_dict(state)
         model = ODCShard(inner, group_bytes=2 << 10, units=units)
         causal_lm_loss(model(x), x).backward()
-        grads.append([model.transport.accumulators[g.index].clone() for g in model.groups])
+        grads.append([g.accumulator.clone() for g in model.groups])
         # embedding, final norm and head each a site; the layers one site each or 9 modules each;
         # two hooks per site and none per parameter (see [grad-buffers])
-        assert len(model._hooks) == 2 * (3 + CFG.n_layers * (1 if units else 9))
+        assert len(model._driver.handles) == 2 * (3 + CFG.n_layers * (1 if units else 9))
         model.close()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,4 +1,4 @@
-"""File helpers for checkpoints: checksums, durable writes, and small cross-rank exchanges."""
+"""File helpers for checkpoints: checksums and durable writes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import os
 import zlib
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 CHUNK = 16 << 20
 
@@ -39,21 +37,3 @@ def write_json_durably(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def all_gather_object(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj`` (a single-process run gets ``[obj]``)."""
-    if world_size == 1:
-        return [obj]
-    out = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: Any, world_size: int) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

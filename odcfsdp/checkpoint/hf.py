@@ -109,7 +109,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
             next_shard += 1
 
     for g in model.groups:
-        full = g.layout.unpack(model.transport.all_gather_rows(g.read_master()))  # collective, every rank
+        full = g.layout.unpack(model.mesh.all_gather_rows(g.read_master()))  # collective, every rank
         if rank == 0:
             for i, s in enumerate(g.layout.slots):
                 pending[s.name] = g.layout.param_view(full, i).to(dtype or g.layout.dtype).cpu().clone()
@@ -125,7 +125,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
         if config is not None:
             config["torch_dtype"] = str(dtype or model.layouts[0].dtype).removeprefix("torch.")
             (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    model.transport.barrier()
+    model.mesh.barrier()
     return written
 
 
@@ -147,31 +147,28 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
     path = Path(path)
     where = _weight_map(path)
     handles: dict[Path, object] = {}
-    model.reshard_all()
-    model.transport.barrier()  # nobody reads rows while they change
-    for g in model.groups:
-        with g.updating_master() as master:
-            for s in g.layout.slots:
-                key = name_map(s.name)
-                if key not in where:
-                    raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
-                file = where[key]
-                if file not in handles:
-                    handles[file] = safe_open(str(file), framework="pt")
-                f = handles[file]
-                sl = f.get_slice(key)
-                if tuple(sl.get_shape()) != s.shape:
-                    raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's {s.name!r} "
-                                          f"has {s.shape}")
-                lo = model.rank * s.seg
-                hi = min(lo + s.seg, s.numel)
-                dest = master[s.offset : s.offset + s.seg]
-                dest.zero_()
-                if hi <= lo:
-                    continue
-                inner = math.prod(s.shape[1:]) if len(s.shape) > 1 else 1
-                first, last = lo // inner, -(-hi // inner)  # rows of the tensor that cover [lo, hi)
-                block = (sl[first:last] if s.shape else f.get_tensor(key)).reshape(-1)
-                dest[: hi - lo].copy_(block[lo - first * inner : hi - first * inner])
-    model.after_update()
-    model.transport.barrier()
+    with model.protocol.rows_changing():
+        for g in model.groups:
+            with g.updating_master() as master:
+                for s in g.layout.slots:
+                    key = name_map(s.name)
+                    if key not in where:
+                        raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
+                    file = where[key]
+                    if file not in handles:
+                        handles[file] = safe_open(str(file), framework="pt")
+                    f = handles[file]
+                    sl = f.get_slice(key)
+                    if tuple(sl.get_shape()) != s.shape:
+                        raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
+                                              f"{s.name!r} has {s.shape}")
+                    lo = model.rank * s.seg
+                    hi = min(lo + s.seg, s.numel)
+                    dest = master[s.offset : s.offset + s.seg]
+                    dest.zero_()
+                    if hi <= lo:
+                        continue
+                    inner = math.prod(s.shape[1:]) if len(s.shape) > 1 else 1
+                    first, last = lo // inner, -(-hi // inner)  # rows of the tensor that cover [lo, hi)
+                    block = (sl[first:last] if s.shape else f.get_tensor(key)).reshape(-1)
+                    dest[: hi - lo].copy_(block[lo - first * inner : hi - first * inner])

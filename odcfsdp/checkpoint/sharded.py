@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from ..optim.adamw import AdamW
 from ..sharding.shard import ODCShard
-from .files import all_gather_object, broadcast_object, crc32_of, fsync_path, write_json_durably
+from .files import crc32_of, fsync_path, write_json_durably
 from .manifest import FORMAT, MANIFEST, VERSION, CheckpointError, check_params, rank_file, read_manifest
 
 _COMPLETE = re.compile(r"^step_(\d{8})$")
@@ -118,13 +118,13 @@ def save_checkpoint(
     Call it between optimizer steps. ``config`` and ``extra`` (e.g. the data
     position) are stored in the manifest. Returns the checkpoint's path.
     """
-    pending = model.transport.all_reduce_sum(
-        torch.tensor([float(model.pending_pushes)], device=model.transport.device))
+    mesh = model.mesh
+    pending = mesh.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
     if pending.item():  # decided together: a rank raising alone would leave the others waiting
         raise CheckpointError("save_checkpoint was called with gradients pending; save between optimizer steps")
     directory = Path(directory)
     rank, world = model.rank, model.world_size
-    token = broadcast_object(secrets.token_hex(4), world)
+    token = mesh.broadcast_object(secrets.token_hex(4))
     final = directory / f"step_{step:08d}"
     tmp = directory / f"{final.name}.tmp-{token}"
     if rank == 0:
@@ -133,7 +133,7 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     model.reshard_all()
-    model.transport.barrier()
+    mesh.barrier()
 
     tensors: dict[str, torch.Tensor] = {}
     moments = _moments(optimizer)
@@ -149,12 +149,12 @@ def save_checkpoint(
         for name, buf in model.persistent_buffers().items():
             tensors[f"__buffer__/{name}"] = buf.detach().cpu()
     tensors["__rng__/torch"] = torch.get_rng_state()
-    if model.transport.device.type == "cuda":
-        tensors["__rng__/cuda"] = torch.cuda.get_rng_state(model.transport.device)
+    if mesh.device.type == "cuda":
+        tensors["__rng__/cuda"] = torch.cuda.get_rng_state(mesh.device)
     path = tmp / rank_file(rank)
     save_file(tensors, path, metadata={"rank": str(rank), "python_random": json.dumps(random.getstate())})
     fsync_path(path)
-    files = all_gather_object({"file": path.name, "bytes": path.stat().st_size, "crc32": crc32_of(path)}, world)
+    files = mesh.all_gather_object({"file": path.name, "bytes": path.stat().st_size, "crc32": crc32_of(path)})
 
     if rank == 0:
         manifest = {
@@ -186,7 +186,7 @@ def save_checkpoint(
                 shutil.rmtree(old)
                 for leftover in directory.glob(f"{old.name.split('.')[0]}.tmp-*"):
                     shutil.rmtree(leftover, ignore_errors=True)
-    model.transport.barrier()
+    mesh.barrier()
     return final
 
 
@@ -239,37 +239,34 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: AdamW | None =
     moments = _moments(optimizer)
     rank = model.rank
 
-    model.reshard_all()
-    model.transport.barrier()  # nobody reads rows while they change
-    for g in model.groups:
-        with g.updating_master() as master:
-            rows = {"master": master, **dict(zip(MOMENTS, moments.get(g.index, ())))}
-            for s in g.layout.slots:
-                lo, hi = _segment(s.numel, s.seg, rank)
-                for kind, row in rows.items():
-                    dest = row[s.offset : s.offset + s.seg]
-                    dest.zero_()  # padding past the parameter's end stays zero
-                    seg = old_seg[s.name]
-                    for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
-                        qlo, qhi = _segment(s.numel, seg, q)
-                        a, b = max(lo, qlo), min(hi, qhi)
-                        if a < b:
-                            dest[a - lo : b - lo].copy_(files.read(q, f"{s.name}/{kind}", a - qlo, b - qlo))
-    buffers = model.persistent_buffers()
-    if buffers:
-        f0 = files.get(0)
-        for name, buf in buffers.items():
-            key = f"__buffer__/{name}"
-            if key not in f0.keys():
-                raise CheckpointError(f"{path / rank_file(0)}: buffer {name!r} of the model is not in the checkpoint")
-            with torch.no_grad():
-                buf.copy_(f0.get_tensor(key))
-    if optimizer is not None:
-        optimizer.step_count = manifest["optimizer"]["step_count"]
-    if old_world == model.world_size:
-        _restore_rng(files.get(rank), model.transport.device)
-    model.after_update()
-    model.transport.barrier()
+    with model.protocol.rows_changing():
+        for g in model.groups:
+            with g.updating_master() as master:
+                rows = {"master": master, **dict(zip(MOMENTS, moments.get(g.index, ())))}
+                for s in g.layout.slots:
+                    lo, hi = _segment(s.numel, s.seg, rank)
+                    for kind, row in rows.items():
+                        dest = row[s.offset : s.offset + s.seg]
+                        dest.zero_()  # padding past the parameter's end stays zero
+                        seg = old_seg[s.name]
+                        for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
+                            qlo, qhi = _segment(s.numel, seg, q)
+                            a, b = max(lo, qlo), min(hi, qhi)
+                            if a < b:
+                                dest[a - lo : b - lo].copy_(files.read(q, f"{s.name}/{kind}", a - qlo, b - qlo))
+        buffers = model.persistent_buffers()
+        if buffers:
+            f0 = files.get(0)
+            for name, buf in buffers.items():
+                key = f"__buffer__/{name}"
+                if key not in f0.keys():
+                    raise CheckpointError(f"{path / rank_file(0)}: buffer {name!r} of the model is not in the checkpoint")
+                with torch.no_grad():
+                    buf.copy_(f0.get_tensor(key))
+        if optimizer is not None:
+            optimizer.step_count = manifest["optimizer"]["step_count"]
+        if old_world == model.world_size:
+            _restore_rng(files.get(rank), model.mesh.device)
     return manifest
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import time
 from typing import Callable, Iterable
 
 import torch
 
 from ..kernels.adamw import decay_runs, fused_adamw_
+from ..sharding.layout import align_elems
 from ..sharding.group import FlatGroup
 from ..sharding.layout import GroupLayout
 from ..sharding.shard import ODCShard
@@ -110,16 +110,17 @@ class AdamW:
         self.last_wait_s = 0.0  # time the last step spent waiting for the other ranks (phase 1)
         skip = _no_decay_predicate(no_decay)
         self.groups: list[FlatGroup] = [g for g in model.groups if g.layout.requires_grad]
-        rows = [model.transport.rows[g.index] for g in self.groups]
-        self.exp_avg = [torch.zeros_like(r, dtype=g.master_dtype) for r, g in zip(rows, self.groups)]
-        self.exp_avg_sq = [torch.zeros_like(r, dtype=g.master_dtype) for r, g in zip(rows, self.groups)]
+        self.exp_avg = [torch.zeros_like(g.row, dtype=g.master_dtype) for g in self.groups]
+        self.exp_avg_sq = [torch.zeros_like(g.row, dtype=g.master_dtype) for g in self.groups]
         self.decay_ranges = [_decay_ranges(g.layout, skip) for g in self.groups]
-        device = model.transport.device
+        device = model.mesh.device
         self.fused = device.type == "cuda" if fused is None else fused
         if self.fused and any(g.master_dtype != torch.float32 for g in self.groups):
             raise ValueError("fused AdamW needs fp32 master rows; pass fused=False for float64 models")
         self._runs = [decay_runs(g.layout.row_len, r, self.FUSED_BLOCK, device) for g, r in
                       zip(self.groups, self.decay_ranges)] if self.fused else []
+        # Runs start and end on segment bounds, which are 16-byte aligned in the row and master dtypes.
+        self._align = [max(align_elems(g.layout.dtype), align_elems(g.row.dtype)) for g in self.groups]
 
     @property
     def lr(self) -> float:
@@ -129,21 +130,20 @@ class AdamW:
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> torch.Tensor:
         """Apply one update from the accumulated gradients; return the pre-clip global norm."""
-        model, transport = self.model, self.model.transport
-        model.reshard_all()  # rows are about to change; full copies would go stale
-        t0 = time.perf_counter()
-        model.wait_pushes()
-        transport.finish_pushes()
-        transport.barrier()
-        self.last_wait_s = time.perf_counter() - t0
+        protocol = self.model.protocol
+        with protocol.rows_changing():
+            self.last_wait_s = protocol.last_wait_s
+            return self._update(max_norm)
 
-        accs = [transport.accumulators[g.index] for g in self.groups]
+    def _update(self, max_norm: float | None) -> torch.Tensor:
+        protocol = self.model.protocol
+        accs = [g.accumulator for g in self.groups]
         dtype = accs[0].dtype if accs else torch.float32
-        stats = torch.zeros(2, dtype=dtype, device=transport.device)
+        stats = torch.zeros(2, dtype=dtype, device=protocol.mesh.device)
         if accs:
             stats[0] = torch.stack(torch._foreach_norm(accs)).square().sum()
-        stats[1] = model.consume_push_count()
-        transport.all_reduce_sum(stats)
+        stats[1] = protocol.consume_push_count()
+        protocol.mesh.all_reduce_sum(stats)
         if stats[1].item() == 0:
             raise RuntimeError("optimizer step() called, but no rank ran backward since the last step")
         norm = stats[0].sqrt()
@@ -153,15 +153,13 @@ class AdamW:
         self.step_count += 1
         if self.fused:
             ones = torch.ones((), device=norm.device)
-            for g, grad, m, v, runs in zip(self.groups, accs, self.exp_avg, self.exp_avg_sq, self._runs):
-                row = transport.rows[g.index]
+            for g, grad, m, v, runs, align in zip(self.groups, accs, self.exp_avg, self.exp_avg_sq, self._runs,
+                                                  self._align):
                 master = None if g.split else g.read_master()
-                fused_adamw_(master, m, v, grad, None if row is master else row, runs,
+                fused_adamw_(master, m, v, grad, None if g.row is master else g.row, runs,
                              coef if coef is not None else ones, lr=lr, beta1=beta1, beta2=beta2, eps=self.eps,
                              weight_decay=self.weight_decay, step=self.step_count, block=self.FUSED_BLOCK,
-                             master_lo=g.master_lo)
-            model.after_update()
-            transport.barrier()
+                             master_lo=g.master_lo, align=align)
             return norm
         if coef is not None:
             torch._foreach_mul_(accs, coef)
@@ -177,17 +175,14 @@ class AdamW:
                 denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
                 p.addcdiv_(m, denom, value=-lr / bc1)
             grad.zero_()
-        model.after_update()
-        transport.barrier()
         return norm
 
     def full_state_dict(self) -> dict:
         """Step count and full per-parameter moments (collective: every rank calls it; for inspection)."""
         state = {"step_count": self.step_count, "exp_avg": {}, "exp_avg_sq": {}}
-        transport = self.model.transport
         for g, m, v in zip(self.groups, self.exp_avg, self.exp_avg_sq):
             for key, row in (("exp_avg", m), ("exp_avg_sq", v)):
-                full = g.layout.unpack(transport.all_gather_rows(row))
+                full = g.layout.unpack(self.model.mesh.all_gather_rows(row))
                 for i, s in enumerate(g.layout.slots):
                     state[key][s.name] = g.layout.param_view(full, i).clone()
         return state
@@ -203,11 +198,8 @@ class AdamW:
 
     def discard_gradients(self) -> None:
         """Drop every gradient accumulated since the last step (collective: all ranks call it)."""
-        transport = self.model.transport
-        self.model.consume_push_count()
-        self.model.wait_pushes()
-        transport.finish_pushes()
-        transport.barrier()
-        for g in self.groups:
-            transport.accumulators[g.index].zero_()
-        transport.barrier()
+        protocol = self.model.protocol
+        with protocol.rows_changing():
+            protocol.consume_push_count()
+            for g in self.groups:
+                g.accumulator.zero_()

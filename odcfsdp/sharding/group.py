@@ -10,6 +10,19 @@ backward; because those references share the storage, a re-gather before backwar
 makes them valid again without autograd noticing (the parameters' version counters
 are their own, not the buffer's, so the in-place refill trips no check).
 
+Design note [grad-buffers]
+--------------------------
+A trained parameter's ``.grad`` is, during backward, a view of its group's
+parameter-major gradient buffer, so autograd's own gradient accumulation adds into
+the buffer in place: no Python runs per parameter (a post-accumulate-grad hook per
+parameter cost ~0.1 ms of host time each, which made backward launch-bound). The
+post-backward of a site runs after the gradients of its parameters have been
+accumulated: autograd runs gradient accumulation first among the nodes that are
+ready together, which FSDP2 relies on too. A gradient that reaches a parameter after
+its group was pushed (a parameter used outside its site, after the site's backward)
+lands in a fresh ``.grad``; the end-of-backward callback collects it
+(``collect_late_grads``) and pushes it too, so nothing is lost, only pushed late.
+
 Design note [split-master]
 --------------------------
 With bf16 rows and fp32 masters, the master is not kept as a separate fp32 row: the
@@ -54,12 +67,16 @@ class GroupState(enum.Enum):
 class FlatGroup:
     """A flat group of parameters sharded row-wise over the ranks of a transport.
 
+    Storage, owned here: ``row`` (this rank's row, what peers gather; on the
+    transport's heap), ``accumulator`` (this rank's fp32 gradient accumulator row, what
+    peers push into; None for frozen groups) and the master row (``read_master``).
+
     Args:
         layout: the group's layout (see [layout]).
         params: the group's parameters, in slot order. Their current values become
             this rank's master row; they then become views into the unsharded
             buffer, which stays freed until ``to_unsharded`` is called.
-        transport: owns this rank's row and accumulator for the group.
+        transport: allocated this group's row and accumulator; moves them.
         master_dtype: dtype of the master row the optimizer updates (fp32 or wider).
     """
 
@@ -69,7 +86,9 @@ class FlatGroup:
         self.params = list(params)
         self.transport = transport
         self.index = layout.index
-        row = transport.rows[self.index]
+        self.rank = transport.rank
+        self.row = row = transport.rows[self.index]
+        self.accumulator = transport.accumulators[self.index]
         self.master_dtype = master_dtype
         self.split = row.dtype == torch.bfloat16 and master_dtype == torch.float32  # see [split-master]
         # With comm dtype == master dtype the row *is* the master: no second copy.
@@ -80,7 +99,8 @@ class FlatGroup:
         self.grad: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
         self._trained = [i for i, p in enumerate(params) if p.requires_grad]
-        # Modules of this group still to run in the current forward / backward pass.
+        self.sites = 0  # hook sites that use this group (set once the hooks are registered)
+        # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
         if not params[0].is_meta:  # a meta model has no values yet: rows stay zero until loaded
@@ -93,12 +113,12 @@ class FlatGroup:
     def load_full_(self, values: list[torch.Tensor]) -> None:
         """Set this rank's master row (and row) from full parameter values."""
         with self.updating_master() as master:
-            master.copy_(self.layout.shard_row(values, self.transport.rank, master.dtype))
+            master.copy_(self.layout.shard_row(values, self.rank, master.dtype))
 
     def read_master(self) -> torch.Tensor:
         """This rank's master row in ``master_dtype`` (treat as read-only: it may be the stored row itself)."""
         if self.split:
-            return join_master(self.transport.rows[self.index], self.master_lo)
+            return join_master(self.row, self.master_lo)
         return self._master
 
     @contextlib.contextmanager
@@ -106,15 +126,15 @@ class FlatGroup:
         """The master row to change in place; on exit it is stored and published to the communicated row."""
         master = self.read_master()
         yield master
-        row = self.transport.rows[self.index]
+        row = self.row
         if self.split:
             split_master_(master, row, self.master_lo)
         elif row is not master:
             row.copy_(master)
 
-    def release_master(self) -> None:
-        """Drop the master row (the wrapper is closing)."""
-        self._master = self.master_lo = None
+    def release(self) -> None:
+        """Drop the rows and buffers (the wrapper is closing; the transport frees the heap)."""
+        self._master = self.master_lo = self.row = self.accumulator = self.grad = None
 
     def bind_params(self) -> None:
         """Point every parameter at its view of the unsharded buffer.
@@ -130,6 +150,21 @@ class FlatGroup:
                 # [storage-resize]); .data assignment gives the parameter its own.
                 p = self.params[i] = nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
             p.data = view
+
+    # -- use counting ----------------------------------------------------------
+    def reset_uses(self) -> None:
+        """A forward pass starts: every site of the group is still to run, forward and backward."""
+        self.forward_uses_left = self.backward_uses_left = self.sites
+
+    def forward_use_done(self) -> bool:
+        """A site of the group finished its forward; True once it was the group's last."""
+        self.forward_uses_left -= 1
+        return self.forward_uses_left <= 0
+
+    def backward_use_done(self) -> bool:
+        """A site of the group finished its backward; True once it was the group's last."""
+        self.backward_uses_left -= 1
+        return self.backward_uses_left <= 0
 
     # -- state transitions -----------------------------------------------------
     def to_unsharded(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -189,6 +224,17 @@ class FlatGroup:
         if self.grad is None:
             self.grad = torch.zeros(self.layout.unsharded_numel, dtype=grad.dtype, device=grad.device)
         self.layout.param_view(self.grad, i).add_(grad)
+
+    def collect_late_grads(self) -> bool:
+        """Move gradients autograd left in parameters' own ``.grad`` into a buffer; True if there were any."""
+        found = False
+        for i in self._trained:
+            p = self.params[i]
+            if p.grad is not None:
+                self.add_grad(i, p.grad)
+                p.grad = None
+                found = True
+        return found
 
     def push_grad(self, stream: torch.cuda.Stream | None = None) -> bool:
         """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed.

@@ -1,42 +1,69 @@
-"""Transports: where rows live and how they move between ranks (see [transport])."""
+"""Transports: where rows live and how they move between ranks (see [transport]).
+
+The registry ``TRANSPORTS`` is the one list of transports: config choices
+(``COMM_CHOICES``), what ``comm="auto"`` picks, device checks, the rule that
+collective transports need equal micro-batch counts, and the README's transport
+table all derive from the classes' facts.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..mesh import ShardMesh
 from .base import Transport
 from .collective import CollectiveTransport
+from .nvshmem import NvshmemTransport
 from .one_sided import OneSidedTransport
 from .shm import ShmTransport
 
-COMM_CHOICES = ("auto", "collective", "shm", "nvshmem")
+#: every transport by name, in the order ``auto`` prefers them (one-sided first).
+TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (NvshmemTransport, ShmTransport, CollectiveTransport)}
+COMM_CHOICES: tuple[str, ...] = ("auto", *TRANSPORTS)
 
 
-def resolve_comm(comm: str, device: torch.device) -> str:
-    """``auto`` -> ``nvshmem`` on CUDA, ``shm`` on CPU; other names are checked and returned."""
+def transport_class(comm: str, device_type: str | None = None) -> type[Transport]:
+    """The transport ``comm`` names (``auto``: the first one-sided one for ``device_type``), checked against it."""
     if comm not in COMM_CHOICES:
         raise ValueError(f"comm={comm!r} is not a known transport; choose one of {COMM_CHOICES}")
     if comm == "auto":
-        return "nvshmem" if device.type == "cuda" else "shm"
-    return comm
+        if device_type is None:
+            raise ValueError("comm='auto' needs the device type to choose a transport")
+        return next(t for t in TRANSPORTS.values() if t.one_sided and device_type in t.devices)
+    cls = TRANSPORTS[comm]
+    if device_type is not None and device_type not in cls.devices:
+        fits = [t.name for t in TRANSPORTS.values() if device_type in t.devices]
+        raise ValueError(f"comm={comm!r} moves {' or '.join(cls.devices)} tensors, the model is on {device_type}; "
+                         f"use comm='auto' or one of {fits}")
+    return cls
 
 
-def make_transport(
-    comm: str, rank: int, world_size: int, device: torch.device, group: dist.ProcessGroup | None
-) -> Transport:
-    """Build the transport named ``comm`` (one of ``COMM_CHOICES``) for ``device``."""
-    comm = resolve_comm(comm, device)
-    if comm == "collective":
-        return CollectiveTransport(rank, world_size, device, group)
-    if comm == "shm":
-        return ShmTransport(rank, world_size, device, group)
-    from .nvshmem import NvshmemTransport  # CUDA-only dependencies load on demand
+def resolve_comm(comm: str, device: torch.device) -> str:
+    """The name of the transport ``comm`` stands for on ``device`` (``auto`` resolved)."""
+    return transport_class(comm, device.type).name
 
-    return NvshmemTransport(rank, world_size, device, group)
+
+def make_transport(comm: str, mesh: ShardMesh) -> Transport:
+    """Build the transport named ``comm`` (one of ``COMM_CHOICES``) for ``mesh``'s device."""
+    return transport_class(comm, mesh.device.type)(mesh)
+
+
+def is_one_sided(comm: str) -> bool:
+    """Whether ``comm`` lets ranks run different numbers of micro-batches (``auto`` always picks such one)."""
+    return comm == "auto" or transport_class(comm).one_sided
+
+
+def transport_table() -> str:
+    """The README's table of transports (markdown), generated from the classes' facts."""
+    auto = ", ".join(f"`{transport_class('auto', d).name}` on {d.upper()}" for d in ("cuda", "cpu"))
+    rows = ["| `comm` | where | how | micro-batches per rank |", "|---|---|---|---|",
+            f"| `\"auto\"` (default) | | {auto} | |"]
+    for t in TRANSPORTS.values():
+        rows.append(f"| `\"{t.name}\"` | {t.where} | {t.how} | {'any, zero included' if t.one_sided else 'equal on every rank'} |")
+    return "\n".join(rows)
 
 
 __all__ = [
-    "COMM_CHOICES", "CollectiveTransport", "OneSidedTransport", "ShmTransport", "Transport",
-    "make_transport", "resolve_comm",
+    "COMM_CHOICES", "CollectiveTransport", "NvshmemTransport", "OneSidedTransport", "ShmTransport", "TRANSPORTS",
+    "Transport", "is_one_sided", "make_transport", "resolve_comm", "transport_class", "transport_table",
 ]

@@ -13,8 +13,13 @@ gradients into). It moves data in exactly two shapes:
 
 Collective transports need every rank to call these in the same order, so ranks
 must run equal numbers of micro-batches; one-sided transports (``one_sided``) do
-not, and then ``finish_pushes`` + ``barrier`` at the optimizer step are the only
-meeting point per minibatch.
+not, and then the step protocol ([step-protocol]) is the only meeting point per
+minibatch. Meetings themselves go through the ``ShardMesh`` ([mesh]), never through
+a transport.
+
+A transport class states its facts as class attributes (``name``, ``one_sided``,
+``devices``, ``where``, ``how``); the registry in ``transport/__init__.py`` derives
+the config choices, the ``auto`` choice, device checks and the README table from them.
 """
 
 from __future__ import annotations
@@ -23,21 +28,9 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..layout import GroupLayout
-
-
-# torch >= 2.13 renamed the tensor collectives; keep working on older releases. Looked up at
-# call time so that wrappers installed on torch.distributed (profilers, tests) see every call.
-def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """``all_gather_into_tensor`` under whichever name this torch has."""
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
-
-
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """``reduce_scatter_tensor`` (sum) under whichever name this torch has."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
+from ..mesh import ShardMesh
 
 
 class Transport(ABC):
@@ -47,12 +40,17 @@ class Transport(ABC):
     name: str = "abstract"
     #: True if ranks may run different numbers of gathers/pushes per minibatch.
     one_sided: bool = False
+    #: device types whose tensors it moves, in the order ``auto`` prefers it for them.
+    devices: tuple[str, ...] = ()
+    #: where it works, and how it moves data (one line each, for the docs).
+    where: str = ""
+    how: str = ""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, group: dist.ProcessGroup | None):
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
-        self.group = group
+    def __init__(self, mesh: ShardMesh):
+        self.mesh = mesh
+        self.rank = mesh.rank
+        self.world_size = mesh.world_size
+        self.device = mesh.device
         self.layouts: list[GroupLayout] = []
         self.rows: list[torch.Tensor] = []
         self.accumulators: list[torch.Tensor | None] = []
@@ -78,29 +76,8 @@ class Transport(ABC):
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
         """Add parameter-major ``grad`` (length N*C) into the owners' accumulator rows of group ``g``."""
 
-    def finish_pushes(self) -> None:
-        """Make every push this rank issued complete and visible to its owner."""
-
-    # The meeting operations: rare (set-up, the optimizer step), so torch.distributed serves all transports.
-    def barrier(self) -> None:
-        """Wait for all ranks."""
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a small tensor over ranks (in place) and return it."""
-        if self.world_size > 1:
-            dist.all_reduce(t, group=self.group)
-        return t
-
-    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Stack every rank's copy of ``row`` into ``(N, len)``; for rare, whole-model work."""
-        out = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=row.device)
-        if self.world_size == 1:
-            out.copy_(row)
-        else:
-            all_gather_tensor(out, row.contiguous(), group=self.group)
-        return out.view(self.world_size, -1)
+    def quiesce(self) -> None:
+        """Make every write this rank issued (pushes, row updates) complete and visible to its peers."""
 
     def close(self) -> None:
         """Release rows, accumulators and any shared resources."""

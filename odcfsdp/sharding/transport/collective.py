@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..layout import GroupLayout
-from .base import Transport, all_gather_tensor, reduce_scatter_tensor
+from ..mesh import all_gather_tensor, reduce_scatter_tensor
+from .base import Transport
 
 
 class CollectiveTransport(Transport):
@@ -18,6 +19,9 @@ class CollectiveTransport(Transport):
 
     name = "collective"
     one_sided = False
+    devices = ("cuda", "cpu")
+    where = "any torch.distributed backend (NCCL, gloo)"
+    how = "all-gather + copy-out / copy-in + fp32 reduce-scatter"
 
     def _allocate(self, layouts: list[GroupLayout]):
         rows = [torch.zeros(lay.row_len, dtype=self.comm_dtype, device=self.device) for lay in layouts]
@@ -33,7 +37,7 @@ class CollectiveTransport(Transport):
             out.copy_(row)  # with N = 1 the layouts coincide
             return
         staging = torch.empty(lay.unsharded_numel, dtype=row.dtype, device=row.device)
-        all_gather_tensor(staging, row, group=self.group)
+        all_gather_tensor(staging, row, group=self.mesh.group)
         lay.unpack(staging, out=out)
 
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
@@ -46,5 +50,5 @@ class CollectiveTransport(Transport):
         # Reduce in the accumulator dtype (fp32), as FSDP2's reduce_dtype=float32 does.
         staging = lay.pack(grad, out=torch.empty(lay.unsharded_numel, dtype=acc.dtype, device=acc.device))
         own = torch.empty_like(acc)
-        reduce_scatter_tensor(own, staging.view(-1), group=self.group)
+        reduce_scatter_tensor(own, staging.view(-1), group=self.mesh.group)
         acc.add_(own)

@@ -31,11 +31,11 @@ import os
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from ...kernels.chunks import chunk_table
 from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
+from ..mesh import ShardMesh
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport
 
@@ -57,11 +57,11 @@ class _NvshmemRuntime:
         self.heap_bytes = 0
         self.in_use = 0
 
-    def ensure(self, rank: int, world_size: int, group, device: torch.device, need: int) -> None:
-        """Initialise NVSHMEM over ``group`` if needed; check ``need`` more bytes fit in the heap."""
-        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size))
+    def ensure(self, mesh: ShardMesh, need: int) -> None:
+        """Initialise NVSHMEM over ``mesh``'s ranks if needed; check ``need`` more bytes fit in the heap."""
+        ranks = tuple(mesh.global_rank(q) for q in range(mesh.world_size))
         if not self.initialized:
-            self._init(rank, world_size, group, device, need)
+            self._init(mesh, need)
             self.ranks = ranks
         elif self.ranks != ranks:
             raise RuntimeError(
@@ -74,7 +74,7 @@ class _NvshmemRuntime:
                 f"set NVSHMEM_SYMMETRIC_SIZE to at least {self.in_use + need + HEAP_HEADROOM} before the first ODCShard"
             )
 
-    def _init(self, rank, world_size, group, device, need) -> None:
+    def _init(self, mesh: ShardMesh, need: int) -> None:
         try:
             import nvshmem.core
         except ImportError as e:
@@ -84,15 +84,12 @@ class _NvshmemRuntime:
         except ImportError:  # cuda-core < 1.0
             from cuda.core.experimental import Device
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-        uid = [nvshmem.core.get_unique_id(empty=rank != 0)]
-        if world_size > 1:
-            dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        uid = mesh.broadcast_object(nvshmem.core.get_unique_id(empty=mesh.rank != 0))
         with heap_size_env(need) as size:
-            nvshmem.core.init(
-                device=Device(device.index), uid=uid[0], rank=rank, nranks=world_size, initializer_method="uid"
-            )
+            nvshmem.core.init(device=Device(mesh.device.index), uid=uid, rank=mesh.rank, nranks=mesh.world_size,
+                              initializer_method="uid")
         self.heap_bytes = size - HEAP_HEADROOM
-        self.initialized, self.n_pes = True, world_size
+        self.initialized, self.n_pes = True, mesh.world_size
         atexit.register(self.finalize)
 
     def finalize(self) -> None:
@@ -139,11 +136,12 @@ RUNTIME = _NvshmemRuntime()
 class NvshmemHeap(SymmetricHeap):
     """One NVSHMEM allocation per rank; peers' copies through ``nvshmem_ptr`` peer views."""
 
-    def __init__(self, nbytes: int, rank: int, world_size: int, group, device: torch.device):
-        super().__init__(nbytes, rank, world_size)
+    def __init__(self, nbytes: int, mesh: ShardMesh):
+        super().__init__(nbytes, mesh.rank, mesh.world_size)
+        rank, world_size = mesh.rank, mesh.world_size
         import nvshmem.core
 
-        RUNTIME.ensure(rank, world_size, group, device, nbytes)
+        RUNTIME.ensure(mesh, nbytes)
         try:
             self._local = nvshmem.core.tensor((nbytes,), dtype=torch.uint8)
         except Exception as e:
@@ -180,11 +178,14 @@ class NvshmemTransport(OneSidedTransport):
     """One-sided transport over the NVSHMEM symmetric heap (CUDA, NVLink peers)."""
 
     name = "nvshmem"
+    devices = ("cuda",)
+    where = "GPUs of one NVLink node"
+    how = ("rows and fp32 accumulators on the NVSHMEM symmetric heap (size computed from the plan); one Triton "
+           "kernel per group reads every rank's row through peer pointers and unpacks it (gather), or atomically "
+           "adds each owner's segments into its accumulator (scatter-accumulate)")
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, group):
-        if device.type != "cuda":
-            raise ValueError(f"comm='nvshmem' needs CUDA tensors, the model is on {device}; use comm='shm' on CPU")
-        super().__init__(rank, world_size, device, group)
+    def __init__(self, mesh: ShardMesh):
+        super().__init__(mesh)
         self.gather_block, self.gather_warps = GATHER_BLOCK, GATHER_WARPS
         self.scatter_block, self.scatter_warps = SCATTER_BLOCK, SCATTER_WARPS
         # "kernel": one Triton launch reads peers' rows through peer pointers and unpacks;
@@ -194,7 +195,7 @@ class NvshmemTransport(OneSidedTransport):
             raise ValueError(f"ODC_NVSHMEM_GATHER must be one of {GATHER_MODES}, got {self.gather_mode!r}")
 
     def _make_heap(self, nbytes: int) -> NvshmemHeap:
-        return NvshmemHeap(nbytes, self.rank, self.world_size, self.group, self.device)
+        return NvshmemHeap(nbytes, self.mesh)
 
     def _allocate(self, layouts):
         rows, accs = super()._allocate(layouts)
@@ -258,9 +259,5 @@ class NvshmemTransport(OneSidedTransport):
         scatter_accumulate_rows(self.accumulators[g], self.acc_offsets[g], grad, self.scatter_chunks[g],
                                 self.world_size, num_warps=self.scatter_warps, rank=self.rank)
 
-    def finish_pushes(self) -> None:
-        torch.cuda.synchronize(self.device)  # the atomics are done once the kernels are
-
-    def barrier(self) -> None:
-        torch.cuda.synchronize(self.device)  # own row updates land before peers may read them
-        super().barrier()
+    def quiesce(self) -> None:
+        torch.cuda.synchronize(self.device)  # atomics and row updates are done (system scope) once the kernels are

@@ -7,6 +7,7 @@ from abc import abstractmethod
 import torch
 
 from ..layout import GroupLayout
+from ..mesh import ShardMesh
 from .base import Transport
 from .heap import SymmetricHeap, heap_plan
 
@@ -16,14 +17,14 @@ class OneSidedTransport(Transport):
 
     ``peer_rows[q][g]`` / ``peer_accs[q][g]`` are rank q's row / accumulator of group
     g as seen from this rank; ``rows`` / ``accumulators`` are this rank's own. Owners'
-    rows change only inside the optimizer step, between two barriers, so gathers need
+    rows change only between two barriers of the step protocol ([step-protocol]), so gathers need
     no synchronisation; pushes are atomic adds (or locked adds), so neither do they.
     """
 
     one_sided = True
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, group):
-        super().__init__(rank, world_size, device, group)
+    def __init__(self, mesh: ShardMesh):
+        super().__init__(mesh)
         self.heap: SymmetricHeap | None = None
         self.heap_bytes = 0
 

@@ -30,8 +30,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from ..mesh import ShardMesh
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport
 
@@ -64,30 +64,26 @@ def sweep_stale_heaps(directory: Path | None = None) -> list[Path]:
 class ShmHeap(SymmetricHeap):
     """Symmetric heap made of one shared-memory file per rank, mapped by every rank."""
 
-    def __init__(self, nbytes: int, rank: int, world_size: int, group: dist.ProcessGroup | None):
-        super().__init__(nbytes, rank, world_size)
+    def __init__(self, nbytes: int, mesh: ShardMesh):
+        super().__init__(nbytes, mesh.rank, mesh.world_size)
+        rank = mesh.rank
         directory = shm_dir()
         sweep_stale_heaps(directory)
-        session = [secrets.token_hex(8)]
-        if world_size > 1:
-            dist.broadcast_object_list(session, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        own = directory / f"odcfsdp-{session[0]}-r{rank}-p{os.getpid()}"
+        session = mesh.broadcast_object(secrets.token_hex(8))
+        own = directory / f"odcfsdp-{session}-r{rank}-p{os.getpid()}"
         self.fds: list[int] = []
         self._maps: list[mmap.mmap] = []
         self._regions: list[torch.Tensor] = []
         fd = os.open(own, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            names = [str(own)] * world_size
-            if world_size > 1:
-                dist.all_gather_object(names, str(own), group=group)
+            names = mesh.all_gather_object(str(own))
             for q, name in enumerate(names):
                 qfd = fd if q == rank else os.open(name, os.O_RDWR)
                 self.fds.append(qfd)
                 self._maps.append(mmap.mmap(qfd, nbytes, mmap.MAP_SHARED))
                 self._regions.append(torch.frombuffer(self._maps[-1], dtype=torch.uint8))
-            if world_size > 1:
-                dist.barrier(group=group)  # everyone has mapped every file
+            mesh.barrier()  # everyone has mapped every file
         finally:
             own.unlink()
         self._closed = False
@@ -121,11 +117,13 @@ class ShmTransport(OneSidedTransport):
     """One-sided transport over shared-memory files (CPU, one host)."""
 
     name = "shm"
+    devices = ("cpu",)
+    where = "CPU processes of one host"
+    how = ("each rank's heap is a `/dev/shm` file mapped by all ranks (unlinked right after set-up, so nothing is "
+           "left behind even on a crash); locked adds")
 
     def _make_heap(self, nbytes: int) -> ShmHeap:
-        if self.device.type != "cpu":
-            raise ValueError(f"comm='shm' needs CPU tensors, the model is on {self.device}; use comm='nvshmem'")
-        return ShmHeap(nbytes, self.rank, self.world_size, self.group)
+        return ShmHeap(nbytes, self.mesh)
 
     def gather(self, g: int, out: torch.Tensor) -> None:
         lay = self.layouts[g]

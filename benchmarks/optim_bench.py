@@ -1,0 +1,297 @@
+"""One rank's optimizer step at real shard sizes: torch's AdamW vs odcfsdp's fused kernel, against HBM bandwidth.
+
+    python benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
+    python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1      # CPU smoke run (Triton interpreter)
+
+The optimizer step touches only the rank's own rows, so one GPU measures it exactly: the shard
+shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of every parameter,
+FSDP2's dim-0 sharding), packed into flat groups of ``--group-bytes`` as ODCShard packs them.
+The global-norm all-reduce (one scalar) is left out: it is the same for every variant.
+
+Variants, each timed as one whole step (CUDA events, median of ``--iters`` after ``--warmup``):
+
+* ``fsdp2``: what FSDP2's training loop runs: ``clip_grad_norm_`` (foreach norm, then a multiply
+  of every gradient) and ``torch.optim.AdamW(fused=True)`` over one fp32 tensor per parameter;
+* ``fsdp2_dtensor``: the same on DTensor parameters (a 1-rank mesh): FSDP2's dispatch overhead;
+* ``odc_torch``: ``fsdp2_dtensor`` plus what ODCShard adds after a torch optimizer's step:
+  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators;
+* ``odc_fused``: odcfsdp's fused kernel: norm, then one pass per group that clips, updates the
+  fp32 master and moments, writes the bf16 row and zeroes the accumulator;
+* ``odc_fused_split``: the same kernel on a split master (bf16 row + int16 low bits);
+* ``..._unaligned``: the fused kernels without the alignment hint (their state at 44e14f3).
+
+"bytes/param" counts the minimum traffic of each variant (every tensor read or written once per
+pass); GB/s = bytes moved / time, set against a device-to-device copy measured in the same call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from odcfsdp.kernels.adamw import decay_runs, fused_adamw_
+from odcfsdp.models.llama import Llama, llama_config
+
+BLOCK = 2048
+ALIGN = 8  # elements: ODCShard's segments start and end on 16 bytes of bf16 (and 32 of fp32)
+HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, bf16 row, int16 low bits)
+    "fsdp2": 4 + 8 + 16 + 12,  # norm reads g; clip reads and writes g; AdamW reads p g m v, writes p m v
+    "fsdp2_dtensor": 4 + 8 + 16 + 12,
+    "odc_torch": 4 + 8 + 16 + 12 + 6 + 4,  # + publish (read p, write row) + zero the accumulator
+    "odc_fused": 4 + 16 + 18,  # norm; one pass reads p g m v, writes p m v row, zeroes g
+    "odc_fused_unaligned": 4 + 16 + 18,
+    "odc_fused_split": 4 + 16 + 16,  # reads row lo g m v, writes row lo m v g
+    "odc_fused_split_unaligned": 4 + 16 + 16,
+}
+
+
+def shard_shapes(size: str, vocab: int, world: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape of rank 0's shard) of every parameter of the named Llama."""
+    with torch.device("meta"):
+        model = Llama(llama_config(size, vocab))
+    return [(n, (-(-p.shape[0] // world), *p.shape[1:])) for n, p in model.named_parameters()]
+
+
+def plan(shapes, world: int, group_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """Groups of (name, offset in the group's row, numel), as ODCShard packs them (bf16 unsharded bytes)."""
+    groups, cur, used = [], [], 0
+    for name, shape in shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        seg = -(-numel // ALIGN) * ALIGN
+        nbytes = 2 * world * seg
+        if cur and used + nbytes > group_bytes:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append((name, sum(s for _, _, s in cur), seg))
+        used += nbytes
+    groups.append(cur)
+    return [[(n, off, seg) for n, off, seg in g] for g in groups]
+
+
+def timed(fn, iters: int, warmup: int, device) -> list[float]:
+    """Milliseconds of each of ``iters`` calls after ``warmup`` (CUDA events; wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """GB/s of a device-to-device copy (read + write counted), the roofline of these memory-bound passes."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = statistics.median(timed(lambda: dst.copy_(src), 10, 3, device))
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def one_rank_mesh(device):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return init_device_mesh(device.type, (1,))
+
+
+def run_size(size: str, args, device) -> dict:
+    shapes = shard_shapes(size, args.vocab, args.world)
+    groups = plan(shapes, args.world, args.group_bytes)
+    shape_of = dict(shapes)
+    row_len = [sum(seg for _, _, seg in g) for g in groups]
+    total = sum(row_len)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def flat(dtype, fill="zero"):
+        t = torch.empty(total, dtype=dtype, device=device)
+        if fill == "normal":
+            t.normal_(0, 0.02, generator=gen)
+        elif fill == "small":
+            t.uniform_(0, 1e-4, generator=gen)
+        else:
+            t.zero_()
+        return t
+
+    master, grad_src = flat(torch.float32, "normal"), flat(torch.float32, "normal")
+    acc = grad_src.clone()
+    rows = master.to(torch.bfloat16)
+    starts = [sum(row_len[:k]) for k in range(len(groups))]
+
+    def param_views(buf):
+        out = []
+        for k, g in enumerate(groups):
+            for name, off, _ in g:
+                shape = shape_of[name]
+                n = 1
+                for d in shape:
+                    n *= d
+                out.append(buf[starts[k] + off : starts[k] + off + n].view(shape))
+        return out
+
+    def group_views(buf):
+        return [buf[s : s + n] for s, n in zip(starts, row_len)]
+
+    no_decay = [len(shape_of[name]) == 1 for g in groups for name, _, _ in g]
+    results = {}
+
+    def refill_grads():  # every step sees a full gradient (a zeroed accumulator would make the step trivial)
+        acc.copy_(grad_src)
+
+    # -- torch's optimizer ------------------------------------------------------------------------
+    def torch_variant(name, dtensor):
+        params = [torch.nn.Parameter(v) for v in param_views(master)]
+        grads = param_views(acc)
+        if dtensor:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mesh = one_rank_mesh(device)
+            params = [torch.nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False))
+                      for p in params]
+            grads = [DTensor.from_local(g, mesh, [Replicate()], run_check=False) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g
+        decay = [p for p, nd in zip(params, no_decay) if not nd]
+        keep = [p for p, nd in zip(params, no_decay) if nd]
+        opt = torch.optim.AdamW([{"params": decay}, {"params": keep, "weight_decay": 0.0}], lr=HP["lr"],
+                                betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"],
+                                fused=device.type == "cuda" or None)
+        publish = name == "odc_torch"
+        row_views, master_views, acc_views = group_views(rows), group_views(master), group_views(acc)
+
+        def step():
+            refill_grads()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            if publish:
+                torch._foreach_copy_(row_views, master_views)
+                torch._foreach_zero_(acc_views)
+
+        ms = timed(step, args.iters, args.warmup, device)
+        del opt, params, grads
+        return ms
+
+    refill_ms = statistics.median(timed(refill_grads, args.iters, args.warmup, device))
+    for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True)):
+        if name in args.variants:
+            results[name] = torch_variant(name, dtensor)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    # -- odcfsdp's fused kernel ---------------------------------------------------------------------
+    m, v = flat(torch.float32), flat(torch.float32, "small")
+    lo = torch.zeros(total, dtype=torch.int16, device=device) if any("split" in x for x in args.variants) else None
+    runs = []
+    for g, n in zip(groups, row_len):
+        ranges = [(off, off + seg) for (name, off, seg) in g if len(shape_of[name]) > 1]
+        runs.append(decay_runs(n, ranges, BLOCK, device))
+    views = [group_views(t) for t in (master, acc, m, v, rows)]
+    lo_views = group_views(lo) if lo is not None else None
+
+    def fused_variant(split: bool, align: int):
+        step_no = [0]
+
+        def step():
+            refill_grads()
+            step_no[0] += 1
+            accs = views[1]
+            norm = torch.stack(torch._foreach_norm(accs)).square().sum().sqrt()
+            coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+            for k in range(len(groups)):
+                p, g, mm, vv, row = (vs[k] for vs in views)
+                fused_adamw_(None if split else p, mm, vv, g, row, runs[k], coef, **HP, step=step_no[0],
+                             block=BLOCK, master_lo=lo_views[k] if split else None, align=align)
+
+        return timed(step, args.iters, args.warmup, device)
+
+    for name, split, align in (("odc_fused", False, ALIGN), ("odc_fused_unaligned", False, 1),
+                               ("odc_fused_split", True, ALIGN), ("odc_fused_split_unaligned", True, 1)):
+        if name in args.variants:
+            results[name] = fused_variant(split, align)
+
+    out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups),
+           "refill_ms": refill_ms, "variants": {}}
+    for name, ms in results.items():
+        med = statistics.median(ms) - refill_ms  # every variant first refills the gradients (not counted)
+        out["variants"][name] = {
+            "ms_median": med, "ms_min": min(ms) - refill_ms, "ms_max": max(ms) - refill_ms,
+            "bytes_per_param": BYTES_PER_PARAM[name],
+            "gb_per_s": BYTES_PER_PARAM[name] * total / med / 1e6,
+        }
+    return out
+
+
+def report(res: list[dict], meta: dict) -> str:
+    lines = ["# Optimizer step on one rank's shards", "",
+             f"- device: {meta['device']}; date {meta['date']}; commit {meta['commit']}",
+             f"- command: `{meta['command']}`",
+             f"- shards of rank 0 of {meta['world']} ranks (dim-0), groups of {meta['group_bytes'] >> 20} MiB; "
+             f"copy bandwidth measured in the same call: {meta['copy_gb_s']:.0f} GB/s (read + write)",
+             "- ms: median of the timed steps, the gradient refill every step starts with subtracted; "
+             "GB/s: the variant's minimum traffic / time", "",
+             "| size | params on rank | variant | ms (min-max) | bytes/param | GB/s | % of copy | vs fsdp2 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        base = r["variants"].get("fsdp2", {}).get("ms_median")
+        for name, v in r["variants"].items():
+            ratio = f"{v['ms_median'] / base:.2f}x" if base else "-"
+            lines.append(f"| {r['size']} | {r['params_on_rank'] / 1e9:.2f}B | {name} | {v['ms_median']:.1f} "
+                         f"({v['ms_min']:.1f}-{v['ms_max']:.1f}) | {v['bytes_per_param']} | {v['gb_per_s']:.0f} | "
+                         f"{v['gb_per_s'] / meta['copy_gb_s']:.0%} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["1b", "8b"])
+    p.add_argument("--world", type=int, default=2, help="ranks the model is sharded over (rank 0's shards are timed)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--group-bytes", type=int, default=32 << 20)
+    p.add_argument("--variants", nargs="+", default=list(BYTES_PER_PARAM), choices=list(BYTES_PER_PARAM))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="")
+    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    args = p.parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world": args.world,
+            "date": datetime.date.today().isoformat(), "commit": args.commit, "group_bytes": args.group_bytes,
+            "command": "benchmarks/optim_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "copy_gb_s": copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 64 << 20)}
+    res = []
+    for size in args.sizes:
+        res.append(run_size(size, args, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(report(res, meta), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "optim_bench.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1))
+        (out / "optim_bench.md").write_text(report(res, meta))
+
+
+if __name__ == "__main__":
+    main()
