@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from odcfsdp import ODCShard, optim
+from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from odcfsdp.launch import init_torchrun
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
@@ -56,15 +56,14 @@ def main() -> None:
     with torch.device("meta"):
         inner = Llama(cfg)
     model = ODCShard(inner, comm="nvshmem", device=device)
-    with torch.no_grad():  # give the rows real values without building the model anywhere
-        for g in model.groups:
-            g.row.normal_(0, 0.02)
-            with g.updating_master() as master:
-                master.copy_(g.row)
-    opt = optim.AdamW(model, lr=1e-4)
+    with model.changing_parameters(), torch.no_grad():  # real values, without building the model anywhere
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-4, fused=True)
     x = torch.randint(0, args.vocab, (1, 2048), device=device)
     causal_lm_loss(model(x), x).backward()
-    opt.step()
+    opt.step()  # the optimizer has state to save
+    opt.zero_grad()
 
     root = Path(args.dir)
     if rank == 0:

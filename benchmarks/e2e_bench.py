@@ -6,12 +6,15 @@
 Methods (each trains the same model from the same seed on the same micro-batches
 with the same AdamW settings and clipping; warm-up steps are excluded):
 
-* ``odc``: ``ODCShard(comm="auto", units=(DecoderLayer,))`` (nvshmem on GPUs, shm on CPU) +
-  odcfsdp AdamW;
+* ``odc``: ``ODCShard(comm="auto", units=(DecoderLayer,))`` (nvshmem on GPUs, shm on CPU);
 * ``odc_collective``: the same with ``comm="collective"`` (NCCL / gloo);
 * ``fsdp2``: ``fully_shard`` per decoder layer + root, ``MixedPrecisionPolicy(bf16, fp32
-  reduce)`` on GPUs, ``torch.optim.AdamW``;
-* ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs, ``torch.optim.AdamW``.
+  reduce)`` on GPUs;
+* ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs.
+
+Every method runs the same step, ``odcfsdp.loop.train_step`` (micro-batches, then
+``clip_grad_norm_``, ``torch.optim.AdamW`` over ``param_groups``, fused on GPUs,
+``zero_grad``); only the wrapping differs.
 
 Workloads: ``balanced`` (every sample ``--seq`` tokens) and ``longtail`` (LongAlign-like
 8K-64K lengths packed under ``--cap`` tokens). Collective methods need ``lb_micro``;
@@ -38,18 +41,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from odcfsdp import ODCShard, optim
-from odcfsdp.data.balance import CostModel, plan_minibatch
+from odcfsdp import ODCShard, param_groups
+from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution
-from odcfsdp.data.packing import empty_micro_batch, pack
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
-from odcfsdp.models import Llama, causal_lm_loss, llama_config
+from odcfsdp.loop import gather_stats, plan_step, train_step
+from odcfsdp.mfu import mfu, peak_tflops
+from odcfsdp.models import Llama, llama_config
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
 from odcfsdp.models.llama import DecoderLayer
-from odcfsdp.train import PEAK_TFLOPS
 
-NO_DECAY = ("norm",)
+NO_DECAY = ("*norm*",)
 
 
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
@@ -71,8 +74,8 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = ()) -
 
 
 def wrap(method: str, model: nn.Module, device: torch.device, args):
-    """The method's model, a function doing one optimizer step (returning the pre-clip norm), its autocast
-    context and the factor its losses are scaled by before backward.
+    """The method's model, its autocast context, the factor its losses are scaled by before backward, and
+    (DDP) the context that skips the gradient all-reduce of non-final micro-batches.
 
     Every method divides each micro-batch loss by the minibatch's global target count, so the
     gradient the optimizer must see is the *sum* over ranks. odcfsdp sums; FSDP2 and DDP average
@@ -87,9 +90,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            prefetch=0 if ablation == "prefetch0" else args.prefetch,
                            overlap_push=ablation != "no_overlap",
                            units=() if ablation == "module_hooks" else (DecoderLayer,))
-        opt = optim.AdamW(sharded, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                          no_decay=[f"*{n}*" for n in NO_DECAY], fused=False if ablation == "unfused" else None)
-        return sharded, lambda: opt.step(max_norm=1.0), contextlib.nullcontext, 1.0
+        return sharded, contextlib.nullcontext, 1.0, None
     if method == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -98,26 +99,21 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
         for layer in model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
-        wrapped, autocast = model, contextlib.nullcontext
-    elif method == "ddp":
+        return model, contextlib.nullcontext, float(dist.get_world_size()), None
+    if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    else:
-        raise ValueError(f"unknown method {method!r}")
-    decay = [p for n, p in model.named_parameters() if not any(k in n for k in NO_DECAY)]
-    keep = [p for n, p in model.named_parameters() if any(k in n for k in NO_DECAY)]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": keep, "weight_decay": 0.0}], lr=args.lr,
-                            betas=(0.9, 0.95), weight_decay=0.1, fused=cuda or None)
+        return wrapped, autocast, float(dist.get_world_size()), wrapped.no_sync
+    raise ValueError(f"unknown method {method!r}")
 
-    def step():
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    return wrapped, step, autocast, float(dist.get_world_size())
+def optimizer_for(method: str, model: nn.Module, device: torch.device, args) -> torch.optim.Optimizer:
+    """The same ``torch.optim.AdamW`` for every method: fused on GPUs (``-unfused``: torch's foreach kernels)."""
+    fused = device.type == "cuda" and not method.endswith("-unfused")
+    return torch.optim.AdamW(param_groups(model, no_decay=NO_DECAY), lr=args.lr, betas=(0.9, 0.95),
+                             weight_decay=0.1, fused=fused or None)
 
 
 @functools.lru_cache(maxsize=2)
@@ -156,67 +152,43 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Llama(cfg)
-    wrapped, opt_step, autocast, loss_scale = wrap(method, model, device, args)
+    wrapped, autocast, loss_scale, no_sync = wrap(method, model, device, args)
+    opt = optimizer_for(method, wrapped, device, args)
     try:
         if cuda:  # after wrapping: building the full model first is the same for every method, not counted
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
         heap = getattr(getattr(wrapped, "transport", None), "heap_bytes", 0)
-        peak = PEAK_TFLOPS.get(next((k for k in PEAK_TFLOPS if cuda and k in torch.cuda.get_device_name(device)), ""),
-                               None)
+        peak = peak_tflops(device)
         steps = []
         profile = None
         n_steps = args.warmup + args.steps
         for step in range(n_steps + (method in args.profile)):  # a profiled step comes last, not counted
             prof = step_profiler() if step == n_steps else None
-            samples = [source[step * args.batch + i].truncated(cap + 1) for i in range(args.batch)]
-            sizes = [s.n_inputs for s in samples]
-            plan = plan_minibatch(sizes, world, balance, cap, cost)
-            mine = plan[rank]
-            targets = max(1, sum(s.n_targets for s in samples))
+            minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world)
             if isinstance(wrapped, ODCShard):
-                wrapped.begin_minibatch(len(mine))
+                wrapped.begin_minibatch(len(minibatch.mine))
             if cuda:
                 torch.cuda.synchronize(device)
             dist.barrier()
             if prof is not None:
                 prof.__enter__()
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for k, mb in enumerate(mine):
-                micro = (pack([samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
-                sync = wrapped.no_sync() if method == "ddp" and k < len(mine) - 1 else contextlib.nullcontext()
-                with sync, autocast():
-                    loss = causal_lm_loss(wrapped(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
-                                          micro.targets, targets)
-                (loss * loss_scale).backward()
-                loss_sum += loss.detach()
-            t_issued = time.perf_counter()  # the host has queued every kernel of the minibatch
-            if cuda:
-                torch.cuda.synchronize(device)
-            t1 = time.perf_counter()
-            norm = opt_step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            t2 = time.perf_counter()
+            out = train_step(wrapped, opt, None, minibatch, device, max_norm=1.0, loss_scale=loss_scale,
+                             autocast=autocast, no_sync=no_sync)
             if prof is not None:
                 prof.__exit__(None, None, None)
                 try:
-                    profile = dict(kernel_summary(prof), step_s=t2 - t0)
+                    profile = dict(kernel_summary(prof), step_s=out["compute_s"] + out["step_s"])
                 except Exception as e:  # noqa: BLE001 - a profiler API change must not lose the run's timings
                     profile = {"error": f"{type(e).__name__}: {e}"}
                 continue
-            my_sizes = [sizes[i] for m in mine for i in m]
-            local = torch.tensor([loss_sum.item(), t1 - t0, t2 - t1, len(mine), sum(my_sizes),
-                                  sum(map(cost, my_sizes)), t_issued - t0, sum(map(flops, my_sizes))],
-                                 dtype=torch.float64, device=device)
-            table = [torch.zeros_like(local) for _ in range(world)]
-            dist.all_gather(table, local)
-            table = torch.stack(table).cpu()
+            my_sizes = minibatch.my_sizes()
+            table = gather_stats([out["loss"], out["compute_s"], out["step_s"], len(minibatch.mine), sum(my_sizes),
+                                  sum(map(cost, my_sizes)), out["host_s"], sum(map(flops, my_sizes))], device)
             wall = (table[:, 1] + table[:, 2]).max().item()
-            steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": float(norm), "step_s": wall,
-                          "tokens": int(table[:, 4].sum()), "flops": table[:, 7].sum().item(),
+            steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": out["grad_norm"],
+                          "step_s": wall, "tokens": int(table[:, 4].sum()), "flops": table[:, 7].sum().item(),
                           "rank_compute_s": table[:, 1].tolist(), "rank_step_s": table[:, 2].tolist(),
                           "rank_micro_batches": [int(x) for x in table[:, 3]], "rank_cost": table[:, 5].tolist(),
                           "rank_host_s": table[:, 6].tolist()})
@@ -227,7 +199,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         result = {
             "workload": workload, "method": method, "balance": balance,
             "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
-            "mfu": sum(s["flops"] for s in measured) / total_s / (peak * 1e12 * world) if peak else None,
+            "mfu": mfu(sum(s["flops"] for s in measured), total_s, peak, world),
             "peak_alloc_gib": alloc, "peak_reserved_gib": reserved, "nvshmem_heap_gib": heap / 2**30,
             "resident_after_wrap_gib": resident, "leftover_before_gib": leftover,
             "step_s_mean": total_s / len(measured), "step_s_min": min(s["step_s"] for s in measured),
@@ -244,7 +216,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
         if isinstance(wrapped, ODCShard):
             wrapped.close()
-    del wrapped, model, opt_step
+    del wrapped, model, opt
     return result
 
 

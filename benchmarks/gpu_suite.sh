@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_suite.sh OUT COMMIT LANE [LANE ...]      LANE = GPUS:SECTION[,SECTION...]
 #   e.g. bash benchmarks/gpu_suite.sh $OUT abc1234 0,1:tests,e2e_balanced 2,3:checkpoint,train1b
 #
-# Sections: tests (2-GPU tests; 4-GPU ones too where the lane has 4), comm, checkpoint, train1b,
-# e2e_balanced, e2e_longtail. Results go to OUT/<section>_n<GPUs>/; each lane is packed into
+# Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them), comm, optim (one GPU is enough),
+# checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail. Results go to OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
@@ -19,7 +19,8 @@ mkdir -p "$OUT"
 { date -u +%FT%TZ; nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
   > "$OUT/host.txt" 2>&1
 
-declare -A LIMIT=([tests]=300 [comm]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300 [e2e_longtail]=420)
+declare -A LIMIT=([tests]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+                  [e2e_balanced_8b]=420 [e2e_longtail]=420)
 
 section_cmd() {  # section, gpus in lane, port, dir
   local s=$1 n=$2 port=$3 dir=$4 extra
@@ -28,13 +29,19 @@ section_cmd() {  # section, gpus in lane, port, dir
   case $s in
     tests)
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py tests/test_fused_adamw.py" \
+           "tests/test_standard_loop.py" \
            "tests/test_gpu.py -q -p no:cacheprovider --junitxml=$dir/gpu_tests.xml $extra" ;;
     comm) echo "$run benchmarks/comm_bench.py --iters 20 --out $dir --commit $COMMIT $extra" ;;
+    optim) echo "python3 benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;
     checkpoint) echo "$run benchmarks/checkpoint_bench.py --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
     train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;
     e2e_balanced)  # weak scaling: 8 samples of 4096 tokens per GPU per minibatch
       echo "$run benchmarks/e2e_bench.py --size 1b --workloads balanced --batch $((8 * n)) --steps 6 --warmup 2" \
            "--ablate prefetch0 no_overlap unfused --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
+    e2e_balanced_8b)  # 2 samples of 4096 tokens per GPU, recomputation: what fits an 8B model next to FSDP2's
+      echo "$run benchmarks/e2e_bench.py --size 8b --workloads balanced --batch $((2 * n)) --steps 4 --warmup 2" \
+           "--activation-checkpointing --methods odc fsdp2 --profile odc fsdp2 --keep-going --out $dir" \
+           "--commit $COMMIT $extra" ;;
     e2e_longtail)  # 4 samples of 8K-64K tokens per GPU per minibatch
       echo "$run benchmarks/e2e_bench.py --size 1b --workloads longtail --batch $((4 * n)) --steps 4 --warmup 1" \
            "--activation-checkpointing --ablate no_overlap --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;

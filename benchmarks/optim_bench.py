@@ -17,8 +17,7 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` after
   publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators;
 * ``odc_fused``: odcfsdp's fused kernel: norm, then one pass per group that clips, updates the
   fp32 master and moments, writes the bf16 row and zeroes the accumulator;
-* ``odc_fused_split``: the same kernel on a split master (bf16 row + int16 low bits);
-* ``..._unaligned``: the fused kernels without the alignment hint (their state at 44e14f3).
+* ``odc_fused_unaligned``: the fused kernel without the alignment hint (its state at 44e14f3).
 
 "bytes/param" counts the minimum traffic of each variant (every tensor read or written once per
 pass); GB/s = bytes moved / time, set against a device-to-device copy measured in the same call.
@@ -48,8 +47,6 @@ BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, 
     "odc_torch": 4 + 8 + 16 + 12 + 6 + 4,  # + publish (read p, write row) + zero the accumulator
     "odc_fused": 4 + 16 + 18,  # norm; one pass reads p g m v, writes p m v row, zeroes g
     "odc_fused_unaligned": 4 + 16 + 18,
-    "odc_fused_split": 4 + 16 + 16,  # reads row lo g m v, writes row lo m v g
-    "odc_fused_split_unaligned": 4 + 16 + 16,
 }
 
 
@@ -202,15 +199,13 @@ def run_size(size: str, args, device) -> dict:
 
     # -- odcfsdp's fused kernel ---------------------------------------------------------------------
     m, v = flat(torch.float32), flat(torch.float32, "small")
-    lo = torch.zeros(total, dtype=torch.int16, device=device) if any("split" in x for x in args.variants) else None
     runs = []
     for g, n in zip(groups, row_len):
         ranges = [(off, off + seg) for (name, off, seg) in g if len(shape_of[name]) > 1]
         runs.append(decay_runs(n, ranges, BLOCK, device))
     views = [group_views(t) for t in (master, acc, m, v, rows)]
-    lo_views = group_views(lo) if lo is not None else None
 
-    def fused_variant(split: bool, align: int):
+    def fused_variant(align: int):
         step_no = [0]
 
         def step():
@@ -221,15 +216,13 @@ def run_size(size: str, args, device) -> dict:
             coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
             for k in range(len(groups)):
                 p, g, mm, vv, row = (vs[k] for vs in views)
-                fused_adamw_(None if split else p, mm, vv, g, row, runs[k], coef, **HP, step=step_no[0],
-                             block=BLOCK, master_lo=lo_views[k] if split else None, align=align)
+                fused_adamw_(p, mm, vv, g, row, runs[k], coef, **HP, step=step_no[0], block=BLOCK, align=align)
 
         return timed(step, args.iters, args.warmup, device)
 
-    for name, split, align in (("odc_fused", False, ALIGN), ("odc_fused_unaligned", False, 1),
-                               ("odc_fused_split", True, ALIGN), ("odc_fused_split_unaligned", True, 1)):
+    for name, align in (("odc_fused", ALIGN), ("odc_fused_unaligned", 1)):
         if name in args.variants:
-            results[name] = fused_variant(split, align)
+            results[name] = fused_variant(align)
 
     out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups),
            "refill_ms": refill_ms, "variants": {}}

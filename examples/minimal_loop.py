@@ -1,6 +1,9 @@
 """The smallest complete odcfsdp training loop; run with ``torchrun --nproc-per-node=2 examples/minimal_loop.py``.
 
-Without torchrun it runs as a single process (N = 1, no communication).
+The standard PyTorch loop: only the ``ODCShard`` line differs from single-GPU code.
+Ranks run different numbers of micro-batches here (rank r runs r + 1) and meet only
+where the gradients are read (``clip_grad_norm_``). Without torchrun it runs as a
+single process (N = 1, no communication).
 """
 
 import os
@@ -18,22 +21,25 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(0)  # every rank builds the same initial model
     with torch.device(device):
         model = Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=4))
     model = odcfsdp.ODCShard(model, group_bytes=32 << 20)
-    opt = odcfsdp.optim.AdamW(model, lr=3e-4, weight_decay=0.1, no_decay=["*norm*"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    opt = torch.optim.AdamW(odcfsdp.param_groups(model), lr=3e-4, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
     gen = torch.Generator(device=device).manual_seed(1 + rank)
+    global_tokens = 4 * 64 * sum(r + 1 for r in range(world))  # every rank's target tokens, summed
     for step in range(10):
-        micro_batches = [torch.randint(0, 256, (4, 65), device=device, generator=gen) for _ in range(2)]
-        global_tokens = 4 * 64 * 2 * (dist.get_world_size() if dist.is_initialized() else 1)
-        for seq in micro_batches:
+        for _ in range(rank + 1):  # this rank's micro-batches
+            seq = torch.randint(0, 256, (4, 65), device=device, generator=gen)
             causal_lm_loss(model(seq[:, :-1]), seq[:, 1:], global_tokens).backward()
-        norm = opt.step(max_norm=1.0)  # the one place ranks meet
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # ranks meet here
+        opt.step()
+        sched.step()
         opt.zero_grad()
         if rank == 0:
-            print(f"step {step}: grad norm {norm.item():.4f}")
+            print(f"step {step}: grad norm {float(norm.full_tensor() if world > 1 else norm):.4f}")
     model.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -61,7 +61,7 @@ class BalanceConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its schedule (linear warm-up, then constant or cosine)."""
+    """``torch.optim.AdamW`` over ``odcfsdp.param_groups`` and its schedule (linear warm-up, then constant or cosine)."""
 
     lr: float = 1e-2
     weight_decay: float = 0.1
@@ -72,7 +72,7 @@ class OptimConfig:
     schedule: str = "cosine"  # constant | cosine
     min_lr_ratio: float = 0.1
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])
-    fused: bool | None = None  # one Triton kernel per row for the update; None: on CUDA
+    fused: bool | None = None  # torch's fused AdamW kernels; None: on CUDA
 
 
 @dataclass

@@ -5,24 +5,19 @@ CPU ranks that it starts itself (gloo + the shm transport), prints a progress ba
 and writes ``runs/default/metrics.jsonl``. Under ``torchrun`` it uses the ranks
 torchrun started (NCCL + nvshmem on GPUs).
 
-One step:
-1. the global minibatch is samples ``[step * B, (step + 1) * B)`` of the source;
-2. every rank computes the same balancing plan from the samples' lengths (no
-   communication) and takes its share of micro-batches;
-3. each micro-batch loss is summed over target tokens and divided by the number of
-   target tokens of the whole minibatch (ranks' shares differ);
-4. ``opt.step`` is where ranks meet; per-rank compute and wait times, the loss and
-   the throughput are gathered once afterwards and written by rank 0.
+Each step is ``odcfsdp.loop``'s (the standard PyTorch loop: micro-batches, then
+``clip_grad_norm_``, ``torch.optim.AdamW``, the LR schedule, ``zero_grad``); per-rank
+compute and wait times, the loss and the throughput are gathered once afterwards and
+written by rank 0.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import sys
-import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -30,21 +25,22 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from . import optim
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from .config import TrainConfig, register, validate
-from .data.balance import CostModel, plan_minibatch
+from .data.balance import CostModel
 from .data.jsonl import JsonlSource
 from .data.lengths import LengthDistribution
-from .data.packing import empty_micro_batch, pack
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
 from .launch import init_torchrun, spawn
+from .loop import gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar
-from .models.llama import Llama, causal_lm_loss, llama_config
+from .mfu import mfu, peak_tflops
+from .models.llama import Llama, llama_config
+from .optim import param_groups
+from .schedule import warmup_cosine
 from .sharding import ODCShard
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}  # dense bf16 per device
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -95,18 +91,15 @@ def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
     return tuple(by_name[n] for n in names)
 
 
-def lr_lambda(o, steps: int):
-    """Linear warm-up to 1 over ``warmup_steps``, then constant or cosine down to ``min_lr_ratio``."""
-
-    def f(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        progress = (step - o.warmup_steps) / max(1, steps - o.warmup_steps)
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):
+    """``torch.optim.AdamW`` over ``param_groups`` (no decay for ``optim.no_decay``) and its ``LambdaLR`` schedule."""
+    o = cfg.optim
+    fused = device.type == "cuda" if o.fused is None else o.fused
+    opt = torch.optim.AdamW(param_groups(model, no_decay=list(o.no_decay)), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
+    return opt, sched
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -139,15 +132,11 @@ def train(cfg: TrainConfig) -> list[dict]:
     model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
                      overlap_push=s.overlap_push, units=unit_classes(model, s.units))
-    o = cfg.optim
-    opt = optim.AdamW(model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                      no_decay=list(o.no_decay), lr_lambda=lr_lambda(o, cfg.run.steps), fused=o.fused)
-    peak = cfg.run.peak_tflops
-    if peak is None and device.type == "cuda":
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+    opt, sched = build_optimizer(cfg, model, device)
+    peak = peak_tflops(device, cfg.run.peak_tflops)
     ck = cfg.checkpoint
     ck_dir = Path(ck.dir or Path(cfg.run.out_dir) / "checkpoints")
-    start = resume(cfg, ck_dir, model, opt)
+    start = resume(cfg, ck_dir, model, opt, sched)
 
     writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard, first_step=start + 1) if rank == 0 else None
     if writer:
@@ -157,39 +146,21 @@ def train(cfg: TrainConfig) -> list[dict]:
     metrics = []
     end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
     for step in range(start, end):
-        t_step = time.perf_counter()
-        samples = [source[step * batch + i].truncated(cap + 1) for i in range(batch)]
-        sizes = [x.n_inputs for x in samples]
-        plan = plan_minibatch(sizes, world, cfg.balance.kind, cap, cost)
-        mine = plan[rank]
-        global_targets = max(1, sum(x.n_targets for x in samples))
-        model.begin_minibatch(len(mine))
-        loss_sum = torch.zeros((), device=device)
-        for mb in mine:
-            micro = (pack([samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
-            loss = causal_lm_loss(model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths),
-                                  micro.targets, global_targets)
-            loss.backward()
-            loss_sum += loss.detach()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        compute_s = time.perf_counter() - t_step
-        lr = opt.lr
-        norm = opt.step(max_norm=o.max_norm)
-        step_s = time.perf_counter() - t_step
-        my_tokens = sum(sizes[i] for mb in mine for i in mb)
-        my_flops = sum(flops(sizes[i]) for mb in mine for i in mb)
-        local = torch.tensor([loss_sum.item(), compute_s, opt.last_wait_s, len(mine), my_tokens, my_flops, step_s],
-                             dtype=torch.float64, device=model.mesh.device)
-        table = model.mesh.all_gather_rows(local).cpu()  # after the step: ranks are together anyway
+        minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
+        model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
+        lr = sched.get_last_lr()[0]
+        out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)
+        my_sizes = minibatch.my_sizes()
+        table = gather_stats([out["loss"], out["compute_s"], model.protocol.last_wait_s, len(minibatch.mine),
+                              sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"]],
+                             model.mesh.device, model.mesh.group)
         step_wall = table[:, 6].max().item()
         tokens = int(table[:, 4].sum())
         alloc, reserved = _peak_memory_gib(device)
         row = {
-            "step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": norm.item(), "lr": lr,
-            "tokens": tokens, "target_tokens": global_targets, "step_s": step_wall,
-            "tokens_per_s": tokens / step_wall,
-            "mfu": table[:, 5].sum().item() / step_wall / (peak * 1e12 * world) if peak else None,
+            "step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": out["grad_norm"], "lr": lr,
+            "tokens": tokens, "target_tokens": minibatch.global_targets, "step_s": step_wall,
+            "tokens_per_s": tokens / step_wall, "mfu": mfu(table[:, 5].sum().item(), step_wall, peak, world),
             "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
             "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
             "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
@@ -199,7 +170,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             writer.write(row)
             bar.update(row)
         if ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end):
-            save_checkpoint(ck_dir, model, opt, step=step + 1, keep_last=ck.keep_last or None,
+            save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
                             config=OmegaConf.to_container(OmegaConf.structured(cfg)),
                             extra={"samples_consumed": (step + 1) * batch})
     if writer and metrics:
@@ -213,7 +184,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     return metrics
 
 
-def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt) -> int:
+def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt, sched) -> int:
     """Load the checkpoint ``checkpoint.resume`` asks for; return the step to continue from."""
     spec = cfg.checkpoint.resume
     if spec == "none":
@@ -221,7 +192,13 @@ def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt) -> int:
     path = latest_checkpoint(ck_dir) if spec == "auto" else Path(spec)
     if path is None:
         return 0  # auto with nothing saved yet: a fresh start
-    manifest = load_checkpoint(path, model, opt)
+    saved_schedule = read_manifest(path).get("scheduler") is not None
+    manifest = load_checkpoint(path, model, opt, scheduler=sched if saved_schedule else None)
+    if not saved_schedule:  # a version-1 checkpoint: the schedule is a function of the step, so set it there
+        sched.last_epoch = manifest["step"] - 1
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore")
+            sched.step()
     expected = manifest["step"] * cfg.data.batch_size
     if manifest.get("extra", {}).get("samples_consumed", expected) != expected:
         raise CheckpointError(f"{path}: saved after {manifest['extra']['samples_consumed']} samples, but "

@@ -1,8 +1,10 @@
 """Shared pieces of the parity tests: a model, data, a plain-PyTorch reference run and a sharded run.
 
-The reference is a single process with ``torch.optim.AdamW`` and
-``clip_grad_norm_`` that sees the union of every rank's micro-batches; the sharded
-run is what each rank executes under ``odcfsdp.launch.spawn``.
+Both runs are the standard PyTorch loop (micro-batches' backward, ``clip_grad_norm_``,
+a ``torch.optim`` optimizer over ``param_groups``, optionally a ``LambdaLR`` schedule,
+``zero_grad``). The reference is a single process on a plain model that sees the
+union of every rank's micro-batches; the sharded run is what each rank executes
+under ``odcfsdp.launch.spawn``, on an ``ODCShard`` of the same model.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from odcfsdp import ODCShard, optim
-from odcfsdp.kernels.split_master import split_master_
+from odcfsdp import ODCShard, param_groups
 from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
 
 # Sizes chosen so no parameter count divides evenly by both 2 and 3.
@@ -59,6 +60,10 @@ class Run:
     eps: float = 1e-6
     max_norm: float = 0.3
     seed: int = 1
+    optimizer: str = "adamw"  # adamw | adam | sgd (momentum) | adagrad | rmsprop
+    schedule: bool = False  # LambdaLR: linear warm-up over the run
+    zero_grad_first: bool = False  # opt.zero_grad() at the start of each step instead of after opt.step()
+    fused: bool | None = None  # torch's fused AdamW (GPU)
     data: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -79,36 +84,60 @@ class Run:
         """Global number of target tokens in a minibatch (the loss normaliser)."""
         return sum(t.numel() for rank in self.data[step] for _, t in rank)
 
+    def optimizer_for(self, model: nn.Module):
+        """(optimizer, scheduler or None) over ``model``'s parameter groups (norms and the logit scale undecayed)."""
+        groups = param_groups(model, no_decay=NO_DECAY)
+        name = self.optimizer
+        if name in ("adamw", "adam"):
+            cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+            opt = cls(groups, lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, fused=self.fused)
+        elif name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
+        elif name == "adagrad":
+            opt = torch.optim.Adagrad(groups, lr=self.lr, weight_decay=self.weight_decay, eps=self.eps)
+        elif name == "rmsprop":
+            opt = torch.optim.RMSprop(groups, lr=self.lr * 0.1, weight_decay=self.weight_decay, eps=self.eps,
+                                      momentum=0.5)
+        else:
+            raise ValueError(f"unknown optimizer {name!r}")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / self.steps) if self.schedule else None
+        return opt, sched
+
+
+def train_loop(run: Run, model: nn.Module, batches, compute=lambda x: x, on_micro=None) -> dict:
+    """The standard loop over ``batches(step)`` -> [(x, y), ...] micro-batches; per-step losses and clip norms.
+
+    ``compute`` moves inputs where the model runs; ``on_micro`` runs after each
+    backward (the mixed-precision reference collects its gradients there).
+    """
+    opt, sched = run.optimizer_for(model)
+    losses, norms = [], []
+    for step in range(run.steps):
+        if run.zero_grad_first:
+            opt.zero_grad()
+        step_losses = []
+        for x, y in batches(step):
+            loss = causal_lm_loss(model(compute(x)), compute(y), run.tokens(step))
+            loss.backward()
+            step_losses.append(loss.item())
+            if on_micro is not None:
+                on_micro()
+        losses.append(step_losses)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm)))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if not run.zero_grad_first:
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms, "optimizer": opt}
+
 
 def reference_run(run: Run, dtype: torch.dtype, compile_backend: str | None = None) -> dict:
     """Single-process PyTorch on the union of all ranks' data."""
     model = ParityModel(dtype, compile_backend)
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and not _no_decay(n)]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _no_decay(n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=run.lr, weight_decay=run.weight_decay, eps=run.eps,
-    )
-    losses, norms = [], []
-    for step in range(run.steps):
-        norm_by = run.tokens(step)
-        step_losses = []
-        for rank in range(run.world_size):
-            for x, y in run.data[step][rank]:
-                loss = causal_lm_loss(model(x), y, norm_by)
-                loss.backward()
-                step_losses.append(loss.item())
-        losses.append(step_losses)
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm).item())
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
-def _no_decay(name: str) -> bool:
-    import fnmatch
-
-    return any(fnmatch.fnmatchcase(name, p) for p in NO_DECAY)
+    out = train_loop(run, model, lambda step: [mb for rank in run.data[step] for mb in rank])
+    return {"losses": out["losses"], "norms": out["norms"],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def sharded_run(
@@ -123,7 +152,7 @@ def sharded_run(
     units: tuple = (),
     compile_backend: str | None = None,
 ) -> dict:
-    """What every rank runs: ODCShard + odcfsdp AdamW on this rank's micro-batches.
+    """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
     On ``device="cuda"`` each rank uses its current GPU; ``param_dtype`` defaults to
     bf16 there (ODCShard's default) and to ``dtype`` on CPU. ``units`` goes to
@@ -135,49 +164,29 @@ def sharded_run(
         ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
         prefetch=prefetch, param_dtype=param_dtype, units=units,
     )
-    # Unfused: bitwise comparable with torch's single-tensor AdamW (tests/test_fused_adamw.py covers fused).
-    opt = optim.AdamW(model, lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, no_decay=NO_DECAY, fused=False)
-    losses, norms = [], []
-    for step in range(run.steps):
-        mine = run.data[step][rank]
-        norm_by = model.begin_minibatch(len(mine), tokens=sum(y.numel() for _, y in mine))
-        assert norm_by == run.tokens(step)
-        step_losses = []
-        for x, y in mine:
-            x, y = x.to(dev), y.to(dev)
-            loss = causal_lm_loss(model(x), y, norm_by)
-            loss.backward()
-            step_losses.append(loss.item())
-        losses.append(step_losses)
-        norms.append(opt.step(max_norm=run.max_norm).item())
-        opt.zero_grad()
+    out = train_loop(run, model, lambda step: run.data[step][rank], compute=lambda t: t.to(dev))
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
     model.close()
     from torch._dynamo.utils import counters
 
-    return {"losses": losses, "norms": norms, "params": state, "groups": len(model.groups),
+    return {"losses": out["losses"], "norms": out["norms"], "params": state, "groups": len(model.groups),
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
 @torch.no_grad()
 def cast_into(compute: nn.Module, master: nn.Module) -> None:
-    """Copy master values into the compute copy; bf16 rounds as ODCShard does (ties away from zero)."""
+    """Copy master values into the compute copy (a cast: to nearest, ties to even, as ODCShard publishes)."""
     for p, q in zip(compute.parameters(), master.parameters()):
-        if p.dtype == torch.bfloat16:  # see [split-master]
-            split_master_(q, p, torch.empty_like(p, dtype=torch.int16))
-        else:
-            p.copy_(q)
+        p.copy_(q)
 
 
 def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Plain PyTorch with FSDP2-style mixed precision, on one device, on the union of the data.
 
-    A copy of the model with ``compute_dtype`` parameters runs forward/backward per micro-batch; its
-    gradients are summed in fp32 into the fp32 master parameters, which
-    ``torch.optim.AdamW`` (after ``clip_grad_norm_``) updates and which are cast back
-    into the compute copy after every step (bf16: to nearest with ties away from zero,
-    ODCShard's rounding; torch's cast breaks ties to even, which Adam would amplify
-    from one-ulp differences into visible ones).
+    A copy of the model with ``compute_dtype`` parameters runs forward/backward per
+    micro-batch; its gradients are summed in fp32 into the fp32 master parameters,
+    which the run's optimizer (after ``clip_grad_norm_``) updates and which are cast
+    back into the compute copy after every step.
     """
     import copy
 
@@ -187,14 +196,7 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
         p.data = p.data.to(compute_dtype)
     cast_into(compute, master)
     names = [n for n, p in master.named_parameters() if p.requires_grad]
-    decay = [p for n, p in master.named_parameters() if p.requires_grad and not _no_decay(n)]
-    no_decay = [p for n, p in master.named_parameters() if p.requires_grad and _no_decay(n)]
-    # foreach=False: the single-tensor update, the formula odcfsdp's AdamW follows op for op
-    # (on CUDA the default foreach kernels round differently in the last bit).
-    opt = torch.optim.AdamW(
-        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=run.lr, weight_decay=run.weight_decay, eps=run.eps, foreach=False,
-    )
+    opt, sched = run.optimizer_for(master)
     losses, norms = [], []
     for step in range(run.steps):
         norm_by = run.tokens(step)
@@ -213,6 +215,8 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
             master.get_parameter(n).grad = accum[n]
         norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), run.max_norm).item())
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
         cast_into(compute, master)
     return {"losses": losses, "norms": norms, "params": {n: p.detach().cpu() for n, p in master.named_parameters()}}

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from odcfsdp import ODCShard, optim
+from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import (
     CheckpointError, export_hf, latest_checkpoint, list_checkpoints, load_checkpoint, load_hf, save_checkpoint,
 )
@@ -27,22 +27,36 @@ from test_train import run_ranks
 CFG = LlamaConfig(vocab_size=61, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=108)
 
 
-def build(cfg: LlamaConfig = CFG, group_bytes: int = 4096, seed: int = 0) -> tuple[ODCShard, optim.AdamW]:
+def build(cfg: LlamaConfig = CFG, group_bytes: int = 4096, seed: int = 0) -> tuple[ODCShard, torch.optim.AdamW]:
     torch.manual_seed(seed)
     model = ODCShard(Llama(cfg), group_bytes, comm="shm" if dist.is_initialized() else "collective")
-    return model, optim.AdamW(model, lr=1e-2, weight_decay=0.1)
+    return model, torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
 
 
-def train_steps(model: ODCShard, opt: optim.AdamW, steps: int, seed: int = 1) -> None:
+def train_steps(model: ODCShard, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed + model.rank)
     for _ in range(steps):
         x = torch.randint(0, CFG.vocab_size, (2, 9), generator=g)
         model(x).float().pow(2).mean().backward()
-        opt.step(max_norm=1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
 
 
-def full_state(model: ODCShard, opt: optim.AdamW | None) -> dict:
-    return {"params": model.full_state_dict(), "opt": opt.full_state_dict() if opt else None}
+def optimizer_state(opt: torch.optim.Optimizer | None) -> dict | None:
+    """Full optimizer state by parameter name (collective: DTensor states are gathered)."""
+    if opt is None:
+        return None
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out[p._odc.name] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() if torch.is_tensor(v)
+                                else v for k, v in opt.state.get(p, {}).items()}
+    return out
+
+
+def full_state(model: ODCShard, opt: torch.optim.Optimizer | None) -> dict:
+    return {"params": model.full_state_dict(), "opt": optimizer_state(opt)}
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -50,10 +64,11 @@ def assert_same_state(a: dict, b: dict) -> None:
     for k in a["params"]:
         assert torch.equal(a["params"][k], b["params"][k]), k
     if a["opt"] is not None:
-        assert a["opt"]["step_count"] == b["opt"]["step_count"]
-        for key in ("exp_avg", "exp_avg_sq"):
-            for k, v in a["opt"][key].items():
-                assert torch.equal(v, b["opt"][key][k]), (key, k)
+        assert a["opt"].keys() == b["opt"].keys()
+        for name, state in a["opt"].items():
+            assert state.keys() == b["opt"][name].keys() and {"step", "exp_avg", "exp_avg_sq"} <= state.keys(), name
+            for key, v in state.items():
+                assert torch.equal(v, b["opt"][name][key]), (name, key)
 
 
 # -- exact resume --------------------------------------------------------------------------------
@@ -315,9 +330,8 @@ def test_second_export_replaces_the_first(tmp_path):
     model, _ = build()
     export_hf(model, tmp_path, max_shard_bytes=10_000)  # sharded, with an index
     with torch.no_grad():
-        for g in model.groups:
-            with g.updating_master() as master:
-                master.add_(1.0)
+        for p in model.parameters():  # the parameters are the master shards: changing them changes the model
+            p.add_(1.0)
     export_hf(model, tmp_path)  # single file: the index and shards of the first must go
     assert not (tmp_path / "model.safetensors.index.json").exists()
     assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
@@ -342,7 +356,7 @@ class WithBuffer(torch.nn.Module):
 
 def test_persistent_buffers_are_saved_and_restored(tmp_path):
     model = ODCShard(WithBuffer())
-    opt = optim.AdamW(model)
+    opt = torch.optim.AdamW(model.parameters())
     path = save_checkpoint(tmp_path, model, opt, step=1)
     model.module.scale.fill_(-1.0)
     load_checkpoint(path, model, opt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from odcfsdp.kernels.chunks import chunk_table
+from odcfsdp.kernels.chunks import group_chunk_table
 from odcfsdp.kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from odcfsdp.sharding.layout import plan_groups
 
@@ -20,9 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def layout_for(world_size: int, dtype: torch.dtype):
     named = [(f"p{i}", torch.empty(s)) for i, s in enumerate(SHAPES)]
     (layout,) = plan_groups(named, world_size, 1 << 40, dtype)
-    chunks = lambda block: chunk_table(  # noqa: E731
-        [s.offset for s in layout.slots], [s.seg for s in layout.slots], world_size, block, DEVICE
-    )
+    chunks = lambda block: group_chunk_table(layout, block, DEVICE)  # noqa: E731
     return layout, chunks
 
 
@@ -34,7 +32,9 @@ def test_gather_rows_matches_unpack(world_size, dtype, block):
     rows = [torch.randn(layout.row_len, device=DEVICE).to(dtype) for _ in range(world_size)]
     out = torch.full((layout.unsharded_numel,), float("nan"), device=DEVICE).to(dtype)  # poisoned
     gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(block), world_size)
-    assert torch.equal(out, layout.unpack(torch.stack(rows)))
+    want = layout.unpack(torch.stack(rows))
+    for got_seg, want_seg in zip(layout.unsharded_segments(out), layout.unsharded_segments(want)):
+        assert torch.equal(got_seg, want_seg)  # every rank's shard of every parameter
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -55,7 +55,7 @@ def test_scatter_accumulate_matches_pack(world_size, grad_dtype):
         torch.testing.assert_close(a.double(), w, rtol=1e-6, atol=1e-6)  # fp32 accumulation of exact inputs
 
 
-def test_chunk_table_covers_every_segment_once():
+def test_chunk_table_covers_every_shard_once():
     layout, chunks = layout_for(3, torch.float32)
     table = chunks(16)
     assert table.block == 16
@@ -63,7 +63,13 @@ def test_chunk_table_covers_every_segment_once():
     for start, length, _, _ in table.table.cpu().tolist():
         assert 0 < length <= 16
         covered[start : start + length] += 1
-    assert torch.equal(covered, torch.ones_like(covered))
+    want = torch.zeros_like(covered)  # every shard once, the padding after it never
+    for s in layout.slots:
+        want[s.offset : s.offset + s.shard] = 1
+    assert torch.equal(covered, want)
+    # (37,) over 3 ranks: shards of 13 elements, so unsharded-side starts are not 16-byte aligned
+    assert table.dst_align(4) == 1 and group_chunk_table(plan_groups([("a", torch.empty(64))], 2, 1 << 40,
+                                                                     torch.float32)[0], 16).dst_align(4) == 4
 
 
 def test_kernel_argument_checks():

@@ -1,4 +1,5 @@
-"""The flat group layout against its closed form (see [layout] in odcfsdp/sharding/layout.py)."""
+"""The flat group layout against its closed form and torch.chunks dim-0 split (see [layout] in
+odcfsdp/sharding/layout.py)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def random_params(rng: random.Random, dtype: torch.dtype, count: int = 7) -> lis
     return out
 
 
-def closed_form_row(params: list[torch.Tensor], seg: list[int], off: list[int], rank: int, row_len: int) -> torch.Tensor:
-    """Row r, element by element: offset off_i + k holds p_i.flatten()[r * c_i + k] (or 0 past the end)."""
+def closed_form_row(params: list[torch.Tensor], off: list[int], rank: int, row_len: int, world: int) -> torch.Tensor:
+    """Row r, element by element: offset off_i + k holds p_i.flatten()[r * s_i + k] for k < s_i, where
+    s_i = ceil(dim0 / N) * (elements per dim-0 row), or 0 past the parameter's end and in the padding."""
     row = torch.zeros(row_len, dtype=torch.float64)
-    for p, c, o in zip(params, seg, off):
+    for p, o in zip(params, off):
         flat = p.double().flatten()
-        for k in range(c):
-            j = rank * c + k
+        shard = math.ceil(p.shape[0] / world) * math.prod(p.shape[1:])
+        for k in range(shard):
+            j = rank * shard + k
             if j < flat.numel():
                 row[o + k] = flat[j]
     return row
@@ -43,10 +46,14 @@ def test_rows_roundtrip_exactly(world_size, dtype, comm_dtype):
     params = [p for _, p in named]
 
     rows = torch.stack([layout.shard_row(params, r, dtype) for r in range(world_size)])
-    seg = [s.seg for s in layout.slots]
     off = [s.offset for s in layout.slots]
     for r in range(world_size):
-        assert torch.equal(rows[r].double(), closed_form_row(params, seg, off, r, layout.row_len))
+        assert torch.equal(rows[r].double(), closed_form_row(params, off, r, layout.row_len, world_size))
+        for i, p in enumerate(params):  # a rank's piece is torch.chunk's dim-0 piece (DTensor's Shard(0) shard)
+            chunks = torch.chunk(p, world_size, dim=0)
+            want = chunks[r] if r < len(chunks) else p[:0]
+            assert torch.equal(layout.local_view(rows[r], i, r), want)
+            assert layout.slots[i].local_shape(r) == tuple(want.shape)
 
     unsharded = layout.unpack(rows)  # the gather copy-out
     for i, p in enumerate(params):
@@ -64,8 +71,8 @@ def test_segments_aligned_and_cover(world_size, dtype, comm_dtype):
     off = 0
     for s, (_, p) in zip(layout.slots, named):
         assert s.offset == off
-        assert s.seg >= math.ceil(p.numel() / world_size)
-        assert s.seg * world_size >= p.numel()
+        assert s.shard == math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:])
+        assert s.seg >= s.shard and s.shard * world_size >= p.numel()
         for d in dtypes:
             size = torch.empty((), dtype=d).element_size()
             assert (s.offset * size) % ALIGN_BYTES == 0
@@ -101,3 +108,8 @@ def test_plan_respects_budget_order_and_kind():
 def test_plan_rejects_bad_group_bytes(bad):
     with pytest.raises(ValueError, match="group_bytes"):
         plan_groups([("a", torch.zeros(3))], 2, bad)
+
+
+def test_zero_dimensional_parameters_are_refused():
+    with pytest.raises(ValueError, match="'scale' is 0-dimensional.*make it shape \\(1,\\)"):
+        plan_groups([("w", torch.zeros(3)), ("scale", torch.zeros(()))], 2, 1 << 20)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from odcfsdp import ODCShard, optim
+from odcfsdp import ODCShard, param_groups
 from odcfsdp.launch import spawn
 from odcfsdp.models import Llama, LlamaConfig
 from odcfsdp.sharding import GroupState
@@ -59,7 +59,7 @@ def test_gather_and_free_schedule(reshard):
     logits.float().pow(2).mean().backward()
     assert unsharded_bytes(model) == 0  # always freed after backward
     assert all(g.grad is None for g in model.groups)  # gradient buffers pushed and dropped
-    assert all(p.grad is None for p in model.module.parameters())
+    assert all(sp.unsharded.grad is None for g in model.groups for sp in g.params)
     if reshard:
         assert after_forward == 0
         assert counter.calls == 2 * n  # every group gathered again for backward
@@ -127,22 +127,26 @@ def test_frozen_groups_have_no_accumulator_and_do_not_move():
     model = ODCShard(inner, group_bytes=1 << 20)
     assert [g.layout.requires_grad for g in model.groups] == [False, True]
     assert model.groups[0].accumulator is None
-    opt = optim.AdamW(model, lr=0.1, weight_decay=0.5)
+    opt = torch.optim.AdamW(param_groups(model), lr=0.1, weight_decay=0.5)
     for _ in range(3):
         model(torch.randn(3, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        opt.zero_grad()
+    assert model.module[0].weight.grad is None  # frozen: no gradient, ever
     state = model.full_state_dict()
     assert torch.equal(state["0.weight"], before["weight"]) and torch.equal(state["0.bias"], before["bias"])
 
 
 def test_bf16_compute_keeps_fp32_masters():
-    """param_dtype=bf16: compute in bf16, but updates smaller than a bf16 ulp still land in the fp32 masters."""
+    """param_dtype=bf16: compute in bf16, but updates smaller than a bf16 ulp still land in the fp32 masters,
+    which are the parameters outside forward (what the optimizer updates and the user reads)."""
     ref = llama()
     model = ODCShard(copy.deepcopy(ref), group_bytes=8 << 10, param_dtype=torch.bfloat16)
     assert all(g.row.dtype == torch.bfloat16 for g in model.groups)
-    assert all(g.master_dtype == torch.float32 and g.split for g in model.groups)
-    assert all(g.master_lo.dtype == torch.int16 for g in model.groups)  # the row holds the upper half
+    assert all(g.master.dtype == torch.float32 and g.master is not g.row for g in model.groups)
     assert all(g.accumulator.dtype == torch.float32 for g in model.groups)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     x = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         got = model(x)
@@ -150,18 +154,17 @@ def test_bf16_compute_keeps_fp32_masters():
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)  # bf16 has an 8-bit mantissa
 
-    opt = optim.AdamW(model, lr=1e-5, weight_decay=0.0)  # Adam moves every entry by ~lr: far below bf16 ulps
-    model(x).float().pow(2).mean().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)  # Adam moves every entry by ~lr: far
+    model(x).float().pow(2).mean().backward()  # below bf16 ulps
     opt.step()
-    state = model.full_state_dict()
+    opt.zero_grad()
     w = "layers.0.mlp.up_proj.weight"
-    moved = (state[w] - ref.get_parameter(w)).abs()
-    assert 0.5e-5 < moved.max() < 2e-5  # the fp32 master moved by ~lr ...
-    for g in model.groups:  # ... while the communicated row is the master rounded to bf16
-        master, row = g.read_master(), g.row
-        off = row.float() != master.to(torch.bfloat16).float()
-        # to nearest; at exact ties away from zero rather than to even (see [split-master])
-        assert ((master.view(torch.int32)[off] & 0xFFFF) == 0x8000).all()
+    moved = (model.get_parameter(w).detach() - ref.get_parameter(w)).abs()
+    assert 0.5e-5 < moved.max() < 2e-5  # the fp32 master (the parameter) moved by ~lr ...
+    with torch.no_grad():
+        model(x)  # the next forward publishes the masters (see [step-protocol])
+    for g in model.groups:  # ... while the communicated row is the master rounded to bf16 (to nearest, ties even)
+        assert torch.equal(g.row, g.master.to(torch.bfloat16))
 
 
 class Checkpointed(nn.Module):
@@ -282,7 +285,7 @@ def test_gradients_are_pushed_once_per_group_and_none_is_lost():
     model(x).float().pow(2).mean().backward()
     plain(x).float().pow(2).mean().backward()
     assert model.pending_pushes == sum(g.layout.requires_grad for g in model.groups)
-    assert all(p.grad is None for p in model.module.parameters())
+    assert all(sp.unsharded.grad is None for g in model.groups for sp in g.params)
     got = grads_by_name(model)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7)
@@ -296,4 +299,4 @@ def test_gradients_are_pushed_once_per_group_and_none_is_lost():
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-6, atol=1e-7)
     assert model.pending_pushes == 2  # the group's buffer after the site's first post-backward, then the late part
-    assert all(p.grad is None for p in model.module.parameters())
+    assert all(sp.unsharded.grad is None for g in model.groups for sp in g.params)

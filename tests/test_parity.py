@@ -1,13 +1,15 @@
-"""Sharded training matches a plain single-process PyTorch run (CPU, gloo, spawned ranks)."""
+"""The standard PyTorch loop on ODCShard matches a plain single-process run (CPU, gloo, spawned ranks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from odcfsdp import ODCShard
 from odcfsdp.launch import spawn
 from odcfsdp.models.llama import DecoderLayer
-from parity import FROZEN, Run, reference_run, sharded_run
+from parity import FROZEN, ParityModel, Run, reference_run, sharded_run
 
 # fp32: rtol 1e-5; the absolute floor (1e-4 of one Adam step, lr = 1e-2) covers entries near
 # zero, where a relative bound is below one ulp. float64 shows the algorithm itself is exact.
@@ -54,6 +56,17 @@ def test_parity(world_size, reshard, group_bytes, dtype, comm):
     check_against_reference(run, results, dtype)
 
 
+@pytest.mark.parametrize("world_size, comm, optimizer, schedule", [
+    (2, "shm", "sgd", True), (3, "collective", "sgd", False), (2, "shm", "adam", True), (2, "shm", "adagrad", False),
+    (2, "shm", "rmsprop", True), (3, "shm", "adamw", True),
+])
+def test_parity_torch_optimizers_and_schedules(world_size, comm, optimizer, schedule):
+    """Any element-wise torch optimizer (SGD with momentum, Adam, Adagrad, RMSprop), with or without a LambdaLR
+    schedule, over two parameter groups, trains the sharded model as it trains the plain one."""
+    run = Run(world_size, micro_batches=[2] * world_size, optimizer=optimizer, schedule=schedule)
+    check_against_reference(run, spawn(sharded_run, world_size, run, torch.float32, 4096, True, comm), torch.float32)
+
+
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
 def test_parity_whole_layer_units(compile_backend):
     """Hooks on whole decoder layers (uneven micro-batches), eager or with the layers' dense parts compiled."""
@@ -74,20 +87,26 @@ def test_parity_single_process(comm):
     check_against_reference(run, [sharded_run(run, torch.float32, 4096, True, comm)], torch.float32)
 
 
-@pytest.mark.parametrize("micro_batches", [[1, 3], [2, 0, 3], [1, 3, 0, 2]])
-def test_uneven_micro_batches_one_sided(micro_batches):
-    """Ranks run different numbers of micro-batches (zero included): same result as one process on the union."""
-    run = Run(len(micro_batches), micro_batches=micro_batches)
+@pytest.mark.parametrize("micro_batches, zero_grad_first", [
+    ([1, 3], False), ([2, 0, 1], False), ([2, 0, 1], True), ([1, 3, 0, 2], True),
+])
+def test_uneven_micro_batches_one_sided(micro_batches, zero_grad_first):
+    """Ranks run different numbers of micro-batches (zero included) in the plain loop, with opt.zero_grad() after
+    the step or at the start of the next: same result as one process on the union."""
+    run = Run(len(micro_batches), micro_batches=micro_batches, zero_grad_first=zero_grad_first)
     results = spawn(sharded_run, len(micro_batches), run, torch.float32, 4096, True, "shm")
     assert [len(r["losses"][0]) for r in results] == micro_batches
     check_against_reference(run, results, torch.float32)
 
 
 def _uneven_collective(run: Run) -> str:
+    model = ODCShard(ParityModel(), 4096, comm="collective")
     try:
-        sharded_run(run, torch.float32, 4096, True, "collective")
+        model.begin_minibatch(len(run.data[0][dist.get_rank()]))
     except RuntimeError as e:
         return str(e)
+    finally:
+        model.close()
     return "no error"
 
 

@@ -15,8 +15,8 @@ CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2)
 
 
 def layer_groups(model: ODCShard, layer: nn.Module) -> set:
-    ids = {id(p) for p in layer.parameters()}
-    return {g for g in model.groups if any(id(p) in ids for p in g.params)}
+    ids = {id(p) for p in layer.parameters()}  # the sharded form outside forward
+    return {g for g in model.groups if any(id(sp.sharded) in ids or id(sp.unsharded) in ids for sp in g.params)}
 
 
 def test_next_layer_is_in_hand_when_it_starts():
@@ -53,7 +53,8 @@ def test_units_hook_fewer_sites_and_match_module_hooks():
         grads.append([g.accumulator.clone() for g in model.groups])
         # embedding, final norm and head each a site; the layers one site each or 9 modules each;
         # two hooks per site and none per parameter (see [grad-buffers])
-        assert len(model._driver.handles) == 2 * (3 + CFG.n_layers * (1 if units else 9))
+        assert model._driver.sites == 3 + CFG.n_layers * (1 if units else 9)
+        assert len(model._driver.handles) == 2 * model._driver.sites + 2  # and the root's two
         model.close()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -13,7 +13,6 @@ from such files: each rank reads only the slices of each tensor that its rows ne
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -147,28 +146,23 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
     path = Path(path)
     where = _weight_map(path)
     handles: dict[Path, object] = {}
-    with model.protocol.rows_changing():
+    with model.protocol.rows_changing(), torch.no_grad():
         for g in model.groups:
-            with g.updating_master() as master:
-                for s in g.layout.slots:
-                    key = name_map(s.name)
-                    if key not in where:
-                        raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
-                    file = where[key]
-                    if file not in handles:
-                        handles[file] = safe_open(str(file), framework="pt")
-                    f = handles[file]
-                    sl = f.get_slice(key)
-                    if tuple(sl.get_shape()) != s.shape:
-                        raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
-                                              f"{s.name!r} has {s.shape}")
-                    lo = model.rank * s.seg
-                    hi = min(lo + s.seg, s.numel)
-                    dest = master[s.offset : s.offset + s.seg]
-                    dest.zero_()
-                    if hi <= lo:
-                        continue
-                    inner = math.prod(s.shape[1:]) if len(s.shape) > 1 else 1
-                    first, last = lo // inner, -(-hi // inner)  # rows of the tensor that cover [lo, hi)
-                    block = (sl[first:last] if s.shape else f.get_tensor(key)).reshape(-1)
-                    dest[: hi - lo].copy_(block[lo - first * inner : hi - first * inner])
+            master = g.read_master()
+            for s in g.layout.slots:
+                key = name_map(s.name)
+                if key not in where:
+                    raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
+                file = where[key]
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt")
+                sl = handles[file].get_slice(key)
+                if tuple(sl.get_shape()) != s.shape:
+                    raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
+                                          f"{s.name!r} has {s.shape}")
+                lo, hi = s.local_range(model.rank)
+                dest = master[s.offset : s.offset + s.seg]
+                dest.zero_()
+                if hi > lo:  # this rank's shard is whole dim-0 rows: read just those
+                    rows = sl[lo // s.row_numel : hi // s.row_numel]
+                    dest[: hi - lo].copy_(rows.reshape(-1))

@@ -3,13 +3,18 @@
 A checkpoint directory ``step_00000123/`` holds one ``rank00000.safetensors`` per
 rank that wrote it and ``manifest.json``:
 
-* ``format`` / ``version``: ``odcfsdp-checkpoint`` / 1;
+* ``format`` / ``version``: ``odcfsdp-checkpoint`` / 2 (1 is read too);
 * ``world_size``, ``step``, ``config`` and ``extra`` (e.g. the data position);
 * ``params``: per parameter its name, shape, dtype, requires_grad, and where it
-  sat in the writer's plan: group, row offset and segment length ``seg``. Rank q
+  sat in the writer's plan: group, row offset and shard length ``seg``. Rank q
   stored elements ``[q * seg, min((q + 1) * seg, numel))`` of the flattened
-  parameter as ``<name>/master`` (and ``/exp_avg``, ``/exp_avg_sq``);
-* ``optimizer``: type, step count and hyper-parameters, or null;
+  parameter as ``<name>/master`` and, for each optimizer state tensor shaped like
+  the parameter, ``<name>/<state key>`` (``exp_avg``, ``momentum_buffer``, ...);
+* ``optimizer``: null, or the optimizer's class, ``param_groups`` (hyper-parameters
+  and parameter names), ``tensor_states`` (the keys stored in the files) and
+  ``scalar_states`` (per parameter, e.g. ``step``). Version 1 held odcfsdp's own
+  AdamW: ``type``, ``step_count`` and its hyper-parameters;
+* ``scheduler``: the LR scheduler's ``state_dict``, or null;
 * ``files``: per rank file its size in bytes and CRC-32.
 """
 
@@ -19,7 +24,8 @@ import json
 from pathlib import Path
 
 FORMAT = "odcfsdp-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 
 
@@ -42,9 +48,10 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{file}: not valid JSON ({e.msg})") from e
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file}: format {manifest.get('format')!r} is not {FORMAT!r}")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{file}: format version {manifest.get('version')!r} is not supported (this odcfsdp reads version {VERSION})"
+            f"{file}: format version {manifest.get('version')!r} is not supported (this odcfsdp reads versions "
+            f"{list(READABLE_VERSIONS)})"
         )
     missing = {"world_size", "step", "params", "files"} - set(manifest)
     if missing:

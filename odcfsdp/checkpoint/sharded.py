@@ -4,22 +4,28 @@ Save (collective), as numbered steps:
 
 1. the ranks agree that no gradient is pending; rank 0 picks ``step_<k>.tmp-<token>/``
    (clearing leftovers of an earlier, killed save of the same step);
-2. each rank writes ``rank<r>.safetensors``: per parameter, its segment of the fp32
-   master row and of the AdamW moments (views of the rows: no full model anywhere),
-   plus its RNG states (rank 0 also the persistent buffers); then fsyncs it and
-   reports size and CRC-32;
-3. rank 0 writes ``manifest.json``, renames the directory to ``step_<k>/`` (atomic),
-   fsyncs the parent, moves checkpoints of *later* steps aside (a rollback) and
-   prunes to ``keep_last`` complete checkpoints, never the one just written.
+2. each rank writes ``rank<r>.safetensors``: per parameter, its dim-0 shard of the
+   fp32 master and of every optimizer state tensor shaped like the parameter (AdamW's
+   moments, SGD's momentum, ...; views of the rows and of the optimizer's DTensors:
+   no full model anywhere), plus its RNG states (rank 0 also the persistent
+   buffers); then fsyncs it and reports size and CRC-32;
+3. rank 0 writes ``manifest.json`` (with the optimizer's parameter groups, scalar
+   states such as ``step``, and the LR scheduler's state), renames the directory to
+   ``step_<k>/`` (atomic), fsyncs the parent, moves checkpoints of *later* steps aside
+   (a rollback) and prunes to ``keep_last`` complete checkpoints, never the one just
+   written.
 
 A checkpoint is complete exactly when ``step_<k>/manifest.json`` exists, so a save
 killed at any point leaves the previous checkpoints as they were and a ``.tmp-``
 directory that loading ignores.
 
-Load reads, for each parameter segment this rank owns under its *current* plan,
-the overlapping slices of the writers' segments (safetensors reads slices without
-reading whole tensors), so any world size and any ``group_bytes`` can resume any
-checkpoint. Files are checked against the manifest's sizes and checksums first.
+Load reads, for each parameter shard this rank owns under its *current* plan, the
+overlapping slices of the writers' shards (safetensors reads slices without reading
+whole tensors), so any world size and any ``group_bytes`` can resume any checkpoint;
+optimizer state is rebuilt the same way and handed to the optimizer's own
+``load_state_dict``. Files are checked against the manifest's sizes and checksums
+first. Version 1 checkpoints (odcfsdp's own AdamW, until 44e14f3) load into
+``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -36,18 +42,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..optim.adamw import AdamW
+from ..sharding.param import as_global
 from ..sharding.shard import ODCShard
 from .files import crc32_of, fsync_path, write_json_durably
-from .manifest import FORMAT, MANIFEST, VERSION, CheckpointError, check_params, rank_file, read_manifest
+from .manifest import FORMAT, MANIFEST, READABLE_VERSIONS, VERSION, CheckpointError, check_params, rank_file, read_manifest
 
 _COMPLETE = re.compile(r"^step_(\d{8})$")
 _ASIDE = re.compile(r"^step_(\d{8})\.old-[0-9a-f]+$")  # the previous copy of a step saved twice
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _segment(numel: int, seg: int, rank: int) -> tuple[int, int]:
-    """Elements [lo, hi) of a flattened parameter that ``rank`` holds (hi <= lo when none)."""
+    """Elements [lo, hi) of a flattened parameter that writer ``rank`` holds (hi <= lo when none)."""
     lo = rank * seg
     return lo, min(lo + seg, numel)
 
@@ -57,11 +62,53 @@ def _model_slots(model: ODCShard) -> dict:
             for lay in model.layouts for s in lay.slots}
 
 
-def _moments(optimizer: AdamW | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Group index -> (exp_avg, exp_avg_sq) rows."""
-    if optimizer is None:
-        return {}
-    return {g.index: (m, v) for g, m, v in zip(optimizer.groups, optimizer.exp_avg, optimizer.exp_avg_sq)}
+def _jsonable(value):
+    """A hyper-parameter as JSON (tensors as numbers, tuples as lists); None if it has no JSON form."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [_jsonable(v) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value)) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return None
+
+
+def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
+    """The optimizer's parameter groups as lists of the model's ``ShardedParam``s (every parameter must be the model's)."""
+    groups = []
+    for group in optimizer.param_groups:
+        sps = []
+        for p in group["params"]:
+            sp = getattr(p, "_odc", None)
+            if sp is None or sp.protocol is not model.protocol:
+                raise CheckpointError("the optimizer holds a parameter that is not one of the model's shards; build it "
+                                      "from the ODCShard model's parameters (e.g. odcfsdp.param_groups(model))")
+            sps.append(sp)
+        groups.append(sps)
+    return groups
+
+
+def _optimizer_tensors(model: ODCShard, optimizer) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest entry, {file key: this rank's shard}) of the optimizer's state."""
+    groups = _optimizer_params(model, optimizer)
+    scalars, keys, tensors = {}, set(), {}
+    for sps in groups:
+        for sp in sps:
+            for key, value in optimizer.state.get(sp.sharded, {}).items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == sp.shape and value.dim() > 0:
+                    local = getattr(value, "_local_tensor", value)
+                    tensors[f"{sp.name}/{key}"] = local.detach().reshape(-1).cpu()
+                    keys.add(key)
+                else:
+                    scalars.setdefault(sp.name, {})[key] = _jsonable(value)
+    entry = {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "param_groups": [{**{k: _jsonable(v) for k, v in g.items() if k != "params"},
+                          "params": [sp.name for sp in sps]} for g, sps in zip(optimizer.param_groups, groups)],
+        "tensor_states": sorted(keys), "scalar_states": scalars,
+    }
+    return entry, tensors
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -106,17 +153,20 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 def save_checkpoint(
     directory: str | Path,
     model: ODCShard,
-    optimizer: AdamW | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
     step: int,
+    scheduler=None,
     config: dict | None = None,
     extra: dict | None = None,
     keep_last: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` of ``model`` (and ``optimizer``) under ``directory``; collective.
+    """Write checkpoint ``step`` of ``model`` (and ``optimizer``, ``scheduler``) under ``directory``; collective.
 
-    Call it between optimizer steps. ``config`` and ``extra`` (e.g. the data
-    position) are stored in the manifest. Returns the checkpoint's path.
+    Call it between optimizer steps. ``optimizer`` is any ``torch.optim`` optimizer
+    over the model's parameters; ``scheduler`` an LR scheduler (its ``state_dict``
+    goes into the manifest). ``config`` and ``extra`` (e.g. the data position) are
+    stored in the manifest. Returns the checkpoint's path.
     """
     mesh = model.mesh
     pending = mesh.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
@@ -132,19 +182,19 @@ def save_checkpoint(
         for stale in directory.glob(f"{final.name}.tmp-*"):  # an earlier, killed save of this step
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    model.reshard_all()
     mesh.barrier()
 
     tensors: dict[str, torch.Tensor] = {}
-    moments = _moments(optimizer)
     for g in model.groups:
-        rows = {"master": g.read_master(), **dict(zip(MOMENTS, moments.get(g.index, ())))}  # once per group
+        master = g.read_master()
         for s in g.layout.slots:
-            lo, hi = _segment(s.numel, s.seg, rank)
-            if hi <= lo:
-                continue
-            for kind, row in rows.items():
-                tensors[f"{s.name}/{kind}"] = row[s.offset : s.offset + hi - lo].detach().cpu()
+            lo, hi = s.local_range(rank)
+            if hi > lo:
+                tensors[f"{s.name}/master"] = master[s.offset : s.offset + hi - lo].detach().cpu()
+    opt_entry = None
+    if optimizer is not None:
+        opt_entry, opt_tensors = _optimizer_tensors(model, optimizer)
+        tensors.update({k: v for k, v in opt_tensors.items() if v.numel()})
     if rank == 0:  # persistent buffers are replicated: one copy, read back by every rank
         for name, buf in model.persistent_buffers().items():
             tensors[f"__buffer__/{name}"] = buf.detach().cpu()
@@ -162,14 +212,11 @@ def save_checkpoint(
             "param_dtype": str(model.param_dtype).removeprefix("torch."),
             "params": [
                 {"name": s.name, "shape": list(s.shape), "dtype": str(lay.dtype).removeprefix("torch."),
-                 "requires_grad": lay.requires_grad, "group": lay.index, "offset": s.offset, "seg": s.seg}
+                 "requires_grad": lay.requires_grad, "group": lay.index, "offset": s.offset, "seg": s.shard}
                 for lay in model.layouts for s in lay.slots
             ],
-            "aliases": model.aliases,
-            "optimizer": None if optimizer is None else {
-                "type": "AdamW", "step_count": optimizer.step_count, "lr": optimizer.base_lr,
-                "betas": list(optimizer.betas), "eps": optimizer.eps, "weight_decay": optimizer.weight_decay,
-            },
+            "aliases": model.aliases, "optimizer": opt_entry,
+            "scheduler": None if scheduler is None else {k: _jsonable(v) for k, v in scheduler.state_dict().items()},
             "files": files, "config": config, "extra": extra or {},
         }
         write_json_durably(tmp / MANIFEST, manifest)
@@ -221,39 +268,37 @@ class _Files:
         return f.get_slice(key)[lo:hi]
 
 
-def load_checkpoint(path: str | Path, model: ODCShard, optimizer: AdamW | None = None, *,
-                    verify: bool = True) -> dict:
-    """Load a checkpoint into ``model`` (and ``optimizer``), resharding as needed; collective.
+def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Optimizer | None = None, *,
+                    scheduler=None, verify: bool = True) -> dict:
+    """Load a checkpoint into ``model`` (and ``optimizer``, ``scheduler``), resharding as needed; collective.
 
-    Works for any world size and ``group_bytes`` of the writer and the reader. RNG
-    states are restored when the world size is unchanged. Returns the manifest.
+    Works for any world size and ``group_bytes`` of the writer and the reader. The
+    optimizer must group the model's parameters as the saved one did (same
+    parameters in the same groups); its hyper-parameters are restored from the
+    checkpoint, as ``load_state_dict`` does. RNG states are restored when the world
+    size is unchanged. Returns the manifest.
     """
     path = Path(path)
     manifest = read_manifest(path)
     check_params(manifest, _model_slots(model), path)
-    if optimizer is not None and manifest.get("optimizer") is None:
+    saved_opt = manifest.get("optimizer")
+    if optimizer is not None and saved_opt is None:
         raise CheckpointError(f"{path}: holds no optimizer state, but an optimizer was given")
+    if scheduler is not None and manifest.get("scheduler") is None:
+        raise CheckpointError(f"{path}: holds no LR scheduler state, but a scheduler was given")
     old_world = manifest["world_size"]
     old_seg = {p["name"]: p["seg"] for p in manifest["params"]}
     files = _Files(path, manifest, verify)
-    moments = _moments(optimizer)
     rank = model.rank
 
     with model.protocol.rows_changing():
         for g in model.groups:
-            with g.updating_master() as master:
-                rows = {"master": master, **dict(zip(MOMENTS, moments.get(g.index, ())))}
-                for s in g.layout.slots:
-                    lo, hi = _segment(s.numel, s.seg, rank)
-                    for kind, row in rows.items():
-                        dest = row[s.offset : s.offset + s.seg]
-                        dest.zero_()  # padding past the parameter's end stays zero
-                        seg = old_seg[s.name]
-                        for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
-                            qlo, qhi = _segment(s.numel, seg, q)
-                            a, b = max(lo, qlo), min(hi, qhi)
-                            if a < b:
-                                dest[a - lo : b - lo].copy_(files.read(q, f"{s.name}/{kind}", a - qlo, b - qlo))
+            master = g.read_master()
+            for s in g.layout.slots:
+                lo, hi = s.local_range(rank)
+                dest = master[s.offset : s.offset + s.seg]
+                dest.zero_()  # padding past the shard stays zero
+                _read_slices(files, old_world, old_seg[s.name], s.numel, f"{s.name}/master", lo, hi, dest[: hi - lo])
         buffers = model.persistent_buffers()
         if buffers:
             f0 = files.get(0)
@@ -263,11 +308,60 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: AdamW | None =
                     raise CheckpointError(f"{path / rank_file(0)}: buffer {name!r} of the model is not in the checkpoint")
                 with torch.no_grad():
                     buf.copy_(f0.get_tensor(key))
-        if optimizer is not None:
-            optimizer.step_count = manifest["optimizer"]["step_count"]
-        if old_world == model.world_size:
-            _restore_rng(files.get(rank), model.mesh.device)
+    if optimizer is not None:
+        _load_optimizer(path, manifest, files, model, optimizer, old_world, old_seg)
+    if scheduler is not None:
+        scheduler.load_state_dict(manifest["scheduler"])
+    if old_world == model.world_size:
+        _restore_rng(files.get(rank), model.mesh.device)
     return manifest
+
+
+def _read_slices(files: "_Files", old_world: int, seg: int, numel: int, key: str, lo: int, hi: int,
+                 out: torch.Tensor) -> None:
+    """``out`` = elements ``[lo, hi)`` of the flattened tensor ``key``, from the writers that hold them."""
+    for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
+        qlo, qhi = _segment(numel, seg, q)
+        a, b = max(lo, qlo), min(hi, qhi)
+        if a < b:
+            out[a - lo : b - lo].copy_(files.read(q, key, a - qlo, b - qlo))
+
+
+def _load_optimizer(path: Path, manifest: dict, files: "_Files", model: ODCShard, optimizer, old_world: int,
+                    old_seg: dict[str, int]) -> None:
+    """Rebuild this rank's optimizer state from the checkpoint and hand it to ``optimizer.load_state_dict``."""
+    saved = manifest["optimizer"]
+    groups = _optimizer_params(model, optimizer)
+    if manifest["version"] == 1:  # odcfsdp's own AdamW: exp_avg / exp_avg_sq rows, one step count
+        saved = {"param_groups": [{k: v for k, v in g.items() if k != "params"} | {"params": [sp.name for sp in sps]}
+                                  for g, sps in zip(optimizer.param_groups, groups)],
+                 "tensor_states": ["exp_avg", "exp_avg_sq"],
+                 "scalar_states": {sp.name: {"step": saved["step_count"]} for sps in groups for sp in sps}}
+    names = [[sp.name for sp in sps] for sps in groups]
+    if [g["params"] for g in saved["param_groups"]] != names:
+        raise CheckpointError(f"{path}: the optimizer's parameter groups differ from the saved ones (the same "
+                              "parameters must be in the same groups, in the same order)")
+    rank, mesh = model.rank, model.mesh.device_mesh
+    state, index = {}, 0
+    for sps in groups:
+        for sp in sps:
+            entry = {}
+            for key in saved["tensor_states"]:
+                lo, hi = sp.slot.local_range(rank)
+                local = torch.zeros(sp.local.shape, dtype=sp.local.dtype)
+                _read_slices(files, old_world, old_seg[sp.name], sp.slot.numel, f"{sp.name}/{key}", lo, hi,
+                             local.view(-1))
+                entry[key] = as_global(local.to(sp.local.device), sp.shape, mesh)
+            for key, value in saved["scalar_states"].get(sp.name, {}).items():
+                entry[key] = torch.tensor(value, dtype=torch.float32) if key == "step" else value
+            state[index] = entry
+            index += 1
+    param_groups, index = [], 0
+    for g in saved["param_groups"]:
+        hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
+        param_groups.append({**hyper, "params": list(range(index, index + len(g["params"])))})
+        index += len(g["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 def _restore_rng(f, device: torch.device) -> None:

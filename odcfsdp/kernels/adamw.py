@@ -1,5 +1,12 @@
 """Fused AdamW over one rank's rows: one pass instead of a dozen elementwise kernels.
 
+A candidate for the optimizer step, measured by ``benchmarks/optim_bench.py`` against
+torch's fused AdamW on the shards plus ODCShard's publish and zeroing (the path
+training takes): it does the update, the publish of the bf16 row and the zeroing of
+the accumulator in one pass (38 bytes per parameter with the norm, against 50). At
+44e14f3, before its alignment hint, it was 2.6x slower than torch's fused AdamW at 8B;
+it is not wired into training until it is measured faster.
+
 Per element, reading the fp32 master ``p``, moments ``m``, ``v`` and accumulated
 gradient ``g``, and writing ``p``, ``m``, ``v``, ``g = 0`` and (optionally) the
 communicated row in its own dtype:
@@ -11,9 +18,7 @@ communicated row in its own dtype:
     p  <- p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
 
 the update of ``torch.optim.AdamW``, up to rounding (fused multiply-adds may round
-differently from the separate kernels). With a split master (see
-``odcfsdp.kernels.split_master``) ``p`` is rebuilt from the bf16 row and its low
-bits, and both are written back.
+differently from the separate kernels).
 """
 
 from __future__ import annotations
@@ -31,13 +36,11 @@ def _adamw_kernel(
     m,  # *fp32 [C]: first moment
     v,  # *fp32 [C]: second moment
     g,  # *fp32 [C]: accumulated gradient (read, then zeroed)
-    row,  # *T [C]: communicated row (written when HAS_ROW; read too when SPLIT)
-    lo,  # *int16 [C]: the master's low 16 bits (SPLIT)
+    row,  # *T [C]: communicated row (written when HAS_ROW)
     runs,  # *int64 [n, 3]: (start, length, decay 0/1) chunks of the row
     coef,  # *fp32 []: gradient scale (clipping)
     lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt,  # fp32 scalars
     HAS_ROW: tl.constexpr,
-    SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,  # every run's start and length are multiples of ALIGN elements (1: no promise)
 ):
@@ -51,12 +54,7 @@ def _adamw_kernel(
     mask = tl.arange(0, BLOCK) < n
     grad = tl.load(g + offs, mask=mask) * tl.load(coef)
     tl.store(g + offs, tl.zeros_like(grad), mask=mask)
-    if SPLIT:  # fp32 bits = (rounded upper half - carry) << 16 | low half
-        low = tl.load(lo + offs, mask=mask).to(tl.int32) & 0xFFFF
-        high = (tl.load(row + offs, mask=mask).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) - (low >> 15)
-        pv = ((high << 16) | low).to(tl.float32, bitcast=True)
-    else:
-        pv = tl.load(p + offs, mask=mask)
+    pv = tl.load(p + offs, mask=mask)
     pv = pv * (1.0 - lr * weight_decay * decay)
     mv = tl.load(m + offs, mask=mask)
     mv = mv + (1.0 - beta1) * (grad - mv)
@@ -64,16 +62,9 @@ def _adamw_kernel(
     pv = pv - step_size * mv / (tl.sqrt(vv) / bc2_sqrt + eps)
     tl.store(m + offs, mv, mask=mask)
     tl.store(v + offs, vv, mask=mask)
-    if SPLIT:
-        bits = pv.to(tl.int32, bitcast=True)
-        low = bits & 0xFFFF
-        high = ((bits >> 16) & 0xFFFF) + (low >> 15)
-        tl.store(lo + offs, low.to(tl.int16), mask=mask)
-        tl.store(row + offs, high.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(p + offs, pv, mask=mask)
-        if HAS_ROW:
-            tl.store(row + offs, pv.to(row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(p + offs, pv, mask=mask)
+    if HAS_ROW:
+        tl.store(row + offs, pv.to(row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def decay_runs(row_len: int, decay_ranges: Sequence[tuple[int, int]], block: int, device) -> torch.Tensor:
@@ -88,23 +79,16 @@ def decay_runs(row_len: int, decay_ranges: Sequence[tuple[int, int]], block: int
 
 
 def fused_adamw_(
-    p: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, row: torch.Tensor | None,
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, row: torch.Tensor | None,
     runs: torch.Tensor, coef: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, step: int, block: int, master_lo: torch.Tensor | None = None, align: int = 1,
+    weight_decay: float, step: int, block: int, align: int = 1,
 ) -> None:
     """One AdamW step on a row (see the module docstring); ``runs`` from ``decay_runs`` with the same block.
 
-    The master is ``p`` (fp32), or, when ``p`` is None, the split pair of the bf16 ``row``
-    and int16 ``master_lo``. ``align``: a promise that every run starts and ends on a
-    multiple of that many elements (lets the kernel use vector loads).
+    ``align``: a promise that every run starts and ends on a multiple of that many
+    elements (lets the kernel use vector loads).
     """
-    split = p is None
-    if split and (master_lo is None or row is None or row.dtype != torch.bfloat16 or master_lo.dtype != torch.int16
-                  or master_lo.shape != row.shape or not master_lo.is_contiguous()):
-        raise ValueError("a split master needs a bf16 row and a contiguous int16 master_lo of its shape")
     for name, t in (("master", p), ("exp_avg", m), ("exp_avg_sq", v), ("gradient", g)):
-        if t is None and split:
-            continue
         if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != m.shape:
             raise ValueError(f"{name} must be a contiguous fp32 tensor shaped like the master row")
     if row is not None and (row.shape != m.shape or not row.is_contiguous()):
@@ -113,7 +97,6 @@ def fused_adamw_(
     bc2_sqrt = (1 - beta2**step) ** 0.5
     if runs.shape[0]:
         _adamw_kernel[(runs.shape[0],)](
-            m if split else p, m, v, g, row if row is not None else p, master_lo if split else m, runs,
-            coef.to(torch.float32), lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2_sqrt,
-            HAS_ROW=row is not None, SPLIT=split, BLOCK=block, ALIGN=align,
+            p, m, v, g, row if row is not None else p, runs, coef.to(torch.float32), lr, beta1, beta2, eps,
+            weight_decay, lr / bc1, bc2_sqrt, HAS_ROW=row is not None, BLOCK=block, ALIGN=align,
         )

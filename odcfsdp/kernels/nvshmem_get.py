@@ -83,9 +83,10 @@ def _gather_get_kernel(
     my_pe,  # the caller's PE
     ELEM_BYTES: tl.constexpr,
     ALIGN: tl.constexpr,
+    DST_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    r, row_start, length, dst = _this_chunk(chunks, world_size, first, ALIGN)
+    r, row_start, length, dst = _this_chunk(chunks, world_size, first, ALIGN, DST_ALIGN)
     if r == my_pe:
         offs = tl.arange(0, BLOCK)
         mask = offs < length
@@ -104,6 +105,7 @@ def gather_rows_get(base: torch.Tensor, out: torch.Tensor, chunks: ChunkTable, w
     if chunks.num_chunks:
         _gather_get_kernel[(chunks.num_chunks * world_size,)](
             base, out, chunks.table, world_size, (my_pe + 1) % world_size, my_pe,
-            ELEM_BYTES=out.element_size(), ALIGN=_align(out.dtype), BLOCK=chunks.block, num_warps=num_warps,
+            ELEM_BYTES=out.element_size(), ALIGN=_align(out.dtype), DST_ALIGN=chunks.dst_align(_align(out.dtype)),
+            BLOCK=chunks.block, num_warps=num_warps,
             extern_libs={"libnvshmem": device_library()},
         )

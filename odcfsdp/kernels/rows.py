@@ -31,10 +31,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @triton.jit
 def _this_chunk(
-    chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
+    chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, shard), see chunks.py
     world_size,  # N
     first,  # rank served by program 0
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,  # row-side starts are multiples of ALIGN elements (16 bytes)
+    DST_ALIGN: tl.constexpr,  # unsharded-side starts are multiples of DST_ALIGN elements (ChunkTable.dst_align)
 ):
     """Decode this program's work: (rank r, chunk start in r's row, length, start in the param-major buffer)."""
     # One flat axis (no 65535 limit of a second axis), ranks varying fastest so local copies
@@ -46,8 +47,8 @@ def _this_chunk(
     row_start = tl.multiple_of(tl.load(chunks + c * 4), ALIGN)
     length = tl.load(chunks + c * 4 + 1)
     out_base = tl.load(chunks + c * 4 + 2)
-    seg = tl.load(chunks + c * 4 + 3)
-    return r, row_start, length, tl.multiple_of(out_base + r * seg, ALIGN)
+    shard = tl.load(chunks + c * 4 + 3)
+    return r, row_start, length, tl.multiple_of(out_base + r * shard, DST_ALIGN)
 
 
 @triton.jit
@@ -55,13 +56,14 @@ def _gather_rows_kernel(
     base,  # *T: the caller's own row (any 16-byte aligned address of the heap works)
     row_offsets,  # *int64 [N]: rank r's row starts at base + row_offsets[r] (elements, may be negative)
     out,  # *T [N*C]: parameter-major unsharded buffer
-    chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, seg), see chunks.py
+    chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, shard), see chunks.py
     world_size,  # N
     first,  # rank served by program 0: the caller's next rank, so remote reads start first
-    ALIGN: tl.constexpr,  # every row_start / out offset is a multiple of ALIGN elements (16 bytes)
+    ALIGN: tl.constexpr,  # every row_start is a multiple of ALIGN elements (16 bytes)
+    DST_ALIGN: tl.constexpr,  # every out offset is a multiple of DST_ALIGN elements
     BLOCK: tl.constexpr,  # elements per chunk (upper bound)
 ):
-    r, row_start, length, dst = _this_chunk(chunks, world_size, first, ALIGN)
+    r, row_start, length, dst = _this_chunk(chunks, world_size, first, ALIGN, DST_ALIGN)
     src = tl.multiple_of(tl.load(row_offsets + r) + row_start, ALIGN)
     offs = tl.arange(0, BLOCK)
     mask = offs < length
@@ -77,9 +79,10 @@ def _scatter_accumulate_kernel(
     world_size,  # N
     first,  # owner served by program 0 (the caller's next rank): pushers start at different owners
     ALIGN: tl.constexpr,
+    DST_ALIGN: tl.constexpr,  # every gradient-buffer offset is a multiple of DST_ALIGN elements
     BLOCK: tl.constexpr,
 ):
-    r, row_start, length, src = _this_chunk(chunks, world_size, first, ALIGN)
+    r, row_start, length, src = _this_chunk(chunks, world_size, first, ALIGN, DST_ALIGN)
     # No alignment hint on the destination: with one, Triton vectorises the fp32 atomics, and
     # those ran 4x slower over NVLink on H200 (35 vs 143 GB/s, benchmarks/comm_bench.py).
     dst = tl.load(acc_offsets + r) + row_start
@@ -144,7 +147,8 @@ def gather_rows(
     if chunks.num_chunks:
         _gather_rows_kernel[(chunks.num_chunks * world_size,)](
             base, offsets, out, chunks.table, world_size, (rank + 1) % world_size,
-            ALIGN=_align(out.dtype), BLOCK=chunks.block, num_warps=num_warps,
+            ALIGN=_align(out.dtype), DST_ALIGN=chunks.dst_align(_align(out.dtype)), BLOCK=chunks.block,
+            num_warps=num_warps,
         )
 
 
@@ -167,5 +171,6 @@ def scatter_accumulate_rows(
     if chunks.num_chunks:
         _scatter_accumulate_kernel[(chunks.num_chunks * world_size,)](
             acc_base, acc_offsets, grad, chunks.table, world_size, (rank + 1) % world_size,
-            ALIGN=_align(grad.dtype), BLOCK=chunks.block, num_warps=num_warps,
+            ALIGN=_align(grad.dtype), DST_ALIGN=chunks.dst_align(_align(grad.dtype)), BLOCK=chunks.block,
+            num_warps=num_warps,
         )

@@ -1,5 +1,5 @@
-"""Sharded optimizers: each rank updates the rows it owns."""
+"""Optimizer helpers. ODCShard models train with any element-wise ``torch.optim`` optimizer."""
 
-from .adamw import AdamW
+from .param_groups import DEFAULT_NO_DECAY, param_groups
 
-__all__ = ["AdamW"]
+__all__ = ["DEFAULT_NO_DECAY", "param_groups"]

@@ -4,10 +4,11 @@ from .group import FlatGroup, GroupState
 from .hooks import TrainingPhase
 from .layout import GroupLayout, ParamSlot, plan_groups
 from .mesh import ShardMesh
-from .protocol import StepProtocol
+from .param import ODCLocalParameter, ODCParameter, ShardedParam
+from .protocol import GradState, StepProtocol
 from .shard import ODCShard
 
 __all__ = [
-    "FlatGroup", "GroupLayout", "GroupState", "ODCShard", "ParamSlot", "ShardMesh", "StepProtocol", "TrainingPhase",
-    "plan_groups",
+    "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCParameter", "ODCShard",
+    "ParamSlot", "ShardMesh", "ShardedParam", "StepProtocol", "TrainingPhase", "plan_groups",
 ]

@@ -1,14 +1,16 @@
-"""One flat parameter group: its master row, unsharded buffer and gradient buffer.
+"""One flat parameter group: its rows, unsharded buffer and gradient buffer, its state and its parameters.
 
 Design note [storage-resize]
 ----------------------------
-Each parameter of the group is, for its whole life, a view into the group's
+Each unsharded parameter is, for its whole life, a view into the group's
 parameter-major unsharded buffer (``param.data = view``). Resharding frees that
 buffer by resizing its *storage* to zero bytes, and unsharding resizes it back and
 refills it in place. Autograd keeps references to the parameters it saved for
 backward; because those references share the storage, a re-gather before backward
 makes them valid again without autograd noticing (the parameters' version counters
-are their own, not the buffer's, so the in-place refill trips no check).
+are their own, not the buffer's, so the in-place refill trips no check). Outside
+their group's unsharded state, modules hold the sharded form instead ([params]), so
+no code outside forward ever sees a freed storage.
 
 Design note [grad-buffers]
 --------------------------
@@ -23,27 +25,27 @@ its group was pushed (a parameter used outside its site, after the site's backwa
 lands in a fresh ``.grad``; the end-of-backward callback collects it
 (``collect_late_grads``) and pushes it too, so nothing is lost, only pushed late.
 
-Design note [split-master]
---------------------------
-With bf16 rows and fp32 masters, the master is not kept as a separate fp32 row: the
-communicated bf16 row holds its upper 16 bits (rounded to nearest, ties away from
-zero) and ``master_lo`` its lower 16 bits, from which the exact fp32 value is rebuilt
-(``odcfsdp.kernels.split_master``). That saves 2 bytes per parameter over N, the
-cost of the bf16 row copy other mixed-precision FSDPs cast on the fly. Code reads
-masters with ``read_master`` and changes them inside ``updating_master``.
+Design note [masters]
+---------------------
+Each group keeps an fp32 master row (wider for wider parameters), the local tensor
+of its parameters' shards: optimizers update it in place. The communicated row in
+``param_dtype`` is published from it (``publish``: a cast, rounding to nearest
+even) when a minibatch ends ([step-protocol]); with ``param_dtype`` equal to the
+master's dtype the row *is* the master and publishing is nothing. (Up to 44e14f3
+a bf16 row and 16 low bits stood in for the fp32 master, 2 bytes per parameter / N
+less, but no torch optimizer can update such a pair in place.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 
-from ..kernels.split_master import join_master, split_master_
 from .layout import GroupLayout
+from .param import ShardedParam
 from .transport import Transport
 
 
@@ -59,97 +61,90 @@ class GroupState(enum.Enum):
     """Whether a group's full values are materialised on this rank."""
 
     SHARDED = enum.auto()
-    """Only this rank's row (and master row) is held; the unsharded storage is freed."""
+    """Only this rank's row (and master row) is held; the unsharded storage is freed; modules hold shards."""
     UNSHARDED = enum.auto()
-    """The unsharded buffer holds the full values; the parameters can be used."""
+    """The unsharded buffer holds the full values; modules hold the unsharded parameters."""
 
 
 class FlatGroup:
     """A flat group of parameters sharded row-wise over the ranks of a transport.
 
     Storage, owned here: ``row`` (this rank's row, what peers gather; on the
-    transport's heap), ``accumulator`` (this rank's fp32 gradient accumulator row, what
-    peers push into; None for frozen groups) and the master row (``read_master``).
+    transport's heap), ``accumulator`` (this rank's gradient accumulator row, what
+    peers push into; None for frozen groups) and ``master`` (the row optimizers
+    update, see [masters]).
 
     Args:
         layout: the group's layout (see [layout]).
-        params: the group's parameters, in slot order. Their current values become
-            this rank's master row; they then become views into the unsharded
-            buffer, which stays freed until ``to_unsharded`` is called.
+        params: the model's parameters of the group, in slot order. Their current
+            values become this rank's master row.
+        registrations: for each, every (module, attribute) it is registered under.
         transport: allocated this group's row and accumulator; moves them.
-        master_dtype: dtype of the master row the optimizer updates (fp32 or wider).
+        master_dtype: dtype of the master row (fp32 or wider).
+        protocol: the step protocol the parameters' ``.grad`` goes through.
+        device_mesh: the DTensor mesh of the shards (None in a single process).
     """
 
-    def __init__(self, layout: GroupLayout, params: list[nn.Parameter], transport: Transport, master_dtype: torch.dtype):
+    def __init__(self, layout: GroupLayout, params: list[nn.Parameter], registrations: list[list[tuple[nn.Module, str]]],
+                 transport: Transport, master_dtype: torch.dtype, protocol, device_mesh):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         self.layout = layout
-        self.params = list(params)
         self.transport = transport
         self.index = layout.index
         self.rank = transport.rank
-        self.row = row = transport.rows[self.index]
+        self.row = transport.rows[self.index]
         self.accumulator = transport.accumulators[self.index]
-        self.master_dtype = master_dtype
-        self.split = row.dtype == torch.bfloat16 and master_dtype == torch.float32  # see [split-master]
-        # With comm dtype == master dtype the row *is* the master: no second copy.
-        self._master = None if self.split else row if row.dtype == master_dtype else torch.zeros_like(row, dtype=master_dtype)
-        self.master_lo = torch.zeros_like(row, dtype=torch.int16) if self.split else None
-        self.unsharded = torch.empty(layout.unsharded_numel, dtype=row.dtype, device=row.device)
+        self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
+        self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.row.dtype, device=self.row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
-        self._trained = [i for i, p in enumerate(params) if p.requires_grad]
         self.sites = 0  # hook sites that use this group (set once the hooks are registered)
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
+        self.params = [ShardedParam(self, i, p, regs, protocol, device_mesh)
+                       for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
+        self._trained = [sp for sp in self.params if sp.trained]
+        self._published_version = self._versions()
         if not params[0].is_meta:  # a meta model has no values yet: rows stay zero until loaded
             self.load_full_(initial)
-        self.bind_params()
         self.state = GroupState.UNSHARDED
         self.to_sharded()
 
     # -- values ----------------------------------------------------------------
     def load_full_(self, values: list[torch.Tensor]) -> None:
-        """Set this rank's master row (and row) from full parameter values."""
-        with self.updating_master() as master:
-            master.copy_(self.layout.shard_row(values, self.rank, master.dtype))
+        """Set this rank's master row (and row) from full parameter values (inside ``rows_changing``)."""
+        with torch.no_grad():
+            self.master.copy_(self.layout.shard_row(values, self.rank, self.master.dtype))
+        self.publish()
 
     def read_master(self) -> torch.Tensor:
-        """This rank's master row in ``master_dtype`` (treat as read-only: it may be the stored row itself)."""
-        if self.split:
-            return join_master(self.row, self.master_lo)
-        return self._master
+        """This rank's master row (the shards' storage: treat as read-only outside a row change)."""
+        return self.master
 
-    @contextlib.contextmanager
-    def updating_master(self) -> Iterator[torch.Tensor]:
-        """The master row to change in place; on exit it is stored and published to the communicated row."""
-        master = self.read_master()
-        yield master
-        row = self.row
-        if self.split:
-            split_master_(master, row, self.master_lo)
-        elif row is not master:
-            row.copy_(master)
+    def publish(self) -> None:
+        """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide)."""
+        if self.row is not self.master:
+            with torch.no_grad():
+                self.row.copy_(self.master)
+        self._published_version = self._versions()
+
+    def _versions(self) -> tuple[int, ...]:
+        # A plain tensor view shares its base's version counter, but an in-place op on a DTensor bumps only the
+        # DTensor's own (its local tensor is changed below autograd): both are watched.
+        return (self.master._version, *(sp.sharded._version for sp in self.params))
+
+    @property
+    def master_changed(self) -> bool:
+        """Whether the master row (through a shard or directly) changed in place since it was last published."""
+        return self._versions() != self._published_version
 
     def release(self) -> None:
         """Drop the rows and buffers (the wrapper is closing; the transport frees the heap)."""
-        self._master = self.master_lo = self.row = self.accumulator = self.grad = None
-
-    def bind_params(self) -> None:
-        """Point every parameter at its view of the unsharded buffer.
-
-        Meta parameters cannot be re-pointed to another device; they are replaced by
-        new ``nn.Parameter`` objects (``self.params``), which the caller swaps into
-        the modules.
-        """
-        for i, p in enumerate(self.params):
-            view = self.layout.param_view(self.unsharded, i)
-            if p.is_meta:
-                # Not nn.Parameter(view): that would share the buffer's version counter (see
-                # [storage-resize]); .data assignment gives the parameter its own.
-                p = self.params[i] = nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
-            p.data = view
+        for sp in self.params:
+            sp.release()
+        self.master = self.row = self.accumulator = self.grad = None
 
     # -- use counting ----------------------------------------------------------
     def reset_uses(self) -> None:
@@ -168,7 +163,7 @@ class FlatGroup:
 
     # -- state transitions -----------------------------------------------------
     def to_unsharded(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Materialise the full values (gather from all ranks); no-op if already there.
+        """Materialise the full values (gather from all ranks) and register them; no-op if already there.
 
         With ``stream`` (a prefetch) the buffer is filled on that stream, after the
         work queued so far on the current stream; ``wait_ready`` must run before the
@@ -189,6 +184,8 @@ class FlatGroup:
                 if stream is not None:
                     self._ready = torch.cuda.Event()
                     self._ready.record(stream)
+        for sp in self.params:
+            sp.to_unsharded()
         self.state = GroupState.UNSHARDED
 
     def wait_ready(self) -> None:
@@ -198,11 +195,13 @@ class FlatGroup:
             self._ready = None
 
     def to_sharded(self) -> None:
-        """Free the full values; parameters keep their (now empty) views."""
+        """Free the full values; the modules hold the shards again."""
         if self.state is GroupState.SHARDED:
             return
         self.wait_ready()
         self.unsharded.untyped_storage().resize_(0)
+        for sp in self.params:
+            sp.to_sharded()
         self.state = GroupState.SHARDED
 
     # -- gradients -------------------------------------------------------------
@@ -210,14 +209,15 @@ class FlatGroup:
         """Point each trained parameter's ``.grad`` at its view of a zeroed gradient buffer.
 
         Autograd then accumulates gradients into the buffer in place, with no Python
-        hook per parameter (see [grad-buffers] in the wrapper); no-op when the buffer
-        exists or nothing is trained.
+        hook per parameter (see [grad-buffers]); no-op when the buffer exists or
+        nothing is trained.
         """
         if self.grad is not None or not self._trained:
             return
         self.grad = torch.zeros(self.layout.unsharded_numel, dtype=self.unsharded.dtype, device=self.unsharded.device)
-        for i in self._trained:
-            self.params[i].grad = self.layout.param_view(self.grad, i)
+        for i, sp in enumerate(self.params):
+            if sp.trained:
+                sp.unsharded.grad = self.layout.param_view(self.grad, i)
 
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
         """Add a gradient of parameter ``i`` that autograd left outside the buffer (see ``prepare_grad``)."""
@@ -226,13 +226,12 @@ class FlatGroup:
         self.layout.param_view(self.grad, i).add_(grad)
 
     def collect_late_grads(self) -> bool:
-        """Move gradients autograd left in parameters' own ``.grad`` into a buffer; True if there were any."""
+        """Move gradients autograd left in unsharded parameters' own ``.grad`` into a buffer; True if any."""
         found = False
-        for i in self._trained:
-            p = self.params[i]
-            if p.grad is not None:
-                self.add_grad(i, p.grad)
-                p.grad = None
+        for i, sp in enumerate(self.params):
+            if sp.trained and sp.unsharded.grad is not None:
+                self.add_grad(i, sp.unsharded.grad)
+                sp.unsharded.grad = None
                 found = True
         return found
 
@@ -249,6 +248,20 @@ class FlatGroup:
         if stream is not None:
             self.grad.record_stream(stream)  # freed only once the push has read it
         self.grad = None
-        for i in self._trained:
-            self.params[i].grad = None
+        for sp in self._trained:
+            sp.unsharded.grad = None
         return True
+
+    # -- the step protocol's per-group work ----------------------------------------------------
+    def attach_grads(self) -> None:
+        """Every trained parameter's shard ``.grad`` is its view of the (complete) accumulator."""
+        for sp in self._trained:
+            sp.attach_grad()
+
+    def detach_grads(self) -> None:
+        for sp in self._trained:
+            sp.detach_grad()
+
+    def zero_accumulator(self) -> None:
+        if self.accumulator is not None:
+            self.accumulator.zero_()

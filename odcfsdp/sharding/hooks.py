@@ -31,10 +31,20 @@ Units (like FSDP2's ``fully_shard`` per block) cost one hook call per block inst
 one per parameter-owning module, and keep the hooks outside the block's own code, so
 the block's forward can be compiled (``torch.compile``) in one piece.
 
+The root (the wrapped model itself) gets a forward pre-hook that runs first (the
+step protocol's ``before_forward``, resetting use counts) and a post-hook that runs
+last, even when forward raises; they sit on the wrapped model, not in
+``ODCShard.forward``, so that methods of the model that call its forward
+themselves (Hugging Face ``generate``) take the same path.
+
+Every hook is opaque to ``torch.compile`` (``torch.compiler.disable``): a compiled
+module or model breaks its graph at them and runs them eagerly, which keeps
+gathers, frees and pushes out of traced code.
+
 Limitation: a parameter is available only while its site runs (or while its group
 stays resident); code that reads ``child.weight`` from a parent's forward without
-calling ``child`` sees freed storage. Call the module instead, make the parent a
-unit, or use ``reshard_after_forward=False``.
+calling ``child`` sees the sharded parameter ([params]) and fails. Call the module
+instead, make the parent a unit, or use ``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -79,30 +89,32 @@ def hook_sites(root: nn.Module, units: tuple[type[nn.Module], ...]) -> Iterator[
 
 
 class HookDriver:
-    """Registers the site hooks of a model and runs them (see [hooks]).
+    """Registers the hooks of a model and runs them (see [hooks]).
 
     Args:
         root: the wrapped model.
-        groups: its groups; ``group_of`` maps each parameter to its group.
-        protocol: counts and issues pushes.
+        groups: its groups; ``group_of`` maps each (unsharded) parameter to its group.
+        protocol: counts and issues pushes; its ``before_forward`` runs first in every root forward.
         prefetch: the site order and how far ahead to gather.
         reshard_after_forward: free a group after its last forward use.
         gather_stream: the side stream prefetches run on (CUDA), or None.
         units: module classes hooked as a whole.
+        checks: run at the start of every root forward, before anything else (may raise).
     """
 
     def __init__(self, root: nn.Module, groups: list[FlatGroup], group_of: dict[nn.Parameter, FlatGroup],
                  protocol: StepProtocol, prefetch: PrefetchSchedule, reshard_after_forward: bool,
-                 gather_stream: torch.cuda.Stream | None, units: tuple[type[nn.Module], ...]):
+                 gather_stream: torch.cuda.Stream | None, units: tuple[type[nn.Module], ...], checks=lambda: None):
         self.groups = groups
         self.protocol = protocol
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.gather_stream = gather_stream
+        self.checks = checks
         self.phase = TrainingPhase.IDLE
         # The hooks hold this object; tensor hooks live in C++, where Python's garbage collector
         # cannot see the cycle, so remove() drops them for the wrapper to be freed.
-        self.handles: list = []
+        self.handles: list = [root.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward(), prepend=True)]
         for mod, params in hook_sites(root, units):
             site = tuple(dict.fromkeys(group_of[p] for p in params))
             if not site:
@@ -112,6 +124,8 @@ class HookDriver:
             self.handles.append(mod.register_forward_pre_hook(
                 lambda _m, args, kwargs, s=site: self._pre_forward(s, args, kwargs), with_kwargs=True))
             self.handles.append(mod.register_forward_hook(lambda _m, _a, out, s=site: self._post_forward(s, out)))
+        self.handles.append(root.register_forward_hook(lambda _m, _a, _o: self._root_post_forward(), always_call=True))
+        self.sites = (len(self.handles) - 2) // 2
 
     def remove(self) -> None:
         """Remove every hook (the wrapper is closing)."""
@@ -119,15 +133,28 @@ class HookDriver:
             handle.remove()
         self.handles = []
 
+    @property
+    def busy(self) -> bool:
+        """A forward or backward pass is in flight."""
+        return self.phase is not TrainingPhase.IDLE
+
     # -- the root's forward ----------------------------------------------------------------------
-    def begin_forward(self) -> None:
-        """The root forward starts: every site of every group is still to run."""
+    @torch.compiler.disable
+    def _root_pre_forward(self) -> None:
+        """The root forward starts: checks, the step protocol, every site of every group still to run."""
+        if self.phase is TrainingPhase.BACKWARD:  # the whole model recomputed in backward: nothing to reset
+            return
+        self.checks()
+        self.protocol.before_forward()
         for g in self.groups:
             g.reset_uses()
         self.phase = TrainingPhase.FORWARD
 
-    def end_forward(self) -> None:
+    @torch.compiler.disable
+    def _root_post_forward(self) -> None:
         """The root forward is over (or failed): fix the site order, free what backward will gather again."""
+        if self.phase is not TrainingPhase.FORWARD:
+            return
         self.phase = TrainingPhase.IDLE
         self.prefetch.finish_recording()
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -145,6 +172,7 @@ class HookDriver:
         for g in self.prefetch.targets(site, backward):
             g.to_unsharded(self.gather_stream)  # on CPU (no stream) a plain gather ahead of use
 
+    @torch.compiler.disable
     def _pre_forward(self, site: Site, args, kwargs) -> None:
         # During backward this is activation recomputation: what comes next is backward order. Its
         # inputs get the post-backward hook too: reentrant checkpointing runs backward through the
@@ -168,6 +196,7 @@ class HookDriver:
         for t in inputs:
             t.register_hook(input_grad_done)
 
+    @torch.compiler.disable
     def _post_forward(self, site: Site, output) -> None:
         grad_mode = torch.is_grad_enabled()
         if self.phase is not TrainingPhase.BACKWARD:

@@ -4,20 +4,34 @@ Design note [layout]
 --------------------
 A *group* holds consecutive parameters p_1..p_k that share a dtype and a
 ``requires_grad`` flag, up to ``group_bytes`` of unsharded communication bytes (a
-single larger parameter forms its own group). With N ranks:
+single larger parameter forms its own group). Parameters are sharded on dim 0, as
+FSDP2 shards them, so that a rank's piece of a parameter is a tensor of the
+parameter's own shape with fewer rows (its ``Shard(0)`` DTensor shard). With N ranks
+and parameter i of shape ``(d_i, ...)`` with ``w_i`` elements per dim-0 row:
 
-1. Segment length ``c_i = ceil(numel_i / N)``, rounded up to a multiple of
-   ``align`` elements so that every segment starts 16-byte aligned.
-2. Row offset ``off_i = c_1 + ... + c_{i-1}``; row length ``C = sum_i c_i``.
-3. Rank r's row ``R_r = concat_i pad(p_i.flatten())[r*c_i : (r+1)*c_i]``; padding is
-   zero. This row is the only copy of those values that rank r keeps between uses.
+1. Shard ``s_i = ceil(d_i / N) * w_i`` elements: rank r holds rows
+   ``[r*ceil(d_i/N), min((r+1)*ceil(d_i/N), d_i))`` (``torch.chunk``'s split: the last
+   ranks may hold fewer rows, or none).
+2. Segment length ``c_i = s_i`` rounded up to a multiple of ``align`` elements, so
+   that every segment starts 16-byte aligned in the row; row offset
+   ``off_i = c_1 + ... + c_{i-1}``; row length ``C = sum_i c_i``.
+3. Rank r's row ``R_r = concat_i pad_{c_i}(p_i.flatten()[r*s_i : (r+1)*s_i])``;
+   padding is zero. This row is the only copy of those values that rank r keeps
+   between uses, and its first ``local numel`` elements of segment i, viewed with
+   the local shape, are rank r's shard of p_i.
 4. The unsharded buffer ``U`` (length ``N*C``) is *parameter-major*: p_i lives
    contiguously at ``U[N*off_i : N*off_i + numel_i]``, so each parameter is a plain
-   contiguous view, and that slice viewed as ``(N, c_i)`` has row r = rank r's
-   segment. Gather is ``U_i[r, :] = R_r[off_i : off_i + c_i]`` for all r and i;
-   scatter-accumulate is its transpose, ``A_r[off_i : off_i + c_i] += G_i[r, :]``.
+   contiguous view, and ``U[N*off_i : N*off_i + N*s_i]`` viewed as ``(N, s_i)`` has
+   row r = rank r's shard (the rest of p_i's ``N*c_i`` elements is unused). Gather is
+   ``U_i[r, :] = R_r[off_i : off_i + s_i]`` for all r and i; scatter-accumulate is
+   its transpose, ``A_r[off_i : off_i + s_i] += G_i[r, :]``.
 
-With N = 1 the unsharded buffer and the row coincide element for element.
+When every ``s_i`` is a multiple of ``align`` (every weight matrix of an LLM; vectors
+whose length N divides into aligned pieces) ``c_i = s_i`` and the kernels move
+16-byte vectors on both sides; otherwise they fall back to narrower accesses on the
+unsharded side (``ChunkTable.dst_align``). With N = 1 the unsharded buffer and the
+row coincide element for element. 0-dimensional parameters cannot be sharded on
+dim 0 (FSDP2 refuses them too): make them shape ``(1,)``.
 Everything here is metadata plus reference (torch) pack/unpack used by the
 collective transport and by tests; the one-sided transports fuse the same index
 map into their kernels.
@@ -25,6 +39,7 @@ map into their kernels.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -43,10 +58,14 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def segment_len(numel: int, world_size: int, dtypes: Sequence[torch.dtype]) -> int:
-    """Segment length c_i: ceil(numel / N) rounded so a segment is 16-byte aligned in every dtype."""
+def shard_sizes(shape: Sequence[int], world_size: int, dtypes: Sequence[torch.dtype]) -> tuple[int, int]:
+    """(shard ``s_i``, segment ``c_i``) in elements of a parameter of ``shape`` (see [layout])."""
+    if not shape:
+        raise ValueError("0-dimensional parameters cannot be sharded on dim 0")
+    rows = math.ceil(shape[0] / world_size)
+    shard = rows * math.prod(shape[1:])
     align = max(align_elems(d) for d in dtypes)
-    return _round_up(max(1, math.ceil(numel / world_size)), align)
+    return shard, _round_up(max(1, shard), align)
 
 
 @dataclass(frozen=True)
@@ -57,17 +76,35 @@ class ParamSlot:
         name: fully qualified parameter name (the first one if it is shared).
         shape: the parameter's shape.
         offset: start of the parameter's segment in every row (elements).
-        seg: segment length ``c_i`` in elements (>= ceil(numel / N), aligned).
+        seg: segment length ``c_i`` in elements (>= ``shard``, aligned).
+        shard: elements of a full shard ``s_i`` (``ceil(dim0 / N)`` rows): rank q holds
+            flattened elements ``[q * shard, min((q + 1) * shard, numel))``.
     """
 
     name: str
     shape: tuple[int, ...]
     offset: int
     seg: int
+    shard: int
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements of one dim-0 row."""
+        return math.prod(self.shape[1:])
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """Flattened elements ``[lo, hi)`` of the parameter that ``rank`` holds (``lo == hi``: none)."""
+        lo = min(rank * self.shard, self.numel)
+        return lo, min(lo + self.shard, self.numel)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s shard: the parameter's shape with fewer dim-0 rows (maybe none)."""
+        lo, hi = self.local_range(rank)
+        return ((hi - lo) // self.row_numel if self.row_numel else 0, *self.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -90,6 +127,11 @@ class GroupLayout:
     slots: tuple[ParamSlot, ...]
     row_len: int
 
+    @functools.cached_property
+    def padded(self) -> bool:
+        """Whether some segment is longer than its shard (zero padding inside the rows)."""
+        return any(s.seg != s.shard for s in self.slots)
+
     @property
     def unsharded_numel(self) -> int:
         """Length of the parameter-major unsharded buffer (N * C)."""
@@ -107,14 +149,20 @@ class GroupLayout:
         return unsharded[start:end].view(self.slots[i].shape)
 
     def unsharded_segments(self, unsharded: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter ``(N, c_i)`` views of a parameter-major buffer."""
+        """Per-parameter ``(N, s_i)`` views of a parameter-major buffer (row r: rank r's shard)."""
         n = self.world_size
-        return [unsharded[n * s.offset : n * (s.offset + s.seg)].view(n, s.seg) for s in self.slots]
+        return [unsharded[n * s.offset : n * s.offset + n * s.shard].view(n, s.shard) for s in self.slots]
 
     def row_segments(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter ``(N, c_i)`` views of a rank-major ``(N, C)`` row matrix."""
+        """Per-parameter ``(N, s_i)`` views of a rank-major ``(N, C)`` row matrix."""
         rows = rows.view(self.world_size, self.row_len)
-        return [rows[:, s.offset : s.offset + s.seg] for s in self.slots]
+        return [rows[:, s.offset : s.offset + s.shard] for s in self.slots]
+
+    def local_view(self, row: torch.Tensor, i: int, rank: int) -> torch.Tensor:
+        """Parameter ``i``'s shard of ``rank``, as a view of that rank's row (any row-shaped tensor)."""
+        s = self.slots[i]
+        lo, hi = s.local_range(rank)
+        return row[s.offset : s.offset + hi - lo].view(s.local_shape(rank))
 
     def unpack(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rank-major rows ``(N, C)`` -> parameter-major buffer (the gather copy-out)."""
@@ -126,10 +174,12 @@ class GroupLayout:
     def pack(self, unsharded: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Parameter-major buffer -> rank-major rows ``(N, C)`` (the scatter copy-in).
 
-        ``out`` may have another dtype (gradients are packed into fp32).
+        ``out`` may have another dtype (gradients are packed into fp32); its padding is zeroed.
         """
         if out is None:
             out = torch.empty(self.world_size, self.row_len, dtype=unsharded.dtype, device=unsharded.device)
+        if self.padded:
+            out.zero_()
         torch._foreach_copy_(self.row_segments(out), self.unsharded_segments(unsharded))
         return out.view(self.world_size, self.row_len)
 
@@ -137,10 +187,8 @@ class GroupLayout:
         """Rank ``rank``'s row built from full parameter values (zero padded)."""
         row = torch.zeros(self.row_len, dtype=dtype, device=params[0].device)
         for s, p in zip(self.slots, params, strict=True):
-            flat = p.detach().reshape(-1)
-            lo = min(rank * s.seg, s.numel)
-            hi = min(lo + s.seg, s.numel)
-            row[s.offset : s.offset + hi - lo].copy_(flat[lo:hi])
+            lo, hi = s.local_range(rank)
+            row[s.offset : s.offset + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
         return row
 
 
@@ -155,7 +203,7 @@ def plan_groups(
     A group closes when adding the next parameter would pass ``group_bytes``
     (counted as unsharded bytes in ``comm_dtype``, padding included) or when the
     next parameter has another dtype or ``requires_grad`` flag. A parameter larger
-    than ``group_bytes`` forms its own group.
+    than ``group_bytes`` forms its own group. 0-dimensional parameters are refused.
 
     Args:
         named_params: (name, tensor) pairs, each parameter once, in order.
@@ -167,6 +215,10 @@ def plan_groups(
         raise ValueError(f"group_bytes must be a positive int (bytes per group), got {group_bytes!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    for name, p in named_params:
+        if p.dim() == 0:
+            raise ValueError(f"parameter {name!r} is 0-dimensional; parameters are sharded on dim 0 (as FSDP2 "
+                             "shards them): make it shape (1,)")
 
     groups: list[GroupLayout] = []
     pending: list[tuple[str, torch.Tensor]] = []
@@ -178,8 +230,8 @@ def plan_groups(
         dtypes = (dtype, comm_dtype or dtype)
         slots, off = [], 0
         for name, p in pending:
-            seg = segment_len(p.numel(), world_size, dtypes)
-            slots.append(ParamSlot(name, tuple(p.shape), off, seg))
+            shard, seg = shard_sizes(p.shape, world_size, dtypes)
+            slots.append(ParamSlot(name, tuple(p.shape), off, seg, shard))
             off += seg
         groups.append(GroupLayout(len(groups), world_size, dtype, pending[0][1].requires_grad, tuple(slots), off))
         pending.clear()
@@ -188,7 +240,7 @@ def plan_groups(
     for name, p in named_params:
         cdt = comm_dtype or p.dtype
         itemsize = torch.empty((), dtype=cdt).element_size()
-        nbytes = world_size * segment_len(p.numel(), world_size, (p.dtype, cdt)) * itemsize
+        nbytes = world_size * shard_sizes(p.shape, world_size, (p.dtype, cdt))[1] * itemsize
         if pending:
             head = pending[0][1]
             if head.dtype != p.dtype or head.requires_grad != p.requires_grad or used + nbytes > group_bytes:

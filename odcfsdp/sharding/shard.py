@@ -4,31 +4,56 @@ It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
 
 * ``ShardMesh`` ([mesh]): the ranks and the collectives they meet with;
 * ``Transport`` ([transport]): where rows live and how they move;
-* ``FlatGroup`` ([layout], [grad-buffers]): one group's rows, buffers, state and use counts;
+* ``FlatGroup`` ([layout], [storage-resize], [grad-buffers], [masters]): one group's
+  rows, buffers, state and use counts;
+* ``ShardedParam`` ([params]): one parameter's sharded and unsharded forms;
 * ``HookDriver`` ([hooks]) with its ``PrefetchSchedule`` ([prefetch]): what runs when;
-* ``StepProtocol`` ([step-protocol]): the minibatch's meeting and every change of rows.
+* ``StepProtocol`` ([step-protocol], [grad-protocol]): when ranks meet, and every
+  change of rows.
+
+Design note [transparent-wrapper]
+---------------------------------
+The wrapper stands for the model the way FSDP2's ``fully_shard`` leaves it: its
+parameters, buffers and state-dict keys carry the wrapped model's names (no
+``module.`` prefix), ``state_dict()`` holds this rank's shards as DTensors (what
+``torch.distributed.checkpoint`` saves), and attributes it does not have itself
+(``config``, ``generate``, ...) are the wrapped model's. What would silently detach
+the model from its shards is refused with an error that names the supported way:
+moving or casting it (``.to()``, ``.double()``: on the wrapper or any submodule),
+and wrapping it in ``DistributedDataParallel`` (which Accelerate does).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import types
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from .group import FlatGroup
 from .hooks import HookDriver, TrainingPhase
 from .layout import GroupLayout, plan_groups
-from .materialize import materialize_buffers, swap_params
+from .materialize import materialize_buffers
 from .mesh import ShardMesh
+from .param import ShardedParam
 from .prefetch import PrefetchSchedule
 from .protocol import StepProtocol
-from .state_dict import gather_full, load_full, persistent_buffers
+from .state_dict import gather_full, load_full, load_sharded, persistent_buffers
 from .transport import Transport, make_transport
 
 __all__ = ["ODCShard", "TrainingPhase"]
+
+_MOVE_ERROR = ("ODCShard does not support .to()/.cuda()/.float() and the like after wrapping; move or cast "
+               "the model before wrapping it (param_dtype= sets the compute dtype)")
+
+
+def _refuse_apply(module: nn.Module, fn, recurse: bool = True):
+    """Bound as ``_apply`` of every submodule of a wrapped model: moving or casting it would detach its shards."""
+    raise RuntimeError(_MOVE_ERROR)
 
 
 def _check_params(named: list[tuple[str, nn.Parameter]]) -> None:
@@ -67,14 +92,30 @@ def _compute_dtype(named: list[tuple[str, nn.Parameter]], device: torch.device, 
     return param_dtype
 
 
+def _registrations(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) each parameter object is registered under, by the parameter's id."""
+    regs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                regs.setdefault(id(p), []).append((mod, attr))
+    return regs
+
+
 class ODCShard(nn.Module):
     """Shard ``module``'s parameters over the ranks of a process group, in flat groups.
 
-    Parameters are packed in order into groups of up to ``group_bytes`` (see
-    [layout]); rank r keeps row r of every group plus a master copy of it in fp32.
-    Groups are gathered right before a module needs them and freed after, and
-    gradients are reduced in fp32 into their owners' accumulator rows, where they
-    add up over micro-batches until ``odcfsdp.optim.AdamW.step``.
+    Parameters are packed in order into groups of up to ``group_bytes`` and sharded
+    on dim 0 (see [layout]); rank r keeps row r of every group plus an fp32 master
+    copy of it. Outside forward and backward every parameter of the model is this
+    rank's shard, a DTensor (``Shard(0)``) over the master row, and its ``.grad`` the
+    rank's fully reduced fp32 gradient shard, so the standard PyTorch loop (any
+    element-wise ``torch.optim`` optimizer, ``clip_grad_norm_``, LR schedulers,
+    ``torch.distributed.checkpoint``) works unchanged (see [params],
+    [step-protocol]). Groups are gathered right before a module needs them and
+    freed after; gradients are added in fp32 into their owners' accumulator rows,
+    where they sum up over micro-batches, which may differ in number per rank with
+    the one-sided transports.
 
     Args:
         module: the model; every rank must hold the same initial values.
@@ -149,33 +190,87 @@ class ODCShard(nn.Module):
         self.reshard_after_forward = reshard_after_forward
         accum_dtype = torch.promote_types(param_dtype, torch.float32)
         self.layouts: list[GroupLayout] = plan_groups(named, self.world_size, group_bytes, param_dtype)
+        master_dtypes = [torch.promote_types(lay.dtype, accum_dtype) for lay in self.layouts]
         self.transport: Transport = make_transport(comm, self.mesh)
-        self.transport.setup(self.layouts, param_dtype, accum_dtype)
-        by_name = dict(named)
-        self.groups: list[FlatGroup] = [
-            FlatGroup(lay, [by_name[s.name] for s in lay.slots], self.transport,
-                      torch.promote_types(lay.dtype, accum_dtype))
-            for lay in self.layouts
-        ]
-        if on_meta:
-            swap_params(module, {id(by_name[s.name]): p for g in self.groups for s, p in zip(g.layout.slots, g.params)})
-            materialize_buffers(module, device)
-        self.mesh.barrier()  # every row written before anyone may read it
-
-        # Every name a parameter is reachable by (tied parameters have several).
-        self._registered = [
-            (name, p, tuple(p.shape), p.requires_grad) for name, p in module.named_parameters(remove_duplicate=False)
-        ]
-        canonical = {id(p): name for name, p in module.named_parameters()}  # after any meta swap
-        self.aliases = {name: canonical[id(p)] for name, p, _, _ in self._registered if canonical[id(p)] != name}
+        self.transport.setup(self.layouts, param_dtype, master_dtypes)
         cuda = device.type == "cuda"
         gather_stream = torch.cuda.Stream(device) if cuda and prefetch else None
         push_stream = torch.cuda.Stream(device) if cuda and overlap_push else None
-        self.protocol = StepProtocol(self.groups, self.transport, self.mesh, gather_stream, push_stream)
-        group_of = {p: g for g in self.groups for p in g.params}
+        self.protocol = StepProtocol(self.transport, self.mesh, gather_stream, push_stream,
+                                     busy=lambda: self._driver.busy)
+        by_name, regs = dict(named), _registrations(module)
+        # Every name a parameter is reachable by (tied parameters have several).
+        canonical = {id(p): name for name, p in named}
+        self.aliases = {name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
+                        if canonical[id(p)] != name}
+        self._param_entries = sum(len(r) for r in regs.values())
+        device_mesh = self.mesh.device_mesh
+        self.groups: list[FlatGroup] = [
+            FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
+                      self.transport, dtype, self.protocol, device_mesh)
+            for lay, dtype in zip(self.layouts, master_dtypes)
+        ]
+        self.protocol.attach(self.groups)
+        if on_meta:
+            materialize_buffers(module, device)
+        self.mesh.barrier()  # every row written before anyone may read it
+        self._params = [sp for g in self.groups for sp in g.params]
+        group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
         self._driver = HookDriver(module, self.groups, group_of, self.protocol, PrefetchSchedule(prefetch),
-                                  reshard_after_forward, gather_stream, units)
+                                  reshard_after_forward, gather_stream, units, checks=self._check_intact)
+        for mod in module.modules():
+            mod._apply = types.MethodType(_refuse_apply, mod)
         self._closed = False
+
+    # -- the wrapped model's surface -------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # DistributedDataParallel (and Accelerate's prepare, which wraps in it) asks for this first.
+        raise TypeError("an ODCShard model cannot be wrapped in DistributedDataParallel (or Accelerate's prepare): "
+                        "ODCShard already shards and reduces gradients; train it directly with the standard loop "
+                        "(model(x), loss.backward(), clip_grad_norm_, opt.step())")
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's parameters under its own names: this rank's shards outside forward."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's buffers under its own names."""
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint's name walk leaves out the children named here, as our names do.
+        return {"module": "module"}
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped model, gathering each group right before it is needed."""
+        self._check_open()
+        return self.module(*args, **kwargs)
+
+    def _check_intact(self) -> None:
+        """Run before every forward: the model must still hold the parameters ODCShard planned."""
+        self._check_open()
+        entries = sum(p is not None for m in self.module.modules() for p in m._parameters.values())
+        if entries != self._param_entries:
+            raise RuntimeError(
+                f"the wrapped model now has {entries} parameter entries, ODCShard planned {self._param_entries}: "
+                "parameters must not be added or removed after wrapping"
+            )
+        for sp in self._params:
+            problem = sp.problem(self.param_dtype)
+            if problem:
+                raise RuntimeError(f"parameter {sp.name!r} {problem}"
+                                   + ("; change parameters before wrapping (or load values with load_state_dict)"
+                                      if "replaced" in problem else ""))
 
     # -- minibatch protocol --------------------------------------------------------
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
@@ -183,10 +278,9 @@ class ODCShard(nn.Module):
 
         Optional with one-sided transports, which accept any number of micro-batches
         per rank (zero included) and communicate here only to sum ``tokens`` (one small
-        all-reduce, right after the step's barrier, where ranks are in step anyway).
-        With ``comm="collective"`` it checks that every rank runs the same number of
-        micro-batches and raises otherwise, instead of letting mismatched collectives
-        hang later.
+        all-gather). With ``comm="collective"`` it checks that every rank runs the same
+        number of micro-batches and raises otherwise, instead of letting mismatched
+        collectives hang later.
 
         Args:
             micro_batches: micro-batches this rank will run before the next step.
@@ -207,37 +301,6 @@ class ODCShard(nn.Module):
             )
         return int(table[:, 1].sum()) if tokens is not None else None
 
-    # -- forward -------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        """Run the wrapped module, gathering each group right before it is needed."""
-        self._check_open()
-        self._check_unchanged()
-        self._driver.begin_forward()
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            self._driver.end_forward()
-
-    def _check_unchanged(self) -> None:
-        current = list(self.module.named_parameters(remove_duplicate=False))
-        if len(current) != len(self._registered):
-            raise RuntimeError(
-                f"the wrapped model now has {len(current)} parameter entries, ODCShard planned "
-                f"{len(self._registered)}: parameters must not be added or removed after wrapping"
-            )
-        for (name, p), (rname, rp, shape, req) in zip(current, self._registered):
-            if name != rname or p is not rp:
-                raise RuntimeError(
-                    f"parameter {rname!r} was replaced after ODCShard wrapped the model; "
-                    "change parameters before wrapping (or load values with load_full_state_dict)"
-                )
-            if tuple(p.shape) != shape or p.dtype != self.param_dtype:
-                raise RuntimeError(f"parameter {name!r} had its data reassigned after wrapping")
-            if p.requires_grad != req:
-                raise RuntimeError(
-                    f"parameter {name!r} changed requires_grad after wrapping; freeze or unfreeze before ODCShard"
-                )
-
     # -- whole-model access -----------------------------------------------------------
     @property
     def phase(self) -> TrainingPhase:
@@ -245,13 +308,13 @@ class ODCShard(nn.Module):
         return self._driver.phase
 
     def reshard_all(self) -> None:
-        """Free every group's unsharded buffer."""
+        """Free every group's unsharded buffer (modules hold their shards again)."""
         self.protocol.reshard_all()
 
     @property
     def pending_pushes(self) -> int:
-        """Gradient pushes since the last optimizer step (0 between minibatches)."""
-        return self.protocol.pushes
+        """Gradient pushes no optimizer step has consumed yet (0 between minibatches)."""
+        return self.protocol.pending_pushes
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The wrapped model's persistent buffers by name (replicated on every rank; checkpoints keep them)."""
@@ -261,6 +324,7 @@ class ODCShard(nn.Module):
     def unsharded(self) -> Iterator[None]:
         """Context in which every parameter holds its full value (collective: all ranks enter)."""
         self._check_open()
+        self.protocol.finish_released()  # rows published if a step left them pending
         for g in self.groups:
             g.to_unsharded()
             g.wait_ready()
@@ -268,6 +332,23 @@ class ODCShard(nn.Module):
             yield
         finally:
             self.reshard_all()
+
+    @contextlib.contextmanager
+    def changing_parameters(self) -> Iterator[None]:
+        """Context in which parameters may be changed in place, e.g. re-initialised after wrapping (collective).
+
+        Inside, every parameter is this rank's shard; the changes are published to the
+        rows peers gather on exit. Pending gradients are dropped. Between
+        ``opt.step()`` and the next forward no context is needed (the step's end
+        publishes changed rows, see [step-protocol])::
+
+            with model.changing_parameters(), torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.02)
+        """
+        self._check_open()
+        with self.protocol.rows_changing():
+            yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameter values (from the master rows), keyed by parameter name.
@@ -283,25 +364,31 @@ class ODCShard(nn.Module):
         self._check_open()
         load_full(self.groups, self.protocol, self.aliases, state)
 
-    def state_dict(self, *args, **kwargs):  # type: ignore[override]
-        """Same as ``full_state_dict`` (a gathered, plain-PyTorch view of the model)."""
-        if args or kwargs:
-            raise TypeError("ODCShard.state_dict takes no arguments; it returns full_state_dict()")
-        return self.full_state_dict()
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
+        """The wrapped model's state dict under its own names: parameters are this rank's shards (DTensors
+        with a ``Shard(0)`` placement, as FSDP2's), buffers are whole. No communication."""
+        if args:
+            raise TypeError("ODCShard.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        self._check_open()
+        self.reshard_all()  # a group kept for backward would otherwise show its unsharded form
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Same as ``load_full_state_dict`` (``strict`` must stay True, ``assign`` False)."""
-        if not strict or assign:
-            raise ValueError("ODCShard.load_state_dict supports only strict=True, assign=False")
-        self.load_full_state_dict(state_dict)
+        """Set parameters and buffers from a state dict (collective: every rank calls it).
+
+        Parameter values may be this rank's shards (DTensors, as ``state_dict()``
+        gives them) or full tensors (each rank takes its rows). Returns the missing and
+        unexpected keys like ``nn.Module.load_state_dict``; with ``strict`` they raise.
+        """
+        if assign:
+            raise ValueError("ODCShard.load_state_dict cannot assign tensors (assign=True): values are copied into "
+                             "the shards")
+        self._check_open()
+        return _IncompatibleKeys(*load_sharded(self.groups, self.protocol, self.aliases, self.module, state_dict,
+                                               strict))
 
     def _apply(self, fn, recurse=True):
-        # .to()/.cuda()/.half() would replace parameter data with tensors outside the group
-        # buffers, silently disconnecting the model from its shards.
-        raise RuntimeError(
-            "ODCShard does not support .to()/.cuda()/.float() and the like after wrapping; move or cast "
-            "the model before wrapping it (param_dtype= sets the compute dtype)"
-        )
+        raise RuntimeError(_MOVE_ERROR)
 
     def close(self) -> None:
         """Release the transport, hooks and rows; the model cannot be used afterwards (collective)."""
@@ -309,8 +396,11 @@ class ODCShard(nn.Module):
             self.reshard_all()
             self._closed = True
             self._driver.remove()
+            self.protocol.close()
             for g in self.groups:
                 g.release()
+            for mod in self.module.modules():
+                mod.__dict__.pop("_apply", None)
             self.transport.close()
 
     def _check_open(self) -> None:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 from .group import FlatGroup
 from .mesh import ShardMesh
@@ -54,3 +55,48 @@ def load_full(groups: Sequence[FlatGroup], protocol: StepProtocol, aliases: dict
     with protocol.rows_changing():
         for g in groups:
             g.load_full_([state[s.name].to(protocol.mesh.device) for s in g.layout.slots])
+
+
+def _shard_of(value: torch.Tensor, sp, rank: int) -> torch.Tensor:
+    """This rank's shard of ``value``: a matching DTensor's local tensor, or the rows of a full tensor."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if value.placements == (Shard(0),) and tuple(local.shape) == tuple(sp.local.shape):
+            return local
+        value = value.full_tensor()  # another placement or mesh size: reshard through the full value
+    lo, hi = sp.slot.local_range(rank)
+    return value.detach().reshape(-1)[lo:hi].view(sp.local.shape)
+
+
+def load_sharded(groups: Sequence[FlatGroup], protocol: StepProtocol, aliases: dict[str, str], root: nn.Module,
+                 state: dict[str, torch.Tensor], strict: bool) -> tuple[list[str], list[str]]:
+    """``load_state_dict`` of a wrapped model (collective); returns (missing keys, unexpected keys).
+
+    Parameter values are this rank's shards (DTensors with a ``Shard(0)`` placement) or
+    full tensors; buffers are whole. Shapes are checked before anything changes.
+    """
+    params = {sp.name: (g, sp) for g in groups for sp in g.params}
+    buffers = persistent_buffers(root)
+    value_of = {name: state[name] for name in params if name in state}
+    for alias, name in aliases.items():
+        if name not in value_of and alias in state:
+            value_of[name] = state[alias]
+    missing = sorted([n for n in params if n not in value_of] + [n for n in buffers if n not in state])
+    unexpected = sorted(set(state) - set(params) - set(aliases) - set(buffers))
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+    for name, value in value_of.items():
+        want = params[name][1].shape
+        if tuple(value.shape) != tuple(want):
+            raise RuntimeError(f"size mismatch for {name}: the state dict has shape {tuple(value.shape)}, the model "
+                               f"{tuple(want)}")
+    with protocol.rows_changing(), torch.no_grad():
+        rank = protocol.mesh.rank
+        for name, value in value_of.items():
+            sp = params[name][1]
+            sp.local.copy_(_shard_of(value, sp, rank))
+        for name, buf in buffers.items():
+            if name in state:
+                buf.copy_(state[name])
+    return missing, unexpected

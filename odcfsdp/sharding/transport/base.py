@@ -56,12 +56,12 @@ class Transport(ABC):
         self.accumulators: list[torch.Tensor | None] = []
 
     def setup(
-        self, layouts: Sequence[GroupLayout], comm_dtype: torch.dtype, accum_dtype: torch.dtype
+        self, layouts: Sequence[GroupLayout], comm_dtype: torch.dtype, accum_dtypes: Sequence[torch.dtype]
     ) -> None:
-        """Allocate every group's row (and accumulator if trained); rows start zeroed."""
+        """Allocate every group's row (and accumulator, in its ``accum_dtypes`` entry, if trained); zeroed."""
         self.layouts = list(layouts)
         self.comm_dtype = comm_dtype
-        self.accum_dtype = accum_dtype
+        self.accum_dtypes = list(accum_dtypes)
         self.rows, self.accumulators = self._allocate(self.layouts)
 
     @abstractmethod

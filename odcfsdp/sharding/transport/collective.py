@@ -26,8 +26,8 @@ class CollectiveTransport(Transport):
     def _allocate(self, layouts: list[GroupLayout]):
         rows = [torch.zeros(lay.row_len, dtype=self.comm_dtype, device=self.device) for lay in layouts]
         accs = [
-            torch.zeros(lay.row_len, dtype=self.accum_dtype, device=self.device) if lay.requires_grad else None
-            for lay in layouts
+            torch.zeros(lay.row_len, dtype=dtype, device=self.device) if lay.requires_grad else None
+            for lay, dtype in zip(layouts, self.accum_dtypes)
         ]
         return rows, accs
 

@@ -34,19 +34,19 @@ class HeapPlan:
     nbytes: int
 
 
-def heap_plan(layouts: Sequence[GroupLayout], comm_dtype: torch.dtype, accum_dtype: torch.dtype) -> HeapPlan:
-    """Lay out rows then accumulators; frozen groups get no accumulator."""
+def heap_plan(layouts: Sequence[GroupLayout], comm_dtype: torch.dtype,
+              accum_dtypes: Sequence[torch.dtype]) -> HeapPlan:
+    """Lay out rows then accumulators (group g's in ``accum_dtypes[g]``); frozen groups get no accumulator."""
     comm_size = torch.empty((), dtype=comm_dtype).element_size()
-    acc_size = torch.empty((), dtype=accum_dtype).element_size()
     off = 0
     rows, accs = [], []
     for lay in layouts:
         rows.append(off)
         off = _round_up(off + lay.row_len * comm_size, HEAP_ALIGN)
-    for lay in layouts:
+    for lay, dtype in zip(layouts, accum_dtypes, strict=True):
         if lay.requires_grad:
             accs.append(off)
-            off = _round_up(off + lay.row_len * acc_size, HEAP_ALIGN)
+            off = _round_up(off + lay.row_len * torch.empty((), dtype=dtype).element_size(), HEAP_ALIGN)
         else:
             accs.append(None)
     return HeapPlan(tuple(rows), tuple(accs), max(off, HEAP_ALIGN))
@@ -65,12 +65,17 @@ class SymmetricHeap(ABC):
         """Rank q's region as a uint8 tensor this rank can read and atomically add into (None: not reachable)."""
 
     def view(self, q: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """``numel`` elements of ``dtype`` at byte ``offset`` of rank q's region (None if unreachable)."""
+        """``numel`` elements of ``dtype`` at byte ``offset`` of rank q's region (None if unreachable).
+
+        Each view has a version counter of its own (``.data``): rows and accumulators
+        share one allocation, and a push into an accumulator must not look like a
+        change of a row ([step-protocol] watches the master rows' versions).
+        """
         region = self.region(q)
         if region is None:
             return None
         size = torch.empty((), dtype=dtype).element_size()
-        return region[offset : offset + numel * size].view(dtype)
+        return region[offset : offset + numel * size].view(dtype).data
 
     @abstractmethod
     def close(self) -> None:

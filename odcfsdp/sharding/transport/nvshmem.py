@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from ...kernels.chunks import chunk_table
+from ...kernels.chunks import group_chunk_table
 from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from ..mesh import ShardMesh
@@ -227,10 +227,7 @@ class NvshmemTransport(OneSidedTransport):
         self.scatter_block, self.scatter_warps = scatter_block, scatter_warps
 
         def tables(block):
-            return [
-                chunk_table([s.offset for s in lay.slots], [s.seg for s in lay.slots], self.world_size, block, self.device)
-                for lay in self.layouts
-            ]
+            return [group_chunk_table(lay, block, self.device) for lay in self.layouts]
 
         self.gather_chunks, self.scatter_chunks = tables(gather_block), tables(scatter_block)
 
@@ -251,7 +248,7 @@ class NvshmemTransport(OneSidedTransport):
         for seg_view, slot in zip(lay.unsharded_segments(out), lay.slots):
             for step in range(self.world_size):
                 q = (self.rank + 1 + step) % self.world_size
-                seg_view[q].copy_(self.peer_rows[q][g][slot.offset : slot.offset + slot.seg])
+                seg_view[q].copy_(self.peer_rows[q][g][slot.offset : slot.offset + slot.shard])
 
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
         if self.acc_offsets[g] is None:

@@ -33,7 +33,7 @@ class OneSidedTransport(Transport):
         """Create the heap (collective over the group)."""
 
     def _allocate(self, layouts: list[GroupLayout]):
-        plan = heap_plan(layouts, self.comm_dtype, self.accum_dtype)
+        plan = heap_plan(layouts, self.comm_dtype, self.accum_dtypes)
         self.heap_bytes = plan.nbytes
         self.heap = self._make_heap(plan.nbytes)
         self.peer_rows = [
@@ -42,8 +42,8 @@ class OneSidedTransport(Transport):
         ]
         self.peer_accs = [
             [
-                None if off is None else self.heap.view(q, off, lay.row_len, self.accum_dtype)
-                for off, lay in zip(plan.acc_offsets, layouts)
+                None if off is None else self.heap.view(q, off, lay.row_len, dtype)
+                for off, lay, dtype in zip(plan.acc_offsets, layouts, self.accum_dtypes)
             ]
             for q in range(self.world_size)
         ]

@@ -131,14 +131,14 @@ class ShmTransport(OneSidedTransport):
         for seg_view, slot in zip(lay.unsharded_segments(out), lay.slots):
             for q in range(self.world_size):
                 dst.append(seg_view[q])
-                src.append(self.peer_rows[q][g][slot.offset : slot.offset + slot.seg])
+                src.append(self.peer_rows[q][g][slot.offset : slot.offset + slot.shard])
         torch._foreach_copy_(dst, src)
 
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
         lay = self.layouts[g]
         if self.accumulators[g] is None:
             raise RuntimeError(f"group {g} holds frozen parameters and has no gradient accumulator")
-        staging = lay.pack(grad, out=torch.empty(lay.unsharded_numel, dtype=self.accum_dtype))
+        staging = lay.pack(grad, out=torch.empty(lay.unsharded_numel, dtype=self.accumulators[g].dtype))
         for step in range(self.world_size):
             owner = (self.rank + 1 + step) % self.world_size  # start at different owners: less lock contention
             with self.heap.locked(owner, g):

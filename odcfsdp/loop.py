@@ -1,0 +1,123 @@
+"""One training step of the standard PyTorch loop, shared by ``python -m odcfsdp.train`` and the e2e benchmark.
+
+A step, as numbered steps:
+
+1. ``plan_step``: the global minibatch is samples ``[step * B, (step + 1) * B)`` of the
+   source; every rank computes the same balancing plan from the samples' lengths (no
+   communication) and takes its share of micro-batches;
+2. ``train_step``: each micro-batch is packed, moved to the device and run forward
+   and backward; its loss is summed over target tokens and divided by the number of
+   target tokens of the whole minibatch (ranks' shares differ), then scaled by
+   ``loss_scale`` (methods that average gradients over ranks pass the world size);
+3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
+   optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
+   with ``ODCShard`` is also where ranks meet ([step-protocol]);
+4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
+
+The model may be an ``ODCShard``, an FSDP2 module or a DDP module: only the wrapping
+differs (``autocast``, ``loss_scale``, ``no_sync`` for DDP's non-final micro-batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .data.balance import CostModel, plan_minibatch
+from .data.packing import Sample, empty_micro_batch, pack
+from .models.llama import causal_lm_loss
+from .sharding.mesh import all_gather_tensor
+
+
+@dataclass
+class Minibatch:
+    """One global minibatch and this rank's share of it.
+
+    Attributes:
+        samples: the minibatch's samples (every rank holds all of them, truncated to the cap).
+        mine: this rank's micro-batches, as lists of indices into ``samples``.
+        global_targets: target tokens of the whole minibatch (the loss normaliser).
+    """
+
+    samples: list[Sample]
+    mine: list[list[int]]
+    global_targets: int
+
+    @property
+    def sizes(self) -> list[int]:
+        return [s.n_inputs for s in self.samples]
+
+    def my_sizes(self) -> list[int]:
+        """Input lengths of this rank's samples."""
+        return [self.samples[i].n_inputs for mb in self.mine for i in mb]
+
+
+def plan_step(source, step: int, batch: int, cap: int, balance: str, cost: CostModel, rank: int,
+              world: int) -> Minibatch:
+    """Step 1: the minibatch of ``step`` and this rank's micro-batches under ``balance``."""
+    samples = [source[step * batch + i].truncated(cap + 1) for i in range(batch)]
+    plan = plan_minibatch([s.n_inputs for s in samples], world, balance, cap, cost)
+    return Minibatch(samples, plan[rank], max(1, sum(s.n_targets for s in samples)))
+
+
+def grad_norm_value(norm: torch.Tensor) -> float:
+    """``clip_grad_norm_``'s result as a float (a DTensor's full value for sharded models)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, minibatch: Minibatch,
+               device: torch.device, *, max_norm: float | None, loss_scale: float = 1.0,
+               autocast: Callable = contextlib.nullcontext,
+               no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> dict:
+    """Steps 2-3 for this rank: forward/backward of its micro-batches, clip, step; returns its numbers.
+
+    Returned: ``loss`` (this rank's share of the minibatch loss), ``grad_norm`` (the
+    global pre-clip norm, or None without clipping), ``compute_s`` (micro-batches,
+    waited for on CUDA), ``host_s`` (until the host had queued them), ``step_s``
+    (clip + optimizer step, waits for other ranks included).
+    """
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    last = len(minibatch.mine) - 1
+    for k, mb in enumerate(minibatch.mine):
+        micro = (pack([minibatch.samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
+        sync = no_sync() if no_sync is not None and k < last else contextlib.nullcontext()
+        with sync, autocast():
+            logits = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths)
+            loss = causal_lm_loss(logits, micro.targets, minibatch.global_targets)
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        loss_sum += loss.detach()
+    t_issued = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
+    norm = None
+    if max_norm is not None:
+        norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad()
+    if cuda:
+        torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    return {"loss": loss_sum.item(), "grad_norm": norm, "compute_s": t1 - t0, "host_s": t_issued - t0,
+            "step_s": t2 - t1}
+
+
+def gather_stats(values: list[float], device: torch.device, group=None) -> torch.Tensor:
+    """Step 4: every rank's ``values`` as a ``(world, len)`` float64 CPU table (one all-gather)."""
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    if not dist.is_initialized():
+        return local.view(1, -1).cpu()
+    world = dist.get_world_size(group)
+    out = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+    all_gather_tensor(out, local, group=group)
+    return out.view(world, -1).cpu()

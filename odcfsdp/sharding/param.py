@@ -1,0 +1,204 @@
+"""One parameter of an ODCShard model: its sharded and unsharded forms, where it is registered, its gradient.
+
+Design note [params]
+--------------------
+Outside forward and backward, every module holds, in place of each of its
+parameters, this rank's shard of it, as FSDP2 does: a DTensor with the parameter's
+global shape and a ``Shard(0)`` placement (``ODCParameter``), whose local tensor is a
+view of the group's fp32 master row ([layout]); in a single process without
+torch.distributed, a plain ``nn.Parameter`` view of the master
+(``ODCLocalParameter``). Reading, printing or computing with it is safe, and any
+torch optimizer updates it in place, which is updating the master.
+
+While its group is unsharded the modules hold the *unsharded* parameter instead: a
+view of the group's parameter-major buffer in ``param_dtype`` ([storage-resize] in
+``group.py``), the tensor forward and autograd use. ``FlatGroup.to_unsharded`` and
+``to_sharded`` swap every registration (a tied parameter has several module/name
+pairs) of the group's parameters; so code in a module's forward sees full values,
+and code outside sees shards.
+
+The sharded parameter's ``.grad`` is a property: this rank's fp32 accumulator rows,
+as a DTensor of the same placement, made complete and attached when first read
+after the minibatch's backward passes ([grad-protocol] in ``protocol.py``).
+A sharded parameter that receives a gradient through autograd (it was used in a
+computation outside its module's forward) raises: that gradient would bypass the
+accumulators.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
+
+if TYPE_CHECKING:
+    from .group import FlatGroup
+    from .protocol import StepProtocol
+
+_tensor_grad = torch._C.TensorBase.grad  # the C-level .grad the property below wraps
+
+
+class _ProtocolGrad:
+    """``.grad`` read and written through the owning model's step protocol (see [grad-protocol])."""
+
+    @property
+    def grad(self):
+        """This rank's fully reduced gradient shard (reading it may be where ranks meet)."""
+        return self._odc.read_grad()
+
+    @grad.setter
+    def grad(self, value):
+        self._odc.write_grad(value)
+
+    @grad.deleter
+    def grad(self):
+        self._odc.write_grad(None)
+
+
+class ODCParameter(_ProtocolGrad, DTensor):
+    """A parameter of an ``ODCShard`` model outside forward: this rank's dim-0 shard as a DTensor.
+
+    Its local tensor is a view of the group's master row; ``.grad`` is this rank's
+    reduced gradient shard (see [params] and [grad-protocol]).
+    """
+
+
+class ODCLocalParameter(_ProtocolGrad, nn.Parameter):
+    """An ``ODCShard`` parameter outside forward in a single process without torch.distributed (see [params])."""
+
+
+# torch.optim and clip_grad_norm_ pick their multi-tensor (foreach / fused) kernels by exact type; DTensor registers
+# itself the same way (torch/distributed/tensor/__init__.py). Without this, defaults fall back to a loop per tensor.
+for _types in (_optim_foreach_types, _utils_foreach_types):
+    for _cls in (ODCParameter, ODCLocalParameter):
+        if _cls not in _types:
+            _types.append(_cls)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def as_global(local: torch.Tensor, shape: tuple[int, ...], device_mesh, requires_grad: bool = False,
+              cls: type = DTensor) -> torch.Tensor:
+    """``local`` (a rank's dim-0 shard) as a ``cls`` DTensor of global ``shape`` (itself without a mesh)."""
+    if device_mesh is None:
+        return local
+    spec = DTensorSpec(device_mesh, (Shard(0),), TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype))
+    return cls(local, spec, requires_grad=requires_grad)
+
+
+class ShardedParam:
+    """One parameter of a flat group (FSDP2's ``FSDPParam`` tier): its two forms and its registrations.
+
+    Args:
+        group: the group it belongs to (its buffers and master row exist).
+        index: its slot in the group's layout.
+        original: the model's parameter object. It becomes the unsharded parameter (a
+            view of the group's unsharded buffer), unless it is on the meta device, which
+            cannot be re-pointed: then a new parameter replaces it.
+        registrations: every (module, attribute name) it is registered under.
+        protocol: the step protocol ``.grad`` reads and writes go through.
+        device_mesh: the mesh of the DTensor shards (None: one process, plain tensors).
+    """
+
+    def __init__(self, group: FlatGroup, index: int, original: nn.Parameter,
+                 registrations: list[tuple[nn.Module, str]], protocol: StepProtocol, device_mesh):
+        layout = group.layout
+        slot = layout.slots[index]
+        self.name = slot.name
+        self.trained = original.requires_grad
+        self.registrations = registrations
+        self.protocol = protocol
+        view = layout.param_view(group.unsharded, index)
+        unsharded = original
+        if original.is_meta:
+            # Not nn.Parameter(view): that would share the buffer's version counter (see
+            # [storage-resize]); .data assignment gives the parameter its own.
+            unsharded = nn.Parameter(view.new_empty(0), requires_grad=original.requires_grad)
+        unsharded.data = view
+        self.unsharded: nn.Parameter = unsharded
+        self.slot = slot
+        self.shape = slot.shape
+        self.local = local = layout.local_view(group.master, index, group.rank)
+        if device_mesh is None:
+            sharded = ODCLocalParameter(local, requires_grad=self.trained)
+        else:
+            sharded = as_global(local, slot.shape, device_mesh, self.trained, ODCParameter)
+            sharded._is_param = True  # isinstance(sharded, nn.Parameter), as nn.Parameter(dtensor) marks it
+        sharded._odc = self
+        self.sharded = sharded
+        self.grad_view = (as_global(layout.local_view(group.accumulator, index, group.rank), slot.shape, device_mesh)
+                          if self.trained else None)
+        self._hook = sharded.register_post_accumulate_grad_hook(self._used_while_sharded) if self.trained else None
+
+    # -- registrations ---------------------------------------------------------------------------
+    def to_unsharded(self) -> None:
+        """Every module that holds this parameter now holds the unsharded (full-value) form."""
+        for mod, attr in self.registrations:
+            mod._parameters[attr] = self.unsharded
+
+    def to_sharded(self) -> None:
+        """Every module that holds this parameter now holds this rank's shard."""
+        for mod, attr in self.registrations:
+            mod._parameters[attr] = self.sharded
+
+    def problem(self, param_dtype: torch.dtype) -> str | None:
+        """What the user changed about this parameter after wrapping, if anything (None: intact)."""
+        if not all((held := mod._parameters.get(attr)) is self.sharded or held is self.unsharded
+                   for mod, attr in self.registrations):
+            return "was replaced after ODCShard wrapped the model"
+        local = getattr(self.sharded, "_local_tensor", self.sharded)  # the DTensor's local tensor (no autograd op)
+        if (tuple(self.sharded.shape) != self.shape or local.data_ptr() != self.local.data_ptr()
+                or tuple(self.unsharded.shape) != self.shape or self.unsharded.dtype != param_dtype):
+            return "had its data reassigned after wrapping"
+        if self.sharded.requires_grad != self.trained or self.unsharded.requires_grad != self.trained:
+            return "changed requires_grad after wrapping; freeze or unfreeze before ODCShard"
+        return None
+
+    # -- gradient ----------------------------------------------------------------------------------
+    @property
+    def attached(self) -> torch.Tensor | None:
+        """The sharded parameter's ``.grad`` as stored (no protocol involved)."""
+        return _tensor_grad.__get__(self.sharded)
+
+    def attach_grad(self) -> None:
+        """Point ``.grad`` at this rank's accumulator shard."""
+        _tensor_grad.__set__(self.sharded, self.grad_view)
+
+    def detach_grad(self) -> None:
+        _tensor_grad.__set__(self.sharded, None)
+
+    def read_grad(self) -> torch.Tensor | None:
+        return self.protocol.read_grad(self)
+
+    def write_grad(self, value) -> None:
+        self.protocol.write_grad(self, value)
+
+    def _used_while_sharded(self, _param) -> None:
+        self.detach_grad()
+        raise RuntimeError(
+            f"parameter {self.name!r} got a gradient while sharded: it was used outside its module's forward. "
+            "ODCShard gathers a parameter only while its module runs; call the module instead, hook the parent "
+            "as a whole (units=...), or use reshard_after_forward=False"
+        )
+
+    def release(self) -> None:
+        """The wrapper is closing: drop the autograd hook, and leave a meta-device parameter of the same shape
+        in every registration (the rows are about to be freed; using the model now fails, it cannot crash)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        released = nn.Parameter(torch.empty(self.shape, dtype=self.unsharded.dtype, device="meta"),
+                                requires_grad=self.trained)
+        for mod, attr in self.registrations:
+            mod._parameters[attr] = released

@@ -1,0 +1,160 @@
+"""API misuse never crashes the process: each case runs in a subprocess with bounded time, which must exit 0 (the
+script asserts what it saw), never by a signal. Before DTensor parameters, reading a parameter outside forward,
+``model.module.double()`` or wrapping in DDP ended the interpreter with a segmentation fault."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PRELUDE = """
+import torch, torch.nn as nn, torch.distributed as dist
+from odcfsdp import ODCShard
+from odcfsdp.launch import spawn
+from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
+
+def llama():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+
+def expect(error, match, fn):
+    try:
+        fn()
+    except error as e:
+        assert match in str(e), f"{type(e).__name__}: {e}"
+        return
+    raise AssertionError(f"no {error.__name__} raised")
+"""
+
+READ_OUTSIDE_FORWARD = """
+def body():
+    model = ODCShard(llama(), 4096)
+    x = torch.randint(0, 64, (2, 8))
+    causal_lm_loss(model(x), x).backward()
+    for p in model.parameters():
+        text = repr(p) + str(p)
+        p.norm().full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p.norm()
+    w = model.module.lm_head.weight
+    total = w.sum()
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+    assert torch.isfinite(total)
+    assert w.to(torch.float64).dtype == torch.float64 and w.float().shape == (64, 32)
+    text = repr(model)
+    return True
+"""
+
+
+def run_case(tmp_path: Path, script: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``script`` (after ``PRELUDE``) as a file (spawned ranks re-import it); its exit must be clean."""
+    path = tmp_path / "case.py"
+    path.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(script))
+    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode >= 0, f"killed by signal {-proc.returncode}:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_reading_parameters_outside_forward_one_process(tmp_path):
+    run_case(tmp_path, READ_OUTSIDE_FORWARD + "\nbody()\n")
+
+
+def test_reading_parameters_outside_forward_two_ranks(tmp_path):
+    run_case(tmp_path, READ_OUTSIDE_FORWARD + "\nif __name__ == '__main__':\n    assert spawn(body, 2) == [True, True]\n")
+
+
+def test_moving_or_casting_the_inner_module_is_refused(tmp_path):
+    run_case(tmp_path, """
+    model = ODCShard(llama(), 4096)
+    for move in (lambda: model.module.double(), lambda: model.module.to(torch.float16), lambda: model.module.cpu(),
+                 lambda: model.module.layers[0].half(), lambda: model.double()):
+        expect(RuntimeError, "move or cast the model before wrapping it", move)
+    x = torch.randint(0, 64, (1, 4))
+    assert model(x).dtype == torch.float32  # still intact
+    """)
+
+
+WRAP_IN_DDP = """
+def body():
+    from torch.nn.parallel import DistributedDataParallel
+    model = ODCShard(nn.Linear(4, 4))
+    expect(TypeError, "cannot be wrapped in DistributedDataParallel", lambda: DistributedDataParallel(model))
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return "no accelerate"
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    expect(TypeError, "cannot be wrapped in DistributedDataParallel", lambda: accelerator.prepare(model))
+    return "refused"
+
+if __name__ == "__main__":
+    print(spawn(body, 2))
+"""
+
+
+def test_wrapping_in_ddp_or_accelerate_is_refused(tmp_path):
+    proc = run_case(tmp_path, WRAP_IN_DDP)
+    assert "refused" in proc.stdout or "no accelerate" in proc.stdout
+
+
+def test_a_closed_model_fails_cleanly(tmp_path):
+    run_case(tmp_path, """
+    model = ODCShard(llama(), 4096)
+    inner = model.module
+    model.close()
+    x = torch.randint(0, 64, (1, 4))
+    expect(RuntimeError, "was closed", lambda: model(x))
+    expect(Exception, "meta", lambda: inner(x))  # the released parameters are meta tensors, not freed memory
+    text = repr(inner.lm_head.weight)
+    """)
+
+
+PARENT_READS_CHILD = """
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):  # reads proj.weight without calling proj: ODCShard has not gathered it here
+        return self.out(x @ self.proj.weight)
+
+def body():
+    torch.manual_seed(0)
+    model = ODCShard(Head())
+    x = torch.randn(3, 4)
+    try:
+        model(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+"""
+
+
+def test_a_parameter_used_outside_its_module_is_an_error(tmp_path):
+    """In a single process the shard has the full shape, so the forward runs; the gradient that reaches the shard
+    is refused at backward. On two ranks the DTensor shard cannot mix with plain tensors: refused at forward."""
+    proc = run_case(tmp_path, PARENT_READS_CHILD + "\nprint(body())\n")
+    assert "'proj.weight' got a gradient while sharded" in proc.stdout
+    proc = run_case(tmp_path, PARENT_READS_CHILD + "\nif __name__ == '__main__':\n    print(spawn(body, 2))\n")
+    assert proc.stdout.count("DTensor") >= 2, proc.stdout
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_changing_parameters_outside_a_step_is_refused_not_silent(tmp_path, world):
+    run_case(tmp_path, f"""
+    def body():
+        model = ODCShard(llama(), 4096)
+        with torch.no_grad():
+            model.module.embed_tokens.weight.mul_(2.0)  # every rank's shard has rows of it
+        x = torch.randint(0, 64, (1, 4))
+        expect(RuntimeError, "changed in place outside an optimizer step", lambda: model(x))
+        return True
+
+    if __name__ == "__main__":
+        assert (spawn(body, {world}) if {world} > 1 else [body()]) == [True] * {world}
+    """)
