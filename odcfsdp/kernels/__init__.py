@@ -1,5 +1,6 @@
 """Triton kernels (lowest layer: imports nothing else from odcfsdp).
 
-The one-sided gather and scatter-accumulate kernels land with the ODC transports;
-until then the collective transport moves data with torch ops only.
+``rows``: one-sided gather and scatter-accumulate over load/store-reachable rows;
+``nvshmem_get``: the gather through NVSHMEM get calls; ``chunks``: how both split a
+group into programs; ``adamw``: a fused AdamW over rows (a benchmark candidate).
 """
