@@ -38,33 +38,24 @@ def check_against_reference(run: Run, results: list[dict], dtype: torch.dtype, c
 
 
 @pytest.mark.parametrize(
-    "world_size, reshard, group_bytes, dtype",
+    "world_size, reshard, group_bytes, dtype, optimizer, schedule",
     [
-        (2, True, 4096, torch.float32),
-        (2, False, 32 << 20, torch.float32),
-        (3, True, 16384, torch.float32),
-        (3, False, 4096, torch.float32),
-        (3, True, 4096, torch.float64),
+        (2, True, 4096, torch.float32, "adamw", True),
+        (2, False, 32 << 20, torch.float32, "sgd", True),
+        (3, True, 16384, torch.float32, "adam", False),
+        (3, False, 4096, torch.float32, "rmsprop", True),
+        (3, True, 4096, torch.float64, "adagrad", False),
     ],
 )
 @pytest.mark.parametrize("comm", ["collective", "shm"])
-def test_parity(world_size, reshard, group_bytes, dtype, comm):
-    run = Run(world_size, micro_batches=[2] * world_size)
+def test_parity(world_size, reshard, group_bytes, dtype, optimizer, schedule, comm):
+    """Any element-wise torch optimizer (AdamW, SGD with momentum, Adam, RMSprop, Adagrad), with or without a
+    LambdaLR schedule, over two parameter groups, trains the sharded model as it trains the plain one."""
+    run = Run(world_size, micro_batches=[2] * world_size, optimizer=optimizer, schedule=schedule)
     results = spawn(sharded_run, world_size, run, dtype, group_bytes, reshard, comm)
     if group_bytes == 4096:
         assert results[0]["groups"] > 5  # many small groups, parameters bigger than a group
     check_against_reference(run, results, dtype)
-
-
-@pytest.mark.parametrize("world_size, comm, optimizer, schedule", [
-    (2, "shm", "sgd", True), (3, "collective", "sgd", False), (2, "shm", "adam", True), (2, "shm", "adagrad", False),
-    (2, "shm", "rmsprop", True), (3, "shm", "adamw", True),
-])
-def test_parity_torch_optimizers_and_schedules(world_size, comm, optimizer, schedule):
-    """Any element-wise torch optimizer (SGD with momentum, Adam, Adagrad, RMSprop), with or without a LambdaLR
-    schedule, over two parameter groups, trains the sharded model as it trains the plain one."""
-    run = Run(world_size, micro_batches=[2] * world_size, optimizer=optimizer, schedule=schedule)
-    check_against_reference(run, spawn(sharded_run, world_size, run, torch.float32, 4096, True, comm), torch.float32)
 
 
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
