@@ -97,8 +97,9 @@ if __name__ == "__main__":
 
 
 def test_wrapping_in_ddp_or_accelerate_is_refused(tmp_path):
+    pytest.importorskip("accelerate", reason="the Accelerate case needs accelerate (test extra)")
     proc = run_case(tmp_path, WRAP_IN_DDP)
-    assert "refused" in proc.stdout or "no accelerate" in proc.stdout
+    assert "['refused', 'refused']" in proc.stdout, proc.stdout
 
 
 def test_a_closed_model_fails_cleanly(tmp_path):
