@@ -1,7 +1,7 @@
 """One rank's optimizer step at real shard sizes: torch's AdamW vs odcfsdp's fused kernel, against HBM bandwidth.
 
     python benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
-    python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1      # CPU smoke run (Triton interpreter)
+    TRITON_INTERPRET=1 python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1   # CPU smoke run (Triton interpreter)
 
 The optimizer step touches only the rank's own rows, so one GPU measures it exactly: the shard
 shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of every parameter,

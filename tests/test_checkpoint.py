@@ -249,6 +249,17 @@ def test_saving_with_pending_gradients_is_refused(tmp_path):
         save_checkpoint(tmp_path, model, opt, step=1)
 
 
+
+def test_optimizer_state_without_the_parameter_shape_is_refused_before_saving(tmp_path):
+    """Adafactor keeps row and column factors, which have no shard layout: a clear error, and nothing written."""
+    model, _ = build()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 1)
+    with pytest.raises(CheckpointError, match="Adafactor state 'row_var' of .* element-wise optimizer state only"):
+        save_checkpoint(tmp_path / "ckpt", model, opt, step=1)
+    assert not (tmp_path / "ckpt").exists()
+    save_checkpoint(tmp_path / "ckpt", model, None, step=1)  # the model alone still saves
+
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     model, opt = build()
     for step in range(1, 5):

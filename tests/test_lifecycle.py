@@ -58,7 +58,7 @@ def test_gather_and_free_schedule(reshard):
     assert counter.calls == n
     logits.float().pow(2).mean().backward()
     assert unsharded_bytes(model) == 0  # always freed after backward
-    assert all(g.grad is None for g in model.groups)  # gradient buffers pushed and dropped
+    assert all(g.grad_buffer is None for g in model.groups)  # gradient buffers pushed and dropped
     assert all(sp.unsharded.grad is None for g in model.groups for sp in g.params)
     if reshard:
         assert after_forward == 0

@@ -11,9 +11,12 @@ from odcfsdp.launch import spawn
 from odcfsdp.models.llama import DecoderLayer
 from parity import FROZEN, ParityModel, Run, reference_run, sharded_run
 
-# fp32: rtol 1e-5; the absolute floor (1e-4 of one Adam step, lr = 1e-2) covers entries near
-# zero, where a relative bound is below one ulp. float64 shows the algorithm itself is exact.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-14)}
+# fp32: rtol 1e-5; the absolute floor (1e-3 of one Adam step, lr = 1e-2) covers entries near
+# zero: the order in which ranks' pushes are added is not fixed (shm: whoever comes first), so a
+# gradient entry whose contributions cancel differs between runs by far more than its ulp, and
+# Adam-type optimizers scale that difference up to a fraction of lr (a 1.09e-6 difference was
+# seen once in ~10 runs of the 3-rank Adam case). float64 shows the algorithm itself is exact.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-14)}
 
 
 def check_against_reference(run: Run, results: list[dict], dtype: torch.dtype, compile_backend: str | None = None) -> None:

@@ -71,21 +71,17 @@ def _count_by_phase(comm: str, micro_batches: list[int]) -> list[dict[str, list[
 
 
 @pytest.mark.parametrize("micro_batches", [[3, 1], [2, 0]])
-def test_one_sided_ranks_meet_only_at_the_gradient_read(micro_batches):
-    """No collective during the micro-batches; clip_grad_norm_ is one meeting (the sync) plus the norm's one
-    all-reduce; the optimizer step and zero_grad none; the next minibatch's first forward one (the finish).
-    A rank without micro-batches does the finish at its clip_grad_norm_ instead of at a forward."""
-    for rank, per_step in enumerate(spawn(_count_by_phase, 2, "shm", micro_batches)):
-        first, second = per_step
-        assert first["micro-batches"] == [] and first["step"] == []
-        assert sorted(first["clip"]) == ["all_gather_single", "funcol.all_reduce"]
-        idle = micro_batches[rank] == 0
-        # the second minibatch starts by finishing the first: at its first forward, or where a rank without
-        # micro-batches first reads .grad
-        assert second["micro-batches"] == ([] if idle else ["all_gather_single"])
-        assert sorted(second["clip"]) == sorted(["all_gather_single", "funcol.all_reduce"]
-                                                + (["all_gather_single"] if idle else []))
-        assert second["step"] == [] and second["next forward"] == ["all_gather_single"]
+def test_one_sided_ranks_meet_only_where_gradients_are_read_and_consumed(micro_batches):
+    """No collective during the micro-batches (nor in a forward after the step); clip_grad_norm_ is one meeting
+    (the sync) plus the norm's one all-reduce; the optimizer step one (the finish, in its hook), and zero_grad one
+    per pass over the parameters (syncs that find nothing): two here, since param_groups' no-decay group goes back
+    in the model's parameter order. A rank without micro-batches meets at the same points."""
+    for per_step in spawn(_count_by_phase, 2, "shm", micro_batches):
+        for phases in per_step:
+            assert phases["micro-batches"] == []
+            assert sorted(phases["clip"]) == ["all_gather_single", "funcol.all_reduce"]
+            assert phases["step"] == ["all_gather_single"] * 3
+        assert per_step[-1]["next forward"] == []
 
 
 def test_collective_transport_is_detected_by_the_same_check():
@@ -116,3 +112,115 @@ def test_grad_read_in_the_middle_of_a_minibatch_is_refused():
     stopped with a clear error at that forward (the other rank took the read for the end of the minibatch)."""
     with pytest.raises(RuntimeError, match="rank 0 failed(.|\n)*a forward pass after gradients were read"):
         spawn(_read_grad_mid_minibatch, 2, [2, 1], timeout=120)
+
+
+def _tiny() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _tiny_data(steps: int, micro_batches: list[int]) -> list[list[list[torch.Tensor]]]:
+    """data[step][rank] = that rank's micro-batches."""
+    g = torch.Generator().manual_seed(1)
+    return [[[torch.randn(4, 8, generator=g) for _ in range(n)] for n in micro_batches] for _ in range(steps)]
+
+
+def _train_tiny(model, inner, data_of_rank, zero_grad_first: bool, skip_bias: bool, evaluate: bool):
+    """SGD with momentum and weight decay, clipping; optional plain-PyTorch idioms around the step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    norms = []
+    for step, micro in enumerate(data_of_rank):
+        if zero_grad_first:
+            opt.zero_grad()
+        for x in micro:
+            model(x).pow(2).sum().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        if skip_bias:
+            inner[0].bias.grad = None  # the optimizer skips this parameter this step
+        opt.step()
+        if not zero_grad_first:
+            opt.zero_grad()
+        if evaluate:
+            with torch.no_grad():
+                model(torch.ones(2, 8))
+    return norms
+
+
+def _tiny_sharded(micro_batches, zero_grad_first, skip_bias):
+    rank = dist.get_rank()
+    model = ODCShard(_tiny(), comm="shm")
+    data = [per_rank[rank] for per_rank in _tiny_data(3, micro_batches)]
+    norms = _train_tiny(model, model.module, data, zero_grad_first, skip_bias, evaluate=rank == 0)
+    out = norms, model.full_state_dict()
+    model.close()
+    return out
+
+
+@pytest.mark.parametrize("micro_batches, zero_grad_first, skip_bias", [([1, 0], True, False), ([2, 1], False, True)])
+def test_plain_loop_idioms_match_plain_pytorch(micro_batches, zero_grad_first, skip_bias):
+    """zero_grad at the top of the loop or after the step, an evaluation forward that only rank 0 runs after each
+    step (no meeting, no hang), a .grad set to None to skip one parameter in a step, uneven micro-batch counts
+    including a rank without any: the run equals plain PyTorch on the union of the micro-batches."""
+    ref = _tiny()
+    union = [[x for per_rank in step for x in per_rank] for step in _tiny_data(3, micro_batches)]
+    ref_norms = _train_tiny(ref, ref, union, zero_grad_first, skip_bias, evaluate=False)
+    for norms, state in spawn(_tiny_sharded, 2, micro_batches, zero_grad_first, skip_bias, timeout=120):
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", ["subset optimizer", "two optimizers at different rates"])
+def test_gradients_left_unconsumed_are_an_error(case):
+    """A trained parameter whose gradient no optimizer steps on and no zero_grad clears would have to accumulate
+    across minibatches, which the accumulators cannot do: the next forward says so and names the parameters."""
+    model = ODCShard(_tiny())
+    inner = model.module
+    fast = torch.optim.SGD(inner[2].parameters(), lr=0.1)
+    slow = torch.optim.SGD(inner[0].parameters(), lr=0.1) if case != "subset optimizer" else None
+    model(torch.randn(4, 8)).sum().backward()
+    fast.step()
+    fast.zero_grad()
+    with pytest.raises(RuntimeError, match=r"no optimizer step consumed .*\['0.weight', '0.bias'\].*freeze it"):
+        model(torch.randn(4, 8))
+    if slow is not None:  # stepping the other one too completes the minibatch
+        slow.step()
+        model(torch.randn(4, 8)).sum().backward()
+    model.close()
+
+
+def test_an_optimizer_built_before_wrapping_is_refused():
+    """Its parameters are the unsharded ones: stepping would silently train nothing."""
+    inner = _tiny()
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    model = ODCShard(inner)
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="build the optimizer after wrapping"):
+        opt.step()
+    model.close()
+
+
+def test_a_model_dropped_without_close_is_freed_with_its_hooks():
+    """The global optimizer hooks hold the model weakly; dead ones are removed when the next model attaches."""
+    import gc
+    import weakref
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    before = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+    model = ODCShard(_tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    torch.optim.SGD([weight], lr=0.5).step()  # while the dead hooks are still registered: they do nothing
+    assert torch.equal(weight.detach(), torch.full((2,), 0.5))
+    other = ODCShard(_tiny())
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (before[0] + 1, before[1] + 1)
+    other.close()
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == before

@@ -90,7 +90,13 @@ def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
 
 
 def _optimizer_tensors(model: ODCShard, optimizer) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(manifest entry, {file key: this rank's shard}) of the optimizer's state."""
+    """(manifest entry, {file key: this rank's shard}) of the optimizer's state.
+
+    Per-parameter states are scalars or tensors of the parameter's shape (element-wise
+    optimizers), stored sharded like the parameter; any other tensor state (Adafactor's
+    row and column factors) has no shard layout here, so it is refused, the same on every
+    rank (the shapes agree), before the save starts.
+    """
     groups = _optimizer_params(model, optimizer)
     scalars, keys, tensors = {}, set(), {}
     for sps in groups:
@@ -100,6 +106,11 @@ def _optimizer_tensors(model: ODCShard, optimizer) -> tuple[dict, dict[str, torc
                     local = getattr(value, "_local_tensor", value)
                     tensors[f"{sp.name}/{key}"] = local.detach().reshape(-1).cpu()
                     keys.add(key)
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                    raise CheckpointError(
+                        f"{type(optimizer).__name__} state {key!r} of {sp.name} has shape {tuple(value.shape)}, not "
+                        f"the parameter's {sp.shape}: sharded checkpoints hold element-wise optimizer state only "
+                        "(AdamW, Adam, SGD, RMSprop, Adagrad, ...); save the model alone (optimizer=None) for this one")
                 else:
                     scalars.setdefault(sp.name, {})[key] = _jsonable(value)
     entry = {
@@ -169,6 +180,7 @@ def save_checkpoint(
     stored in the manifest. Returns the checkpoint's path.
     """
     mesh = model.mesh
+    opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer)
     pending = mesh.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
     if pending.item():  # decided together: a rank raising alone would leave the others waiting
         raise CheckpointError("save_checkpoint was called with gradients pending; save between optimizer steps")
@@ -191,10 +203,7 @@ def save_checkpoint(
             lo, hi = s.local_range(rank)
             if hi > lo:
                 tensors[f"{s.name}/master"] = master[s.offset : s.offset + hi - lo].detach().cpu()
-    opt_entry = None
-    if optimizer is not None:
-        opt_entry, opt_tensors = _optimizer_tensors(model, optimizer)
-        tensors.update({k: v for k, v in opt_tensors.items() if v.numel()})
+    tensors.update({k: v for k, v in opt_tensors.items() if v.numel()})
     if rank == 0:  # persistent buffers are replicated: one copy, read back by every rank
         for name, buf in model.persistent_buffers().items():
             tensors[f"__buffer__/{name}"] = buf.detach().cpu()

@@ -83,10 +83,11 @@ class FlatGroup:
         master_dtype: dtype of the master row (fp32 or wider).
         protocol: the step protocol the parameters' ``.grad`` goes through.
         device_mesh: the DTensor mesh of the shards (None in a single process).
+        first_position: the model-order position of the group's first parameter.
     """
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter], registrations: list[list[tuple[nn.Module, str]]],
-                 transport: Transport, master_dtype: torch.dtype, protocol, device_mesh):
+                 transport: Transport, master_dtype: torch.dtype, protocol, device_mesh, first_position: int = 0):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         self.layout = layout
         self.transport = transport
@@ -97,13 +98,13 @@ class FlatGroup:
         self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.row.dtype, device=self.row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
-        self.grad: torch.Tensor | None = None
+        self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
         self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
         self.sites = 0  # hook sites that use this group (set once the hooks are registered)
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
-        self.params = [ShardedParam(self, i, p, regs, protocol, device_mesh)
+        self.params = [ShardedParam(self, i, p, regs, protocol, device_mesh, first_position + i)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
         self._trained = [sp for sp in self.params if sp.trained]
         self._published_version = self._versions()
@@ -144,7 +145,7 @@ class FlatGroup:
         """Drop the rows and buffers (the wrapper is closing; the transport frees the heap)."""
         for sp in self.params:
             sp.release()
-        self.master = self.row = self.accumulator = self.grad = None
+        self.master = self.row = self.accumulator = self.grad_buffer = None
 
     # -- use counting ----------------------------------------------------------
     def reset_uses(self) -> None:
@@ -212,18 +213,19 @@ class FlatGroup:
         hook per parameter (see [grad-buffers]); no-op when the buffer exists or
         nothing is trained.
         """
-        if self.grad is not None or not self._trained:
+        if self.grad_buffer is not None or not self._trained:
             return
-        self.grad = torch.zeros(self.layout.unsharded_numel, dtype=self.unsharded.dtype, device=self.unsharded.device)
+        self.grad_buffer = torch.zeros(self.layout.unsharded_numel, dtype=self.unsharded.dtype,
+                                       device=self.unsharded.device)
         for i, sp in enumerate(self.params):
             if sp.trained:
-                sp.unsharded.grad = self.layout.param_view(self.grad, i)
+                sp.unsharded.grad = self.layout.param_view(self.grad_buffer, i)
 
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
         """Add a gradient of parameter ``i`` that autograd left outside the buffer (see ``prepare_grad``)."""
-        if self.grad is None:
-            self.grad = torch.zeros(self.layout.unsharded_numel, dtype=grad.dtype, device=grad.device)
-        self.layout.param_view(self.grad, i).add_(grad)
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.layout.unsharded_numel, dtype=grad.dtype, device=grad.device)
+        self.layout.param_view(self.grad_buffer, i).add_(grad)
 
     def collect_late_grads(self) -> bool:
         """Move gradients autograd left in unsharded parameters' own ``.grad`` into a buffer; True if any."""
@@ -241,13 +243,13 @@ class FlatGroup:
         With ``stream`` the push runs there, after everything queued so far on the
         current stream (which wrote the gradient), overlapping what comes next.
         """
-        if self.grad is None:
+        if self.grad_buffer is None:
             return False
         with torch.no_grad(), _after_current(stream):
-            self.transport.scatter_accumulate(self.index, self.grad)
+            self.transport.scatter_accumulate(self.index, self.grad_buffer)
         if stream is not None:
-            self.grad.record_stream(stream)  # freed only once the push has read it
-        self.grad = None
+            self.grad_buffer.record_stream(stream)  # freed only once the push has read it
+        self.grad_buffer = None
         for sp in self._trained:
             sp.unsharded.grad = None
         return True

@@ -230,3 +230,4 @@ class HookDriver:
         for g in late:
             self.protocol.push(g)
         self.phase = TrainingPhase.IDLE
+        self.protocol.after_backward()

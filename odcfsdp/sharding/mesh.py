@@ -2,8 +2,9 @@
 
 Design note [mesh]
 ------------------
-Everything that makes ranks *meet* (barriers, the norm all-reduce, set-up exchanges,
-whole-model gathers for checkpoints) goes through one ``ShardMesh``; transports only
+Everything of odcfsdp's own that makes ranks *meet* (the step protocol's meetings,
+barriers, set-up exchanges, whole-model gathers for checkpoints) goes through one
+``ShardMesh`` (the gradient norm's all-reduce is DTensor's, in ``clip_grad_norm_``); transports only
 move rows one-sidedly or, for ``collective``, through the same process group. Today a
 mesh is one flat process group (the default one, a given ``process_group``, or a 1-D
 ``DeviceMesh``); a 2-D replicate x shard mesh (HSDP) extends this class, not its

@@ -27,6 +27,7 @@ accumulators.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,13 +110,15 @@ class ShardedParam:
         registrations: every (module, attribute name) it is registered under.
         protocol: the step protocol ``.grad`` reads and writes go through.
         device_mesh: the mesh of the DTensor shards (None: one process, plain tensors).
+        position: its place in the model's parameter order (``.grad`` passes are told apart by it).
     """
 
     def __init__(self, group: FlatGroup, index: int, original: nn.Parameter,
-                 registrations: list[tuple[nn.Module, str]], protocol: StepProtocol, device_mesh):
+                 registrations: list[tuple[nn.Module, str]], protocol: StepProtocol, device_mesh, position: int):
         layout = group.layout
         slot = layout.slots[index]
         self.name = slot.name
+        self.position = position
         self.trained = original.requires_grad
         self.registrations = registrations
         self.protocol = protocol
@@ -139,7 +142,9 @@ class ShardedParam:
         self.sharded = sharded
         self.grad_view = (as_global(layout.local_view(group.accumulator, index, group.rank), slot.shape, device_mesh)
                           if self.trained else None)
-        self._hook = sharded.register_post_accumulate_grad_hook(self._used_while_sharded) if self.trained else None
+        # The hook lives in C++, where the garbage collector cannot see a cycle through it: it holds the name only.
+        self._hook = (sharded.register_post_accumulate_grad_hook(functools.partial(_used_while_sharded, self.name))
+                      if self.trained else None)
 
     # -- registrations ---------------------------------------------------------------------------
     def to_unsharded(self) -> None:
@@ -184,21 +189,30 @@ class ShardedParam:
     def write_grad(self, value) -> None:
         self.protocol.write_grad(self, value)
 
-    def _used_while_sharded(self, _param) -> None:
-        self.detach_grad()
-        raise RuntimeError(
-            f"parameter {self.name!r} got a gradient while sharded: it was used outside its module's forward. "
-            "ODCShard gathers a parameter only while its module runs; call the module instead, hook the parent "
-            "as a whole (units=...), or use reshard_after_forward=False"
-        )
-
     def release(self) -> None:
-        """The wrapper is closing: drop the autograd hook, and leave a meta-device parameter of the same shape
-        in every registration (the rows are about to be freed; using the model now fails, it cannot crash)."""
+        """The wrapper is closing and its rows are about to be freed: drop the hook and the gradient, point the shard
+        (which an optimizer may still hold) at an empty tensor, and leave a meta-device parameter of the same shape
+        in every registration, so that using the model now fails instead of reading freed memory."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.detach_grad()
+        empty = torch.empty(0, dtype=self.local.dtype, device=self.local.device)
+        if isinstance(self.sharded, DTensor):
+            self.sharded._local_tensor = empty
+        else:
+            self.sharded.data = empty
+        self.local = self.grad_view = None
         released = nn.Parameter(torch.empty(self.shape, dtype=self.unsharded.dtype, device="meta"),
                                 requires_grad=self.trained)
         for mod, attr in self.registrations:
             mod._parameters[attr] = released
+
+
+def _used_while_sharded(name: str, param: torch.Tensor) -> None:
+    _tensor_grad.__set__(param, None)
+    raise RuntimeError(
+        f"parameter {name!r} got a gradient while sharded: it was used outside its module's forward. "
+        "ODCShard gathers a parameter only while its module runs; call the module instead, hook the parent "
+        "as a whole (units=...), or use reshard_after_forward=False"
+    )

@@ -6,70 +6,68 @@ During a minibatch rows do not change, so any rank gathers any row at any time, 
 pushes are adds that need no order: ranks do not meet. They meet where the standard
 PyTorch loop already needs every rank's gradients, without any call of odcfsdp's own:
 
-1. *sync*, at the first read of a sharded parameter's ``.grad`` after the
-   minibatch's backward passes (``clip_grad_norm_`` or the optimizer's step read
-   it): this rank's pushes are made complete and visible (its push stream, the
-   transport's ``quiesce``), then one meeting: afterwards every rank's pushes are
-   in, so each rank's accumulator rows hold its fully reduced gradient shard, and
-   they are attached as the shards' ``.grad`` ([params]);
+1. *sync*, where a pass over the parameters first reads a sharded parameter's
+   ``.grad`` after the rank's micro-batches (``clip_grad_norm_``, or the optimizer's
+   step): this rank's pushes are made complete and visible (its push stream, the
+   transport's ``quiesce``), then one meeting; afterwards every rank's pushes are in,
+   so each rank's accumulator rows hold its fully reduced gradient shard, and they
+   are attached as the shards' ``.grad`` ([params]);
 2. the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
-   update the fp32 masters in place; an optimizer step (global step hooks) or
-   setting ``.grad`` to None (``opt.zero_grad()``) *releases* the gradients;
-3. *finish*, at the next forward (or ``.grad`` read) after a release: reshard
-   every group, publish masters to rows (trained groups, and any other whose
-   master changed: in-place edits between the step and the next forward, such as
-   an EMA or a clamp, are published too), zero accumulators, drop ``.grad``, one
+   update the fp32 masters in place;
+3. *finish*, as soon as every trained parameter's gradient is consumed (stepped on
+   by an optimizer, seen by a global step hook, or set to None by ``zero_grad``): in
+   that hook, every group is resharded, masters are published to rows (trained groups,
+   and any other whose master changed), accumulators zeroed, ``.grad`` dropped, one
    meeting: nobody gathers or pushes before every row is final.
 
-Anything else that changes rows (``load_state_dict``, checkpoint and Hugging Face
-loads, user code in ``ODCShard.changing_parameters()``) runs inside
-``rows_changing()``: reshard, pushes complete, meeting, the change, then the
-finish's work and its meeting. A parameter changed in place anywhere else (the
-master's version counter, which its shards' views share, tells) would leave peers
-gathering stale rows, so the next forward raises instead.
+Every rank runs the same loop, so every rank steps: the finish happens at a point all
+ranks reach, and a forward that only some ranks run between steps (an evaluation on
+rank 0) meets nobody. Anything else that changes rows (``load_state_dict``,
+checkpoint and Hugging Face loads, user code in ``ODCShard.changing_parameters()``)
+runs inside ``rows_changing()``: reshard, pushes complete, meeting, the change, then
+the finish's work and its meeting. A parameter changed in place anywhere else (the
+master's or the DTensor shard's version counter tells; changes through ``.data``
+cannot be seen) would leave peers gathering stale rows, so the next forward raises.
 
-Ranks run the same loop with possibly different numbers of micro-batches (zero
-included), so they reach these points in the same order: a rank with no
-micro-batch meets at its ``clip_grad_norm_`` (1, after finishing the previous
-minibatch, 3) while the others finish at their first forward and sync at theirs.
 Every meeting is one small all-gather of (kind, minibatch number, pushes): if ranks
-meet at different points (a rank finishing while another syncs), every rank raises
-the same error instead of mixing two minibatches. Supported: ``opt.zero_grad()`` with
-its default ``set_to_none=True``, before the micro-batches or after the step.
-``zero_grad(set_to_none=False)`` leaves gradients attached, so a rank without
-micro-batches cannot tell the next minibatch's ``clip_grad_norm_`` from the previous
-one's; with one-sided transports it needs every rank to run at least one micro-batch.
+meet at different points (one finishing while another syncs), every rank raises the
+same error instead of mixing two minibatches.
 
 Design note [grad-protocol]
 ---------------------------
-``GradState`` and the ``.grad`` property of sharded parameters:
+A rank without micro-batches reads ``.grad`` at the same points as the others (its
+``zero_grad`` and ``clip_grad_norm_``) but runs nothing in between, so reads are
+grouped into *passes* over the parameters: a pass starts at the first read after a
+finish, a sync, a forward or a backward, and whenever a read goes back in the model's
+parameter order (``zero_grad`` then ``clip_grad_norm_``: two passes, however many
+parameters each covers). ``GradState`` and the ``.grad`` property of sharded
+parameters:
 
-* ``ACCUMULATING``: a ``.grad`` read syncs (1): the state becomes ``READY``, with
-  the accumulator shards attached; or ``EMPTY`` if no rank had pushed anything;
+* ``ACCUMULATING``: no gradient is attached; a read that starts a pass syncs (1):
+  the state becomes ``READY``, with the accumulator shards attached, or ``EMPTY`` if
+  no rank had pushed anything;
 * ``EMPTY``: ``.grad`` is None (nothing was accumulated anywhere, as in plain PyTorch
-  before a backward); the first read of each parameter returns it, a second read
-  of the same parameter is a new pass over the parameters and syncs again: a rank
-  without micro-batches takes ``zero_grad()`` before them and ``clip_grad_norm_``
-  after them as two passes, as ranks with micro-batches do (their forward in
-  between goes back to ``ACCUMULATING`` without a meeting);
-* ``READY``: reads return the attached shard; setting it to None releases; a
-  forward without grad (evaluation) keeps them; one in grad mode goes back to
-  accumulating (the gradients read so far keep growing, as in plain PyTorch) in a
-  single process or with the collective transport, where every rank runs the same
-  micro-batches, and raises with one-sided transports on several ranks, where other
-  ranks took that read for the end of the minibatch;
-* ``RELEASED``: reads return a still-attached shard (a second optimizer over other
-  parameters; ``zero_grad`` reading what it clears), while a read of a dropped one
-  finishes (3) and syncs the next minibatch: that is a rank without micro-batches
-  at its ``clip_grad_norm_``; the next forward finishes.
+  before a backward) unless the user assigned one; a read that starts a new pass
+  syncs again (ranks with micro-batches sync there after theirs); an optimizer step
+  finishes (it may have changed masters); a forward in grad mode goes back to
+  ``ACCUMULATING``;
+* ``READY``: reads return the attached shard (None once consumed); when every trained
+  parameter is consumed the minibatch finishes (3). A forward without grad
+  (evaluation) keeps the gradients; one in grad mode raises if some were consumed and
+  others not (a parameter in no optimizer, or two optimizers stepping at different
+  rates: its gradient would be dropped or mixed into the next minibatch), and if none
+  was consumed goes back to accumulating (the gradients read so far keep growing, as
+  in plain PyTorch) in a single process or with the collective transport, where every
+  rank runs the same micro-batches, but raises with one-sided transports on several
+  ranks, where the other ranks took that read for the end of the minibatch.
 
 Reads during forward or backward never meet (they return what is attached). Frozen
-parameters have no gradient. Trained parameters that got no gradient in a
-minibatch in which some rank pushed get zeros (ranks cannot tell "none" from
-"zero" without another meeting), so weight decay and momentum still move them, as
-in other flat-buffer optimizers. A tensor assigned to ``.grad`` is kept and used by
-the next optimizer step, as in plain PyTorch (``torch.distributed.checkpoint``
-initialises optimizer state that way).
+parameters have no gradient. Trained parameters that got no gradient in a minibatch
+in which some rank pushed get zeros (ranks cannot tell "none" from "zero" without
+another meeting), so weight decay and momentum still move them, as in other
+flat-buffer optimizers. A tensor assigned to ``.grad`` is kept and used by the next
+optimizer step, as in plain PyTorch (``torch.distributed.checkpoint`` initialises
+optimizer state that way).
 """
 
 from __future__ import annotations
@@ -77,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+import weakref
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
@@ -89,17 +88,23 @@ if TYPE_CHECKING:
     from .param import ShardedParam
 
 
+_DEAD_HOOKS: dict = {}  # handles of global optimizer hooks whose model was freed
+
+
+def _remove_dead_hooks() -> None:
+    while _DEAD_HOOKS:
+        _DEAD_HOOKS.popitem()[1].remove()
+
+
 class GradState(enum.Enum):
     """Where a minibatch's gradients are (see [grad-protocol])."""
 
     ACCUMULATING = enum.auto()
     """Pushes land in the accumulators; no ``.grad`` is attached."""
     EMPTY = enum.auto()
-    """Synced, and no rank had pushed anything: no ``.grad`` (as in plain PyTorch before any backward)."""
+    """Synced, and no rank had pushed anything: no ``.grad`` (as in plain PyTorch before a backward)."""
     READY = enum.auto()
-    """Every rank's pushes are in; ``.grad`` are the accumulator shards."""
-    RELEASED = enum.auto()
-    """An optimizer stepped on the gradients, or they were set to None: the minibatch is to be finished."""
+    """Every rank's pushes are in; ``.grad`` are the accumulator shards until consumed."""
 
 
 class _Meeting(enum.IntEnum):
@@ -131,17 +136,40 @@ class StepProtocol:
         self.pushes = 0  # gradient pushes of this rank since the last finish
         self.minibatch = 0  # finished minibatches (every rank counts the same)
         self.synced_pushes = 0  # every rank's pushes, as of the last sync
-        self._read_while_empty: set = set()  # parameters whose .grad was read since a sync that found nothing
         self.last_wait_s = 0.0  # time the last sync waited for the other ranks
-        self._hooks = []
+        self._pass_position: int | None = None  # model position of the last .grad read of the current pass
+        self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
+        self._trained_params: list[ShardedParam] = []
+        self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> (param-list signature, ours, stale)
+        self._hooks: list = []
 
     def attach(self, groups: Sequence[FlatGroup]) -> None:
-        """Take the model's groups and watch every optimizer's steps (global hooks, removed by ``close``)."""
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        """Take the model's groups and watch every optimizer's steps (global hooks, removed by ``close``).
+
+        The hooks hold this object weakly: a model that is dropped without ``close()``
+        is still freed; its hooks then do nothing and are removed at the next ``attach``
+        (removing them from inside a hook would change the hook table while torch
+        iterates over it).
+        """
+        _remove_dead_hooks()
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self.groups = list(groups)
         self._trained = [g for g in self.groups if g.layout.requires_grad]
-        self._hooks = [register_optimizer_step_post_hook(self._after_step)]
+        self._trained_params = [sp for g in self._trained for sp in g.params if sp.trained]
+        for register, method in ((register_optimizer_step_pre_hook, self._before_step),
+                                 (register_optimizer_step_post_hook, self._after_step)):
+            ref, box = weakref.WeakMethod(method), []
+
+            def hook(optimizer, args, kwargs, ref=ref, box=box):
+                bound = ref()
+                if bound is None:  # the model is gone: its hook goes at the next attach
+                    _DEAD_HOOKS[box[0].id] = box[0]
+                else:
+                    bound(optimizer)
+
+            box.append(register(hook))
+            self._hooks.append(box[0])
 
     def close(self) -> None:
         for h in self._hooks:
@@ -155,8 +183,8 @@ class StepProtocol:
 
     @property
     def pending_pushes(self) -> int:
-        """Pushes whose gradients no optimizer step or release has consumed yet."""
-        return 0 if self.state is GradState.RELEASED else self.pushes
+        """Pushes whose gradients no finished minibatch has consumed yet."""
+        return self.pushes
 
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (the modules hold shards)."""
@@ -179,9 +207,9 @@ class StepProtocol:
             where = ", ".join(f"rank {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
                               for r, (k, m, _) in enumerate(table.tolist()))
             raise RuntimeError(
-                f"ranks disagree about the minibatch ({where}). Every rank must read .grad (clip_grad_norm_, "
-                "opt.step) only after its last backward of the minibatch, and clear it with opt.zero_grad() "
-                "(set_to_none=True, the default) after the step")
+                f"ranks disagree about the minibatch ({where}). Every rank must run the same loop: read .grad "
+                "(clip_grad_norm_, opt.step) only after its micro-batches, and step or zero_grad every trained "
+                "parameter each minibatch")
         return table[:, 2]
 
     def sync(self) -> None:
@@ -195,7 +223,7 @@ class StepProtocol:
                 f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks pushed "
                 f"{pushes.tolist()} gradients: balance with lb_micro, or use a one-sided transport")
         self.synced_pushes = int(pushes.sum())
-        self._read_while_empty = set()
+        self._consumed = set()
         if self.synced_pushes:
             for g in self._trained:
                 g.attach_grads()
@@ -221,6 +249,8 @@ class StepProtocol:
         self.pushes = 0
         self.minibatch += 1
         self.state = GradState.ACCUMULATING
+        self._consumed = set()
+        self._pass_position = None
 
     @contextlib.contextmanager
     def rows_changing(self) -> Iterator[None]:
@@ -231,28 +261,28 @@ class StepProtocol:
         yield
         self._settle(self.groups, _Meeting.CHANGE)
 
-    # -- the hooks of the standard loop ----------------------------------------------------------
-    def finish_released(self) -> None:
-        """Finish the minibatch if an optimizer step (or ``zero_grad``) released its gradients (collective then)."""
-        if self.state is GradState.RELEASED:
-            self.finish()
-
+    # -- the standard loop's events ----------------------------------------------------------------
     def before_forward(self) -> None:
-        """The root forward starts: finish a released minibatch; see [grad-protocol] for READY."""
-        if self.state is GradState.RELEASED:
-            self.finish()
-            return
+        """The root forward starts (see [grad-protocol]): a new pass; stale rows and half-consumed gradients raise."""
+        self._pass_position = None
+        if self.state is GradState.READY and self._consumed:
+            left = [sp.name for sp in self._trained_params if sp not in self._consumed]
+            raise RuntimeError(
+                f"trained parameters got gradients that no optimizer step consumed and no zero_grad() cleared "
+                f"({left[:3]}{' ...' if len(left) > 3 else ''}): put every trained parameter in an optimizer, "
+                "or freeze it (requires_grad=False) before wrapping; gradients cannot accumulate over steps")
         changed = [g for g in self.groups if g.master_changed]
         if changed:
             names = [sp.name for sp in changed[0].params]
             raise RuntimeError(
                 f"parameters were changed in place outside an optimizer step (one of {names[:4]}"
                 f"{' ...' if len(names) > 4 else ''}), so the rows other ranks gather are stale: change them inside "
-                "`with model.changing_parameters():` (collective), or with model.load_state_dict(), or between "
-                "opt.step() and the next forward")
-        if self.state is GradState.EMPTY and torch.is_grad_enabled():
+                "`with model.changing_parameters():` (collective), or with model.load_state_dict()")
+        if not torch.is_grad_enabled():
+            return
+        if self.state is GradState.EMPTY:
             self.state = GradState.ACCUMULATING
-        elif self.state is GradState.READY and torch.is_grad_enabled():
+        elif self.state is GradState.READY:
             if self.transport.one_sided and self.mesh.world_size > 1:
                 raise RuntimeError(
                     "a forward pass after gradients were read (.grad, clip_grad_norm_) but neither stepped on nor "
@@ -263,46 +293,60 @@ class StepProtocol:
                 g.detach_grads()
             self.state = GradState.ACCUMULATING
 
-    def ready(self) -> None:
-        """Make the gradients complete and attached (a ``.grad`` read; collective where it meets)."""
-        self.finish_released()
-        if self.state in (GradState.ACCUMULATING, GradState.EMPTY):
-            self.sync()
+    def after_backward(self) -> None:
+        """Backward is over: the next ``.grad`` read starts a pass."""
+        self._pass_position = None
 
     def read_grad(self, sp: ShardedParam) -> torch.Tensor | None:
         """The ``.grad`` property of a sharded parameter (see [grad-protocol])."""
-        attached = sp.attached
         if not sp.trained or self.busy() or self.state is GradState.READY:
-            return attached
-        if self.state is GradState.RELEASED and attached is not None:
-            return attached
-        if self.state is GradState.EMPTY and sp not in self._read_while_empty:
-            self._read_while_empty.add(sp)
-            return attached
-        self.ready()
-        if self.state is GradState.EMPTY:
-            self._read_while_empty.add(sp)
+            return sp.attached
+        new_pass = self._pass_position is None or sp.position <= self._pass_position
+        self._pass_position = sp.position
+        if new_pass:
+            self.sync()
         return sp.attached
 
     def write_grad(self, sp: ShardedParam, value) -> None:
-        """Setting ``.grad``: None releases the minibatch's gradients (``zero_grad``); a tensor is stored (and used
-        by the next optimizer step, as plain PyTorch does)."""
-        if value is None:
-            sp.detach_grad()
-            if self.state is GradState.READY:
-                self.state = GradState.RELEASED
+        """Setting ``.grad``: None consumes it (``zero_grad``); a tensor is kept for the next optimizer step."""
+        if value is not None:
+            torch._C.TensorBase.grad.__set__(sp.sharded, value)
             return
-        torch._C.TensorBase.grad.__set__(sp.sharded, value)
+        sp.detach_grad()
+        if self.state is GradState.READY and sp.trained:
+            self._consumed.add(sp)
+            self._finish_if_consumed()
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        """An optimizer stepped: if it holds this model's parameters, the minibatch's gradients are consumed."""
-        if self.state in (GradState.READY, GradState.EMPTY) and any(
-                getattr(p, "_odc", None) is not None and p._odc.protocol is self
-                for group in optimizer.param_groups for p in group["params"]):
-            self.state = GradState.RELEASED
+    def _finish_if_consumed(self) -> None:
+        if len(self._consumed) == len(self._trained_params):
+            self.finish()
 
-    def discard(self) -> None:
-        """Drop every gradient accumulated since the last step (collective)."""
-        with self.rows_changing():
-            pass
+    def _ours(self, optimizer) -> tuple[list, bool]:
+        """(this model's trained shards among the optimizer's parameters, whether it holds unsharded ones), cached."""
+        signature = tuple(id(g["params"]) for g in optimizer.param_groups) + tuple(
+            len(g["params"]) for g in optimizer.param_groups)
+        cached = self._optimizers.get(optimizer)
+        if cached is None or cached[0] != signature:
+            unsharded = {id(sp.unsharded) for sp in self._trained_params}
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            ours = [sp for p in params if (sp := getattr(p, "_odc", None)) is not None and sp.protocol is self]
+            cached = (signature, ours, any(id(p) in unsharded for p in params))
+            self._optimizers[optimizer] = cached
+        return cached[1], cached[2]
 
+    def _before_step(self, optimizer) -> None:
+        if self._ours(optimizer)[1]:
+            raise RuntimeError(
+                "this optimizer holds the model's parameters as they were before ODCShard wrapped it; build the "
+                "optimizer after wrapping, from the wrapped model's parameters (as with FSDP2)")
+
+    def _after_step(self, optimizer) -> None:
+        """An optimizer stepped: its parameters' gradients are consumed; the last consumer finishes the minibatch."""
+        ours = self._ours(optimizer)[0]
+        if not ours:
+            return
+        if self.state is GradState.READY:
+            self._consumed.update(sp for sp in ours if sp.trained)
+            self._finish_if_consumed()
+        else:  # no gradient anywhere, but the step may have changed masters (weight decay, assigned gradients)
+            self.finish()

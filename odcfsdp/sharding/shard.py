@@ -122,8 +122,9 @@ class ODCShard(nn.Module):
         group_bytes: byte budget of one group, counted in unsharded ``param_dtype``
             bytes. A larger parameter forms its own group.
         comm: transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``,
-            ``"nvshmem"`` (one-sided: ranks meet only at the optimizer step and may
-            run different numbers of micro-batches) or ``"collective"``
+            ``"nvshmem"`` (one-sided: ranks meet only between the minibatch's last
+            backward and the next forward, where the loop reads and consumes the
+            gradients, and may run different numbers of micro-batches) or ``"collective"``
             (all-gather / reduce-scatter; equal micro-batch counts required).
         process_group: ranks to shard over; the default group if None, or a single
             process if torch.distributed is not initialised.
@@ -205,10 +206,11 @@ class ODCShard(nn.Module):
                         if canonical[id(p)] != name}
         self._param_entries = sum(len(r) for r in regs.values())
         device_mesh = self.mesh.device_mesh
+        starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.transport, dtype, self.protocol, device_mesh)
-            for lay, dtype in zip(self.layouts, master_dtypes)
+                      self.transport, dtype, self.protocol, device_mesh, start)
+            for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
         self.protocol.attach(self.groups)
         if on_meta:
@@ -313,7 +315,7 @@ class ODCShard(nn.Module):
 
     @property
     def pending_pushes(self) -> int:
-        """Gradient pushes no optimizer step has consumed yet (0 between minibatches)."""
+        """Gradient pushes of this rank whose minibatch has not finished (0 between minibatches)."""
         return self.protocol.pending_pushes
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
@@ -324,7 +326,6 @@ class ODCShard(nn.Module):
     def unsharded(self) -> Iterator[None]:
         """Context in which every parameter holds its full value (collective: all ranks enter)."""
         self._check_open()
-        self.protocol.finish_released()  # rows published if a step left them pending
         for g in self.groups:
             g.to_unsharded()
             g.wait_ready()

@@ -5,7 +5,8 @@ Gathers read peers' rows straight from the mappings; scatter-accumulate adds int
 the owner's accumulator under a byte-range lock on the owner's file (one lock per
 owner and group), so owners do no work and pushes to different groups or owners
 proceed in parallel. It gives CI the exact one-sided semantics of ``nvshmem``:
-ranks meet only at the optimizer step and may run different numbers of
+ranks meet only where the step protocol says ([step-protocol]: once the loop
+reads and consumes the minibatch's gradients) and may run different numbers of
 micro-batches.
 
 Design note [shm-cleanup]
