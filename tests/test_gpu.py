@@ -157,3 +157,19 @@ def _too_small_heap() -> str:
 def test_heap_too_small_names_the_bytes():
     for message in spawn(_too_small_heap, 2, backend="nccl", timeout=180):
         assert "NVSHMEM_SYMMETRIC_SIZE to at least" in message, message
+
+
+def _compiled_on_gpu(how: str) -> list[float]:
+    from test_standard_loop import _compiled_run
+
+    return _compiled_run(how, "inductor", "cuda")
+
+
+@pytest.mark.parametrize("target", ["layers", "model"])
+def test_compile_with_inductor_on_one_gpu(target):
+    """layer.compile() per block and model.compile() under ODCShard (nvshmem on one PE, fp32) train like the same
+    inductor compile of the plain model on the GPU (Triton code generation, unlike the CPU test)."""
+    want = spawn(_compiled_on_gpu, 1, f"plain-{target}", backend="nccl")[0]
+    got = spawn(_compiled_on_gpu, 1, f"odc-{target}", backend="nccl")[0]
+    assert want[-1] < want[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

@@ -135,12 +135,12 @@ def test_dcp_get_and_set_state_dict_round_trip(tmp_path):
 
 
 # -- torch.compile ----------------------------------------------------------------------------------
-def _compiled_run(how: str, backend: str) -> list[float]:
-    """Losses of 3 steps of a tiny Llama (single process), plain or ODCShard, compiled ``how``."""
+def _compiled_run(how: str, backend: str, device: str = "cpu") -> list[float]:
+    """Losses of 3 steps of a tiny Llama (one rank, fp32), plain or ODCShard, compiled ``how``."""
     torch.manual_seed(0)
-    model = Llama(CFG)
+    model = Llama(CFG).to(device)
     if how.startswith("odc"):
-        model = ODCShard(model, 4096, units=(DecoderLayer,))
+        model = ODCShard(model, 4096, units=(DecoderLayer,), param_dtype=torch.float32)
     inner = model.module if isinstance(model, ODCShard) else model
     if how.endswith("layers"):
         for layer in inner.layers:
@@ -151,7 +151,7 @@ def _compiled_run(how: str, backend: str) -> list[float]:
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):
-        x = torch.randint(0, CFG.vocab_size, (2, 12), generator=g)
+        x = torch.randint(0, CFG.vocab_size, (2, 12), generator=g).to(device)
         loss = causal_lm_loss(model(x), x, x.numel())
         loss.backward()
         losses.append(loss.item())
