@@ -24,14 +24,15 @@ from .sharding.transport import COMM_CHOICES, is_one_sided
 
 @dataclass
 class ModelConfig:
-    """Which model: our Llama at a named size, or a Hugging Face causal LM from a local config."""
+    """Which model: our Llama at a named size, or a Hugging Face causal LM from a local directory."""
 
     name: str = "llama"  # llama | hf
     size: str = "tiny"  # llama: tiny | 150m | 1b | 3b | 8b
     overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
-    hf_config: str | None = None  # name=hf: local directory holding config.json
-    activation_checkpointing: bool = False  # llama: recompute each decoder layer in backward
-    compile: bool = False  # llama: torch.compile the decoder layers' dense parts (needs shard.units=[DecoderLayer])
+    path: str | None = None  # name=hf: a local pretrained checkpoint (config.json + safetensors) to fine-tune
+    hf_config: str | None = None  # name=hf: a local config.json (or its directory) to train from random weights
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (hf: HF's checkpointing)
+    compile: bool = False  # torch.compile each decoder layer (llama: its dense parts; needs whole-layer units)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class RunConfig:
     peak_tflops: float | None = None  # per device, for MFU; None: 989 on H100/H200, no MFU on CPU
     warmup_steps: int = 2  # excluded from the run's summary throughput
     tensorboard: bool = False  # also log to TensorBoard when it is installed
+    export_hf: bool = False  # at the end, write a Hugging Face directory (weights, configs, tokenizer) to <out_dir>/hf
 
 
 @dataclass
@@ -146,8 +148,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("model.name", cfg.model.name, ("llama", "hf"))
     if cfg.model.name == "llama":
         _choice("model.size", cfg.model.size, LLAMA_SIZES)
-    elif not cfg.model.hf_config:
-        raise ValueError("model.name=hf needs model.hf_config=<local directory with config.json>")
+    elif bool(cfg.model.path) == bool(cfg.model.hf_config):
+        raise ValueError("model.name=hf needs one of model.path=<local pretrained checkpoint directory> (fine-tune "
+                         "its weights) or model.hf_config=<local config.json> (random weights)")
     _choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
@@ -173,9 +176,9 @@ def validate(cfg: TrainConfig) -> None:
         _positive("run.stop_after", cfg.run.stop_after)
     _positive("run.world_size", cfg.run.world_size)
     _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
-    if cfg.model.compile and (cfg.model.name != "llama" or "DecoderLayer" not in cfg.shard.units):
-        raise ValueError("model.compile=true needs model.name=llama and shard.units=[DecoderLayer] (compiled layers "
-                         "must find all their parameters gathered when they start)")
+    if cfg.model.compile and cfg.model.name == "llama" and "DecoderLayer" not in cfg.shard.units:
+        raise ValueError("model.compile=true needs shard.units=[DecoderLayer] (compiled layers must find all their "
+                         "parameters gathered when they start)")
     if not is_one_sided(cfg.shard.comm) and cfg.balance.kind != "lb_micro":
         raise ValueError(
             f"shard.comm={cfg.shard.comm} needs equal micro-batch counts per rank: use balance.kind=lb_micro, "

@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from .checkpoint import (
+    CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, load_hf, read_manifest, save_checkpoint,
+)
 from .config import TrainConfig, register, validate
 from .data.balance import CostModel
 from .data.jsonl import JsonlSource
@@ -51,8 +53,18 @@ def build_source(cfg: TrainConfig):
     if d.source == "synthetic":
         lengths = LengthDistribution(d.lengths, cfg.run.seed)
         return SyntheticSFT(d.vocab_size, lengths, cfg.run.seed, d.pool_tokens, d.prompt_fraction), d.vocab_size
-    tokenizer = load_tokenizer(d.tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
     return JsonlSource(d.path, tokenizer, d.micro_batch_tokens + 1, cfg.run.seed), tokenizer.vocab_size
+
+
+def vocab_size(cfg: TrainConfig) -> int:
+    """The vocabulary the run's data uses (``build_source``'s, without reading the data)."""
+    return cfg.data.vocab_size if cfg.data.source == "synthetic" else load_tokenizer(tokenizer_path(cfg)).vocab_size
+
+
+def tokenizer_path(cfg: TrainConfig) -> str | None:
+    """``data.tokenizer_path``, or the pretrained model's own directory (``model.path``), or None (bytes)."""
+    return cfg.data.tokenizer_path or (cfg.model.path if cfg.model.name == "hf" else None)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, CostModel, CostModel]:
@@ -60,11 +72,18 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, Cos
 
     Both are ``a * s**2 + b * s``; the balancers' one weighs attention by
     ``balance.attention_cost_factor`` unless ``balance.cost_a`` / ``cost_b`` set it.
+    A pretrained Hugging Face model (``model.path``) is built wherever the caller's
+    device context says (the meta device in ``train``); its weights are loaded after wrapping.
     """
     if cfg.model.name == "hf":
         from .models.hf import HFCausalLM
 
-        model = HFCausalLM(cfg.model.hf_config, vocab_size)
+        model = HFCausalLM(cfg.model.path or cfg.model.hf_config, None if cfg.model.path else vocab_size)
+        if cfg.model.path and vocab_size > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab_size} tokens but {cfg.model.path} has a vocabulary of "
+                             f"{model.config.vocab_size}: use the checkpoint's own tokenizer (data.tokenizer_path)")
+        if cfg.model.activation_checkpointing:
+            model.enable_activation_checkpointing()
         c = model.config
         dim, layers = c.hidden_size, c.num_hidden_layers
         matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
@@ -81,8 +100,40 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, Cos
                                    b.cost_b if b.cost_b is not None else timed.b)
 
 
+def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, weights: bool = True):
+    """``build_model`` wrapped in ``ODCShard`` as ``cfg.shard`` says, with the pretrained weights if any.
+
+    A pretrained Hugging Face model (``model.path``) is built on the meta device, so no
+    rank holds the full model, and each rank reads only its slices of the files
+    (``weights=False`` skips that read, for a checkpoint load that follows).
+    """
+    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial model
+    pretrained = cfg.model.name == "hf" and bool(cfg.model.path)
+    with torch.device("meta" if pretrained else device):
+        model, flops, cost = build_model(cfg, vocab)
+    s = cfg.shard
+    units = unit_classes(model, s.units)
+    model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
+                     param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
+                     overlap_push=s.overlap_push, units=units, device=device if pretrained else None)
+    if pretrained and weights:
+        load_hf(model, cfg.model.path)
+    if cfg.model.compile and cfg.model.name == "hf":  # our Llama compiles its layers' dense parts itself
+        if not units:
+            raise ValueError("model.compile=true needs decoder-layer units (shard.units): none were found")
+        for layer in (m for m in model.module.modules() if isinstance(m, units)):
+            layer.compile()
+    return model, flops, cost
+
+
 def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
-    """The module classes named by ``shard.units``, looked up among the model's own modules."""
+    """The module classes named by ``shard.units``, looked up among the model's own modules.
+
+    With no names, a Hugging Face model's decoder layers (its ``_no_split_modules``).
+    """
+    if not names:
+        layers = getattr(model, "decoder_layer_classes", None)
+        return layers() if layers is not None else ()
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     missing = sorted(set(names) - set(by_name))
     if missing:
@@ -125,13 +176,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = _device(cfg)
     source, vocab = build_source(cfg)
-    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial model
-    with torch.device(device):
-        model, flops, cost = build_model(cfg, vocab)
-    s = cfg.shard
-    model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
-                     param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
-                     overlap_push=s.overlap_push, units=unit_classes(model, s.units))
+    model, flops, cost = build_sharded_model(cfg, vocab, device)
     opt, sched = build_optimizer(cfg, model, device)
     peak = peak_tflops(device, cfg.run.peak_tflops)
     ck = cfg.checkpoint
@@ -173,6 +218,11 @@ def train(cfg: TrainConfig) -> list[dict]:
             save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
                             config=OmegaConf.to_container(OmegaConf.structured(cfg)),
                             extra={"samples_consumed": (step + 1) * batch})
+    if cfg.run.export_hf:
+        out = Path(cfg.run.out_dir) / "hf"
+        export_pretrained(model, out, tokenizer_path=tokenizer_path(cfg))  # collective
+        if rank == 0:
+            print(f"exported the trained model to {out}", file=sys.stderr)
     if writer and metrics:
         bar.close()
         writer.close()

@@ -61,8 +61,8 @@ def test_default_job_short_run(tmp_path):
         ({"data": {"batch_size": 0}}, "data.batch_size=0 must be > 0"),
         ({"shard": {"comm": "collective"}}, "shard.comm=collective needs equal micro-batch counts"),
         ({"data": {"source": "jsonl"}}, "data.source=jsonl needs data.path"),
-        ({"model": {"name": "hf"}}, "model.name=hf needs model.hf_config"),
-        ({"model": {"compile": True}}, "model.compile=true needs model.name=llama and shard.units=[DecoderLayer]"),
+        ({"model": {"name": "hf"}}, "model.name=hf needs one of model.path"),
+        ({"model": {"compile": True}}, "model.compile=true needs shard.units=[DecoderLayer]"),
     ],
 )
 def test_invalid_values_name_key_and_choices(overrides, message):

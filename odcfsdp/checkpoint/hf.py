@@ -6,7 +6,8 @@ parameter names (mapped to Hugging Face names for our Llama) and dtypes, and a
 ``config.json`` when the model has one. Parameters are gathered group by group, so
 rank 0 holds at most one output shard and one group at a time.
 
-``load_hf`` fills an ``ODCShard`` (built on the meta device if the model is large)
+``export_pretrained`` adds what ``from_pretrained`` needs besides (generation config,
+tokenizer files). ``load_hf`` fills an ``ODCShard`` (built on the meta device if the model is large)
 from such files: each rank reads only the slices of each tensor that its rows need.
 """
 
@@ -56,14 +57,25 @@ def default_name_map(model: ODCShard) -> Callable[[str], str]:
     return lambda name: name
 
 
-def _config_json(model: ODCShard) -> dict | None:
+def transformers_model(model: ODCShard):
+    """The ``transformers`` model inside ``model`` (an ``HFCausalLM``'s, or the wrapped module itself), or None."""
     from ..models.hf import HFCausalLM
 
+    inner = model.module.model if isinstance(model.module, HFCausalLM) else model.module
+    config = getattr(inner, "config", None)
+    return inner if callable(getattr(config, "to_dict", None)) else None
+
+
+def _config_json(model: ODCShard, dtype: torch.dtype) -> dict | None:
+    name = str(dtype).removeprefix("torch.")
     if isinstance(model.module, Llama):
-        return hf_llama_config(model.module.config)
-    if isinstance(model.module, HFCausalLM):
-        return model.module.config.to_dict()
-    return None
+        return {**hf_llama_config(model.module.config), "torch_dtype": name}
+    hf = transformers_model(model)
+    if hf is None:
+        return None
+    config = hf.config.to_dict()
+    config["dtype" if "dtype" in config else "torch_dtype"] = name
+    return config
 
 
 def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 << 30,
@@ -120,12 +132,33 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
             index = {"metadata": {"total_size": sum(n for _, n in sizes)},
                      "weight_map": {name_map(n): files[k] for n, k in shard_of.items()}}
             (out_dir / INDEX).write_text(json.dumps(index, indent=1))
-        config = _config_json(model)
+        config = _config_json(model, dtype or model.layouts[0].dtype)
         if config is not None:
-            config["torch_dtype"] = str(dtype or model.layouts[0].dtype).removeprefix("torch.")
             (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     model.mesh.barrier()
     return written
+
+
+def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: str | None = None,
+                      dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30) -> Path:
+    """A complete Hugging Face directory of ``model`` that ``from_pretrained`` loads (collective).
+
+    ``export_hf``'s weights and ``config.json``, plus ``generation_config.json`` (for a
+    ``transformers`` model that has one) and the tokenizer's files (from
+    ``tokenizer_path``, a local Hugging Face tokenizer). Returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    export_hf(model, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    if model.rank == 0:
+        hf = transformers_model(model)
+        if hf is not None and getattr(hf, "generation_config", None) is not None:
+            hf.generation_config.to_json_file(out_dir / "generation_config.json")
+        if tokenizer_path is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out_dir)
+    model.mesh.barrier()
+    return out_dir
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
@@ -141,7 +174,11 @@ def _weight_map(path: Path) -> dict[str, Path]:
 
 
 def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str] | None = None) -> None:
-    """Set ``model``'s parameters from Hugging Face style files; each rank reads only its slices (collective)."""
+    """Set ``model``'s parameters from Hugging Face style files; each rank reads only its slices (collective).
+
+    Persistent buffers the files hold are read too (whole, on every rank); computed ones
+    are rebuilt when a meta-built model is wrapped (see [meta-buffers]).
+    """
     name_map = name_map or default_name_map(model)
     path = Path(path)
     where = _weight_map(path)
@@ -166,3 +203,8 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
                 if hi > lo:  # this rank's shard is whole dim-0 rows: read just those
                     rows = sl[lo // s.row_numel : hi // s.row_numel]
                     dest[: hi - lo].copy_(rows.reshape(-1))
+        for name, buf in model.persistent_buffers().items():  # replicated: every rank reads them whole
+            key = name_map(name)
+            if key in where:
+                with safe_open(str(where[key]), framework="pt") as f:
+                    buf.copy_(f.get_tensor(key))

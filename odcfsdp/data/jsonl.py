@@ -2,7 +2,8 @@
 
 Each line is one record, either ``{"text": "..."}`` (every token carries loss) or
 ``{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}``
-(only assistant turns carry loss). Records are tokenized once at load, truncated to
+(only assistant turns carry loss; the tokenizer's chat template when it has one, see
+[chat-loss] in ``tokenizer.py``). Records are tokenized once at load, truncated to
 ``max_len`` tokens, and visited in a seeded order that is reshuffled every epoch.
 """
 
@@ -20,21 +21,16 @@ from .tokenizer import ROLES
 
 def encode_record(record: dict, tokenizer, where: str) -> tuple[list[int], list[bool]]:
     """Token ids and loss mask of one record (``where`` names it in errors)."""
-    ids, mask = [tokenizer.bos_id], [False]
     if "text" in record:
         body = tokenizer.encode(record["text"]) + [tokenizer.eos_id]
-        return ids + body, mask + [True] * len(body)
+        return [tokenizer.bos_id] + body, [False] + [True] * len(body)
     if "messages" not in record:
         raise ValueError(f"{where}: a record needs a 'text' or a 'messages' field")
     for turn in record["messages"]:
         role, content = turn.get("role"), turn.get("content")
         if role not in ROLES or not isinstance(content, str):
             raise ValueError(f"{where}: each message needs role in {ROLES} and a string content, got {turn!r}")
-        marker = tokenizer.role_marker(role)
-        body = tokenizer.encode(content) + [tokenizer.eos_id]
-        ids += marker + body
-        mask += [False] * len(marker) + [role == "assistant"] * len(body)
-    return ids, mask
+    return tokenizer.encode_chat(record["messages"])
 
 
 class JsonlSource:

@@ -1,4 +1,21 @@
-"""Tokenizers: a dependency-free byte-level one, and Hugging Face tokenizers from a local path."""
+"""Tokenizers: a dependency-free byte-level one, and Hugging Face tokenizers from a local path.
+
+Both turn a chat (``[{"role", "content"}, ...]``) into token ids and a loss mask with
+``encode_chat``; only assistant turns carry loss. A Hugging Face tokenizer with a chat
+template renders the chat with it, as inference will (see [chat-loss]); the byte
+tokenizer, and HF tokenizers without a template, mark turns with one role marker each.
+
+Design note [chat-loss]
+-----------------------
+For assistant turn i, the template renders ``messages[:i]`` with the generation prompt
+(what a model sees before it answers) and ``messages[:i + 1]`` (the answer and its end
+marker). If the whole rendering starts with the second and the second with the first,
+the characters between the two renderings are turn i's answer: they carry loss, the rest
+does not. The rendering is tokenized piece by piece at those boundaries, so a prompt's
+tokens are exactly those inference produces for it. A template that rewrites earlier
+turns when later ones come (not prefix-consistent) cannot be split this way and is an
+error naming the turn.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +40,10 @@ class ByteTokenizer:
 
     def role_marker(self, role: str) -> list[int]:
         return [self.role_ids[role]]
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """Token ids and loss mask of a chat (role markers; see the module docstring)."""
+        return encode_with_markers(self, messages)
 
 
 class HFTokenizer:
@@ -50,6 +71,45 @@ class HFTokenizer:
 
     def role_marker(self, role: str) -> list[int]:
         return self.encode(f"<|{role}|>\n")
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """Token ids and loss mask of a chat: the tokenizer's chat template (see [chat-loss]), or role markers."""
+        if not getattr(self.tok, "chat_template", None):
+            return encode_with_markers(self, messages)
+
+        def render(turns, prompt: bool) -> str:
+            return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+
+        full = render(messages, False)
+        spans = []
+        for i, turn in enumerate(messages):
+            if turn["role"] != "assistant":
+                continue
+            before, upto = render(messages[:i], True), render(messages[: i + 1], False)
+            if not (full.startswith(upto) and upto.startswith(before)):
+                raise ValueError(f"the chat template renders turn {i} differently once later turns follow; "
+                                 "assistant-only loss needs a prefix-consistent template")
+            spans.append((len(before), len(upto)))
+        ids, mask, at = [], [], 0
+        for lo, hi in spans:
+            for text, loss in ((full[at:lo], False), (full[lo:hi], True)):
+                piece = self.encode(text) if text else []
+                ids += piece
+                mask += [loss] * len(piece)
+            at = hi
+        tail = self.encode(full[at:]) if full[at:] else []
+        return ids + tail, mask + [False] * len(tail)
+
+
+def encode_with_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """BOS, then per turn its role marker (no loss) and its content + EOS (loss on assistant turns)."""
+    ids, mask = [tokenizer.bos_id], [False]
+    for turn in messages:
+        marker = tokenizer.role_marker(turn["role"])
+        body = tokenizer.encode(turn["content"]) + [tokenizer.eos_id]
+        ids += marker + body
+        mask += [False] * len(marker) + [turn["role"] == "assistant"] * len(body)
+    return ids, mask
 
 
 def load_tokenizer(path: str | None):

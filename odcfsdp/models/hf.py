@@ -1,8 +1,10 @@
 """Hugging Face causal LMs behind the same forward signature as our Llama.
 
-Built from a *local* config (no weights are downloaded; ``transformers`` optional).
-Packed micro-batches pass per-document positions and a 4-D additive attention mask
-that keeps attention causal and inside each document.
+Built from a *local* directory (never downloaded; ``transformers`` optional): its
+config, and, to fine-tune, its weights, which ``odcfsdp.checkpoint.load_hf`` reads
+into the sharded model (each rank only its slices) after wrapping. Packed
+micro-batches pass per-document positions and a 4-D additive attention mask that
+keeps attention causal and inside each document.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from .llama import document_mask
 class HFCausalLM(nn.Module):
     """``AutoModelForCausalLM.from_config`` of a local config, called as ``model(tokens, positions, document_ids)``.
 
+    Build it under ``torch.device("meta")`` to fine-tune a checkpoint that is larger than
+    a rank should hold: ``ODCShard(model, device=...)`` then ``load_hf(wrapped, path)``.
+
     Args:
         config_path: a directory holding ``config.json`` (or the file itself).
-        vocab_size: if given and larger than the config's, the vocabulary is grown to it.
+        vocab_size: if given and larger than the config's, the vocabulary is grown to it
+            (random weights only: a checkpoint's vocabulary is what its weights have).
     """
 
     def __init__(self, config_path: str, vocab_size: int | None = None):
@@ -31,21 +37,28 @@ class HFCausalLM(nn.Module):
             raise ImportError("model.name=hf needs the `transformers` package") from e
         path = Path(config_path)
         if not path.exists():
-            raise FileNotFoundError(f"model.hf_config={config_path!r} does not exist")
+            raise FileNotFoundError(f"{config_path!r} does not exist (a local Hugging Face model directory is needed)")
         config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path), local_files_only=True)
         if vocab_size is not None and vocab_size > config.vocab_size:
             config.vocab_size = vocab_size
         config._attn_implementation = "sdpa"
         self.config = config
-        self.model = AutoModelForCausalLM.from_config(config)
+        # fp32 parameters whatever dtype the checkpoint's files have: they become the fp32 masters, and the
+        # compute dtype is ODCShard's param_dtype (bf16 on CUDA). from_config would otherwise take config.dtype.
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    def init_buffers(self) -> None:
-        """Rebuild rotary-embedding buffers (computed in __init__, so empty after meta construction)."""
-        for mod in self.model.modules():
-            if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "config"):
-                fresh = type(mod)(mod.config)
-                for name, buf in fresh.named_buffers(recurse=False):
-                    setattr(mod, name, buf.to(getattr(mod, name).device))
+    def decoder_layer_classes(self) -> tuple[type[nn.Module], ...]:
+        """The classes Hugging Face never splits across devices (``_no_split_modules``): the decoder layers."""
+        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        return tuple({type(m) for m in self.model.modules() if type(m).__name__ in names})
+
+    def enable_activation_checkpointing(self) -> None:
+        """Hugging Face's gradient checkpointing of every decoder layer (non-reentrant)."""
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def generate(self, *args, **kwargs):
+        """``generate`` of the Hugging Face model (under ``ODCShard``: every rank must call it, see README)."""
+        return self.model.generate(*args, **kwargs)
 
     def forward(self, tokens, positions=None, document_ids=None, doc_lengths=None):
         if doc_lengths is not None and document_ids is None:  # HF attention takes masks: build one

@@ -2,9 +2,21 @@
 
 A model built under ``torch.device("meta")`` has no values; its rows start at zero
 and are filled by a load (``odcfsdp.checkpoint.load_hf`` / ``load_checkpoint``), and
-its parameters are replaced by real ones as they are sharded ([params]). Buffers are created as zeros on the shard device and then each submodule's
-``init_buffers()`` (if it has one) recomputes what it computes in ``__init__``
-(rotary frequencies and the like).
+its parameters are replaced by real ones as they are sharded ([params]).
+
+Design note [meta-buffers]
+--------------------------
+Buffers come in two kinds, and a load restores only one of them:
+
+1. *persistent* buffers are in state dicts and weight files: they become zeros on the
+   shard device here, and the load fills them (``load_hf`` reads those its files hold);
+2. *computed* buffers (``persistent=False``: rotary frequencies and the like) are in no
+   file; a module computes them in ``__init__``, which on the meta device computed
+   nothing. They are recomputed here, in this order of preference: the module's own
+   ``init_buffers()``; else, for a module built from a ``config`` (every Hugging Face
+   rotary embedding), a fresh instance ``type(module)(module.config)`` on the device,
+   whose buffers replace the meta ones. A computed buffer that neither way rebuilds is
+   an error naming it: zeros there would give wrong outputs without any error.
 """
 
 from __future__ import annotations
@@ -13,8 +25,28 @@ import torch
 import torch.nn as nn
 
 
+def _computed_meta_buffers(mod: nn.Module) -> list[str]:
+    return [name for name, buf in mod._buffers.items()
+            if buf is not None and buf.is_meta and name in mod._non_persistent_buffers_set]
+
+
+def _rebuild_from_config(mod: nn.Module, device: torch.device) -> bool:
+    config = getattr(mod, "config", None)
+    if config is None:
+        return False
+    try:
+        with torch.device(device):
+            fresh = type(mod)(config)
+    except TypeError:  # not built from its config alone
+        return False
+    for name, buf in fresh.named_buffers(recurse=False):
+        mod._buffers[name] = buf.to(device)
+    return True
+
+
 def materialize_buffers(root: nn.Module, device: torch.device) -> None:
-    """Meta buffers become zeros on ``device``; then every ``init_buffers()`` recomputes its own."""
+    """Meta buffers become real ones on ``device`` (see [meta-buffers]); raises for a computed one it cannot rebuild."""
+    computed = {mod: _computed_meta_buffers(mod) for mod in root.modules()}
     for mod in root.modules():
         for name, buf in mod._buffers.items():
             if buf is not None and buf.is_meta:
@@ -23,3 +55,9 @@ def materialize_buffers(root: nn.Module, device: torch.device) -> None:
         init = getattr(mod, "init_buffers", None)
         if callable(init):
             init()
+        elif computed[mod] and not _rebuild_from_config(mod, device):
+            where = next(n for n, m in root.named_modules() if m is mod) or type(mod).__name__
+            raise ValueError(
+                f"{where}: computed buffers {computed[mod]} of {type(mod).__name__} cannot be rebuilt after building "
+                "on the meta device (no init_buffers() method, not constructible from a config): give the class an "
+                "init_buffers() that recomputes them, or build the model on a real device")

@@ -56,6 +56,13 @@ def _refuse_apply(module: nn.Module, fn, recurse: bool = True):
     raise RuntimeError(_MOVE_ERROR)
 
 
+def _refuse_save_pretrained(*args, **kwargs):
+    """Set as ``save_pretrained`` of every Hugging Face model inside a wrapped one: it would write shards."""
+    raise RuntimeError("save_pretrained of a wrapped model would write this rank's shards: export the full weights "
+                       "with odcfsdp.checkpoint.export_hf(wrapped, out_dir) (collective: config.json, "
+                       "generation_config.json, safetensors), or train with run.export_hf=true")
+
+
 def _check_params(named: list[tuple[str, nn.Parameter]]) -> None:
     devices = {p.device for _, p in named}
     if len(devices) > 1:
@@ -222,6 +229,8 @@ class ODCShard(nn.Module):
                                   reshard_after_forward, gather_stream, units, checks=self._check_intact)
         for mod in module.modules():
             mod._apply = types.MethodType(_refuse_apply, mod)
+            if callable(getattr(mod, "save_pretrained", None)):
+                mod.save_pretrained = _refuse_save_pretrained
         self._closed = False
 
     # -- the wrapped model's surface -------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""Fine-tuning pretrained Hugging Face checkpoints through the CLI, against plain transformers + torch AdamW."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="fine-tuning HF models needs transformers (test extra)")
+
+from hf_fixtures import chat_records, save_pretrained_model, write_jsonl  # noqa: E402
+
+from odcfsdp import ODCShard  # noqa: E402
+from odcfsdp.checkpoint import export_hf, load_hf  # noqa: E402
+from odcfsdp.train import build_optimizer, build_source, config_from  # noqa: E402
+
+STEPS = 3
+
+
+def overrides(model_dir: Path, data: Path, out: Path, comm: str) -> dict:
+    return {"model": {"name": "hf", "path": str(model_dir)},
+            "data": {"source": "jsonl", "path": str(data), "batch_size": 8, "micro_batch_tokens": 96},
+            "balance": {"kind": "lb_micro" if comm == "collective" else "lb_mini"},
+            # eps 1e-6: k_proj biases get gradients of pure rounding noise (softmax ignores a shift of every
+            # score), which Adam with a tiny eps would turn into lr-sized steps of either sign
+            "optim": {"lr": 3e-3, "warmup_steps": 1, "eps": 1e-6},
+            "shard": {"comm": comm, "group_bytes": 8192},
+            "checkpoint": {"interval": STEPS},
+            "run": {"steps": STEPS, "out_dir": str(out), "export_hf": True}}
+
+
+def as_cli(tree: dict, prefix: str = "") -> list[str]:
+    """Nested overrides as Hydra command-line arguments."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += as_cli(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def reference(tree: dict, model_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain transformers (each sample on its own, no packing) + torch AdamW on the run's minibatches."""
+    cfg = config_from(tree)
+    source, _ = build_source(cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    opt, sched = build_optimizer(cfg, model, torch.device("cpu"))
+    losses = []
+    batch, cap = cfg.data.batch_size, cfg.data.micro_batch_tokens
+    for step in range(STEPS):
+        samples = [source[step * batch + i].truncated(cap + 1) for i in range(batch)]
+        targets = sum(s.n_targets for s in samples)
+        total = 0.0
+        for s in samples:
+            logits = model(input_ids=s.tokens[:-1][None]).logits[0]
+            labels = torch.where(s.loss_mask[1:], s.tokens[1:], -100)
+            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / targets
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch, comm, dtype, sharded_files", [
+    ("llama", "shm", torch.float32, False),
+    ("qwen2", "collective", torch.bfloat16, True),
+])
+def test_cli_fine_tune_matches_plain_transformers(tmp_path, arch, comm, dtype, sharded_files):
+    """`python -m odcfsdp.train model.name=hf model.path=<dir>` on 2 CPU ranks: weights (fp32 single file, or bf16
+    sharded with an index), rotary buffers and the tokenizer's chat template come from the directory; losses equal
+    plain transformers' on the same minibatches (the first one: the pretrained model's own loss); the exported
+    directory and the checkpoint's export (`python -m odcfsdp.export`) load with from_pretrained, equal each other
+    bit for bit, and equal the reference's trained weights."""
+    model_dir = save_pretrained_model(tmp_path / arch, arch, dtype=dtype,
+                                      max_shard_size="40KB" if sharded_files else None)
+    assert (model_dir / "model.safetensors.index.json").exists() == sharded_files
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_records(48))
+    tree = overrides(model_dir, data, tmp_path / "run", comm)
+    run = subprocess.run([sys.executable, "-m", "odcfsdp.train", *as_cli(tree)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["target_tokens"] < rows[0]["tokens"]  # only assistant turns carry loss
+
+    want_losses, want_params = reference(tree, model_dir)
+    torch.testing.assert_close([r["loss"] for r in rows], want_losses, rtol=1e-5, atol=0)
+
+    exported = tmp_path / "run" / "hf"
+    again = tmp_path / "again"
+    cmd = subprocess.run([sys.executable, "-m", "odcfsdp.export", str(tmp_path / "run" / "checkpoints" /
+                                                                         f"step_{STEPS:08d}"), str(again)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert cmd.returncode == 0, cmd.stderr[-3000:]
+    first = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    second = transformers.AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32)
+    assert type(first).__name__.lower().startswith(arch)
+    for name, want in want_params.items():
+        got = dict(first.named_parameters())[name]
+        assert torch.equal(got, dict(second.named_parameters())[name]), name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    tok = transformers.AutoTokenizer.from_pretrained(exported)
+    assert tok.chat_template and tok.apply_chat_template(chat_records(1)[0]["messages"], tokenize=False)
+    assert json.loads((exported / "generation_config.json").read_text())["eos_token_id"] == 3
+
+
+def test_meta_built_hf_model_rebuilds_rotary_buffers_and_loads_weights(tmp_path):
+    """The big-model route on a plain transformers model: meta device, ODCShard(device=), load_hf. Rotary
+    frequencies are computed buffers (in no file): they are rebuilt, so logits equal from_pretrained's."""
+    model_dir = save_pretrained_model(tmp_path / "llama", "llama")
+    want = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+    model = ODCShard(meta, device=torch.device("cpu"))
+    load_hf(model, model_dir)
+    x = torch.randint(0, 280, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, want(x).logits, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="export_hf"):
+        model.module.save_pretrained(tmp_path / "shards")
+    export_hf(model, tmp_path / "full")  # the supported way: config.json from the model's own config
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), want.parameters()))
+    model.close()
+
+
+def test_decoder_layers_are_the_default_units(tmp_path):
+    from odcfsdp.models.hf import HFCausalLM
+    from odcfsdp.train import unit_classes
+
+    model_dir = save_pretrained_model(tmp_path / "qwen", "qwen2")
+    with torch.device("meta"):
+        model = HFCausalLM(str(model_dir))
+    assert [c.__name__ for c in unit_classes(model, [])] == ["Qwen2DecoderLayer"]
+    assert [c.__name__ for c in unit_classes(model, ["Qwen2MLP"])] == ["Qwen2MLP"]
