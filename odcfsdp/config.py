@@ -41,7 +41,8 @@ class DataConfig:
 
     source: str = "synthetic"  # synthetic | jsonl
     path: str | None = None  # jsonl: the file
-    tokenizer_path: str | None = None  # jsonl: a local Hugging Face tokenizer (default: bytes)
+    tokenizer_path: str | None = None  # jsonl: a local HF tokenizer (default: model.path's for name=hf, else bytes)
+    eval_path: str | None = None  # a held-out JSONL file, evaluated every run.eval_interval steps
     vocab_size: int = 256  # synthetic: vocabulary of the Markov chain
     lengths: LengthConfig = field(default_factory=LengthConfig)  # synthetic
     prompt_fraction: float = 0.2  # synthetic: leading share of each sample without loss
@@ -112,6 +113,7 @@ class RunConfig:
     peak_tflops: float | None = None  # per device, for MFU; None: 989 on H100/H200, no MFU on CPU
     warmup_steps: int = 2  # excluded from the run's summary throughput
     tensorboard: bool = False  # also log to TensorBoard when it is installed
+    eval_interval: int = 0  # evaluate the held-out loss on data.eval_path every this many steps (and at the end)
     export_hf: bool = False  # at the end, write a Hugging Face directory (weights, configs, tokenizer) to <out_dir>/hf
 
 
@@ -175,6 +177,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.run.stop_after is not None:
         _positive("run.stop_after", cfg.run.stop_after)
     _positive("run.world_size", cfg.run.world_size)
+    _positive("run.eval_interval", cfg.run.eval_interval, allow_zero=True)
+    if cfg.run.eval_interval and not cfg.data.eval_path:
+        raise ValueError("run.eval_interval needs data.eval_path=<held-out file.jsonl>")
+    if cfg.data.eval_path and cfg.data.source != "jsonl":
+        raise ValueError("data.eval_path needs data.source=jsonl (the held-out file is read with the same tokenizer)")
     _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
     if cfg.model.compile and cfg.model.name == "llama" and "DecoderLayer" not in cfg.shard.units:
         raise ValueError("model.compile=true needs shard.units=[DecoderLayer] (compiled layers must find all their "

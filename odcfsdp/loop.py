@@ -14,6 +14,9 @@ A step, as numbered steps:
    with ``ODCShard`` is also where ranks meet ([step-protocol]);
 4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
 
+``evaluate`` is the held-out loss between steps: the same packing and loss, without
+gradients, each rank a share of the samples (equal counts, for the collective transport).
+
 The model may be an ``ODCShard``, an FSDP2 module or a DDP module: only the wrapping
 differs (``autocast``, ``loss_scale``, ``no_sync`` for DDP's non-final micro-batches).
 """
@@ -110,6 +113,40 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
     t2 = time.perf_counter()
     return {"loss": loss_sum.item(), "grad_norm": norm, "compute_s": t1 - t0, "host_s": t_issued - t0,
             "step_s": t2 - t1}
+
+
+def evaluate(model: nn.Module, source, cap: int, device: torch.device, rank: int, world: int,
+             group=None) -> float:
+    """Mean next-token loss over every target token of ``source`` (all its samples once; collective).
+
+    Samples are packed in order into micro-batches of up to ``cap`` positions; micro-batch
+    k runs on rank ``k % world``, and ranks with fewer run an empty one, so every rank runs
+    the same number of forwards. Returns the loss summed over targets / their number.
+    """
+    batches, current, used = [], [], 0
+    for i in range(source.num_samples):
+        s = source[i].truncated(cap + 1)
+        if current and used + s.n_inputs > cap:
+            batches.append(current)
+            current, used = [], 0
+        current.append(s)
+        used += s.n_inputs
+    if current:
+        batches.append(current)
+    mine = batches[rank::world]
+    rounds = -(-len(batches) // world)
+    was_training = model.training
+    model.eval()
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for k in range(rounds):
+            micro = (pack(mine[k]) if k < len(mine) else empty_micro_batch()).to(device)
+            logits = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths)
+            total += causal_lm_loss(logits, micro.targets).item()
+            targets += int((micro.targets != -100).sum())
+    model.train(was_training)
+    table = gather_stats([total, targets], device, group)
+    return table[:, 0].sum().item() / max(1.0, table[:, 1].sum().item())
 
 
 def gather_stats(values: list[float], device: torch.device, group=None) -> torch.Tensor:

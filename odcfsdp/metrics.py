@@ -77,6 +77,7 @@ class ProgressBar:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / run_share - elapsed if run_share else 0.0
         mfu = f" mfu {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+        mfu += f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
         print(
             f"\r[{'#' * filled}{'-' * (self.width - filled)}] {row['step']}/{self.total} loss {row['loss']:.4f} "
             f"{row['tokens_per_s']:.0f} tok/s{mfu} eta {eta:.0f}s ",

@@ -35,7 +35,7 @@ from .data.lengths import LengthDistribution
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
 from .launch import init_torchrun, spawn
-from .loop import gather_stats, plan_step, train_step
+from .loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar
 from .mfu import mfu, peak_tflops
 from .models.llama import Llama, llama_config
@@ -177,6 +177,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     device = _device(cfg)
     source, vocab = build_source(cfg)
     model, flops, cost = build_sharded_model(cfg, vocab, device)
+    held_out = None
+    if cfg.data.eval_path:
+        held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(tokenizer_path(cfg)), cfg.data.micro_batch_tokens + 1)
     opt, sched = build_optimizer(cfg, model, device)
     peak = peak_tflops(device, cfg.run.peak_tflops)
     ck = cfg.checkpoint
@@ -210,6 +213,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
             "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
         }
+        if held_out is not None and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
+            row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.group)
         metrics.append(row)
         if writer:
             writer.write(row)

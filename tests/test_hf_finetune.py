@@ -17,21 +17,24 @@ from hf_fixtures import chat_records, save_pretrained_model, write_jsonl  # noqa
 
 from odcfsdp import ODCShard  # noqa: E402
 from odcfsdp.checkpoint import export_hf, load_hf  # noqa: E402
+from odcfsdp.data.jsonl import JsonlSource  # noqa: E402
+from odcfsdp.data.tokenizer import load_tokenizer  # noqa: E402
 from odcfsdp.train import build_optimizer, build_source, config_from  # noqa: E402
 
 STEPS = 3
 
 
-def overrides(model_dir: Path, data: Path, out: Path, comm: str) -> dict:
+def overrides(model_dir: Path, data: Path, held_out: Path, out: Path, comm: str) -> dict:
     return {"model": {"name": "hf", "path": str(model_dir)},
-            "data": {"source": "jsonl", "path": str(data), "batch_size": 8, "micro_batch_tokens": 96},
+            "data": {"source": "jsonl", "path": str(data), "eval_path": str(held_out), "batch_size": 8,
+                     "micro_batch_tokens": 96},
             "balance": {"kind": "lb_micro" if comm == "collective" else "lb_mini"},
             # eps 1e-6: k_proj biases get gradients of pure rounding noise (softmax ignores a shift of every
             # score), which Adam with a tiny eps would turn into lr-sized steps of either sign
             "optim": {"lr": 3e-3, "warmup_steps": 1, "eps": 1e-6},
             "shard": {"comm": comm, "group_bytes": 8192},
             "checkpoint": {"interval": STEPS},
-            "run": {"steps": STEPS, "out_dir": str(out), "export_hf": True}}
+            "run": {"steps": STEPS, "out_dir": str(out), "export_hf": True, "eval_interval": 2}}
 
 
 def as_cli(tree: dict, prefix: str = "") -> list[str]:
@@ -45,15 +48,30 @@ def as_cli(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def reference(tree: dict, model_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain transformers (each sample on its own, no packing) + torch AdamW on the run's minibatches."""
+def held_out_loss(model, source) -> float:
+    """Mean next-token loss of ``model`` over every target of ``source``'s samples, each on its own."""
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for i in range(source.num_samples):
+            s = source[i]
+            logits = model(input_ids=s.tokens[:-1][None]).logits[0]
+            total += F.cross_entropy(logits.float(), torch.where(s.loss_mask[1:], s.tokens[1:], -100),
+                                     ignore_index=-100, reduction="sum").item()
+            targets += s.n_targets
+    return total / targets
+
+
+def reference(tree: dict, model_dir: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Plain transformers (each sample on its own, no packing) + torch AdamW on the run's minibatches; the held-out
+    loss after steps 2 and 3."""
     cfg = config_from(tree)
     source, _ = build_source(cfg)
+    held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(str(model_dir)), 10_000)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                               attn_implementation="sdpa")
     opt, sched = build_optimizer(cfg, model, torch.device("cpu"))
-    losses = []
+    losses, evals = [], []
     batch, cap = cfg.data.batch_size, cfg.data.micro_batch_tokens
     for step in range(STEPS):
         samples = [source[step * batch + i].truncated(cap + 1) for i in range(batch)]
@@ -70,7 +88,9 @@ def reference(tree: dict, model_dir: Path) -> tuple[list[float], dict[str, torch
         opt.step()
         sched.step()
         opt.zero_grad()
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+        if step + 1 in (2, STEPS):
+            evals.append(held_out_loss(model, held_out))
+    return losses, evals, {n: p.detach() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("arch, comm, dtype, sharded_files", [
@@ -80,22 +100,26 @@ def reference(tree: dict, model_dir: Path) -> tuple[list[float], dict[str, torch
 def test_cli_fine_tune_matches_plain_transformers(tmp_path, arch, comm, dtype, sharded_files):
     """`python -m odcfsdp.train model.name=hf model.path=<dir>` on 2 CPU ranks: weights (fp32 single file, or bf16
     sharded with an index), rotary buffers and the tokenizer's chat template come from the directory; losses equal
-    plain transformers' on the same minibatches (the first one: the pretrained model's own loss); the exported
+    plain transformers' on the same minibatches (the first one: the pretrained model's own loss), and so does the
+    held-out loss (run.eval_interval=2, data.eval_path; 7 records, uneven over the ranks); the exported
     directory and the checkpoint's export (`python -m odcfsdp.export`) load with from_pretrained, equal each other
     bit for bit, and equal the reference's trained weights."""
     model_dir = save_pretrained_model(tmp_path / arch, arch, dtype=dtype,
                                       max_shard_size="40KB" if sharded_files else None)
     assert (model_dir / "model.safetensors.index.json").exists() == sharded_files
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(48))
-    tree = overrides(model_dir, data, tmp_path / "run", comm)
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", chat_records(7, seed=5))
+    tree = overrides(model_dir, data, held_out, tmp_path / "run", comm)
     run = subprocess.run([sys.executable, "-m", "odcfsdp.train", *as_cli(tree)], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["target_tokens"] < rows[0]["tokens"]  # only assistant turns carry loss
 
-    want_losses, want_params = reference(tree, model_dir)
+    want_losses, want_evals, want_params = reference(tree, model_dir)
     torch.testing.assert_close([r["loss"] for r in rows], want_losses, rtol=1e-5, atol=0)
+    assert [("eval_loss" in r) for r in rows] == [False, True, True]  # every 2 steps, and at the end
+    torch.testing.assert_close([r["eval_loss"] for r in rows[1:]], want_evals, rtol=1e-5, atol=0)
 
     exported = tmp_path / "run" / "hf"
     again = tmp_path / "again"
