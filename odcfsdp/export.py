@@ -63,5 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def _console() -> None:
+    """Console-script entry point (``odcfsdp-export``)."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    _console()

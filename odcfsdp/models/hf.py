@@ -45,7 +45,10 @@ class HFCausalLM(nn.Module):
         self.config = config
         # fp32 parameters whatever dtype the checkpoint's files have: they become the fp32 masters, and the
         # compute dtype is ODCShard's param_dtype (bf16 on CUDA). from_config would otherwise take config.dtype.
-        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        try:
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except TypeError:  # transformers before 4.56 calls it torch_dtype
+            self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
 
     def decoder_layer_classes(self) -> tuple[type[nn.Module], ...]:
         """The classes Hugging Face never splits across devices (``_no_split_modules``): the decoder layers."""
