@@ -23,6 +23,17 @@ from .sharding.transport import COMM_CHOICES, is_one_sided
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters through PEFT (``model.name=hf``): base weights frozen, only the adapters trained and pushed."""
+
+    r: int = 0  # adapter rank; 0: no LoRA (every weight is trained)
+    alpha: float = 16.0  # scale alpha / r of the adapters' product
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    export: str = "merged"  # run.export_hf writes: merged (a plain model, adapters folded in) | adapter (PEFT files)
+
+
+@dataclass
 class ModelConfig:
     """Which model: our Llama at a named size, or a Hugging Face causal LM from a local directory."""
 
@@ -33,6 +44,7 @@ class ModelConfig:
     hf_config: str | None = None  # name=hf: a local config.json (or its directory) to train from random weights
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (hf: HF's checkpointing)
     compile: bool = False  # torch.compile each decoder layer (llama: its dense parts; needs whole-layer units)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # name=hf: train LoRA adapters instead
 
 
 @dataclass
@@ -153,6 +165,10 @@ def validate(cfg: TrainConfig) -> None:
     elif bool(cfg.model.path) == bool(cfg.model.hf_config):
         raise ValueError("model.name=hf needs one of model.path=<local pretrained checkpoint directory> (fine-tune "
                          "its weights) or model.hf_config=<local config.json> (random weights)")
+    _positive("model.lora.r", cfg.model.lora.r, allow_zero=True)
+    _choice("model.lora.export", cfg.model.lora.export, ("merged", "adapter"))
+    if cfg.model.lora.r and cfg.model.name != "hf":
+        raise ValueError("model.lora.r > 0 needs model.name=hf (adapters through PEFT)")
     _choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")

@@ -22,8 +22,11 @@ from .checkpoint import CheckpointError, export_pretrained, load_checkpoint, rea
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
-                      tokenizer: str | None = None, max_shard_bytes: int = 5 << 30) -> Path:
-    """Write the Hugging Face directory of ``checkpoint`` (a ``save_checkpoint`` directory) to ``out_dir``."""
+                      tokenizer: str | None = None, max_shard_bytes: int = 5 << 30, lora: str | None = None) -> Path:
+    """Write the Hugging Face directory of ``checkpoint`` (a ``save_checkpoint`` directory) to ``out_dir``.
+
+    ``lora`` (merged | adapter) overrides the run's ``model.lora.export`` for a LoRA run.
+    """
     from .train import build_sharded_model, config_from, tokenizer_path, vocab_size
 
     manifest = read_manifest(Path(checkpoint))
@@ -38,7 +41,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     try:
         load_checkpoint(checkpoint, model)
         return export_pretrained(model, out_dir, tokenizer_path=tokenizer or tokenizer_path(cfg), dtype=dtype,
-                                 max_shard_bytes=max_shard_bytes)
+                                 max_shard_bytes=max_shard_bytes, lora=lora or cfg.model.lora.export)
     finally:
         model.close()
 
@@ -51,11 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="cast every tensor (default: the trained fp32 values, exactly)")
     p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer (default: the run's)")
+    p.add_argument("--lora", choices=("merged", "adapter"), default=None,
+                   help="a LoRA run: adapters folded into the weights, or the adapters alone (default: the run's)")
     p.add_argument("--max-shard-gib", type=float, default=5.0, help="split the weights into files of this size")
     args = p.parse_args(argv)
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                tokenizer=args.tokenizer, max_shard_bytes=int(args.max_shard_gib * 2**30))
+                                tokenizer=args.tokenizer, max_shard_bytes=int(args.max_shard_gib * 2**30),
+                                lora=args.lora)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -84,6 +84,9 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, Cos
                              f"{model.config.vocab_size}: use the checkpoint's own tokenizer (data.tokenizer_path)")
         if cfg.model.activation_checkpointing:
             model.enable_activation_checkpointing()
+        lora = cfg.model.lora
+        if lora.r:
+            model.add_lora(lora.r, lora.alpha, lora.dropout, lora.target_modules)
         c = model.config
         dim, layers = c.hidden_size, c.num_hidden_layers
         matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
@@ -117,7 +120,9 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
                      overlap_push=s.overlap_push, units=units, device=device if pretrained else None)
     if pretrained and weights:
-        load_hf(model, cfg.model.path)
+        load_hf(model, cfg.model.path)  # base weights; LoRA adapters are in no file: start them as PEFT does
+        if cfg.model.lora.r:
+            model.load_state_dict(model.module.initial_adapters(cfg.run.seed), strict=False)
     if cfg.model.compile and cfg.model.name == "hf":  # our Llama compiles its layers' dense parts itself
         if not units:
             raise ValueError("model.compile=true needs decoder-layer units (shard.units): none were found")
@@ -225,7 +230,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                             extra={"samples_consumed": (step + 1) * batch})
     if cfg.run.export_hf:
         out = Path(cfg.run.out_dir) / "hf"
-        export_pretrained(model, out, tokenizer_path=tokenizer_path(cfg))  # collective
+        export_pretrained(model, out, tokenizer_path=tokenizer_path(cfg), lora=cfg.model.lora.export)  # collective
         if rank == 0:
             print(f"exported the trained model to {out}", file=sys.stderr)
     if writer and metrics:

@@ -61,15 +61,15 @@ def held_out_loss(model, source) -> float:
     return total / targets
 
 
-def reference(tree: dict, model_dir: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference(tree: dict, model_dir: Path, model=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Plain transformers (each sample on its own, no packing) + torch AdamW on the run's minibatches; the held-out
-    loss after steps 2 and 3."""
+    loss after steps 2 and 3 (if the run has a held-out file)."""
     cfg = config_from(tree)
     source, _ = build_source(cfg)
-    held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(str(model_dir)), 10_000)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
+    held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(str(model_dir)), 10_000) if cfg.data.eval_path else None
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
     opt, sched = build_optimizer(cfg, model, torch.device("cpu"))
     losses, evals = [], []
     batch, cap = cfg.data.batch_size, cfg.data.micro_batch_tokens
@@ -79,7 +79,7 @@ def reference(tree: dict, model_dir: Path) -> tuple[list[float], list[float], di
         total = 0.0
         for s in samples:
             logits = model(input_ids=s.tokens[:-1][None]).logits[0]
-            labels = torch.where(s.loss_mask[1:], s.tokens[1:], -100)
+            labels = torch.where(s.loss_mask[1:], s.tokens[1:], -100)  # the loss the run's packing computes
             loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / targets
             loss.backward()
             total += loss.item()
@@ -88,7 +88,7 @@ def reference(tree: dict, model_dir: Path) -> tuple[list[float], list[float], di
         opt.step()
         sched.step()
         opt.zero_grad()
-        if step + 1 in (2, STEPS):
+        if held_out is not None and step + 1 in (2, STEPS):
             evals.append(held_out_loss(model, held_out))
     return losses, evals, {n: p.detach() for n, p in model.named_parameters()}
 
@@ -168,3 +168,50 @@ def test_decoder_layers_are_the_default_units(tmp_path):
         model = HFCausalLM(str(model_dir))
     assert [c.__name__ for c in unit_classes(model, [])] == ["Qwen2DecoderLayer"]
     assert [c.__name__ for c in unit_classes(model, ["Qwen2MLP"])] == ["Qwen2MLP"]
+
+
+def test_lora_fine_tune_trains_only_the_adapters(tmp_path):
+    """model.lora.r=4 through the CLI (PEFT): base weights frozen (out of the optimizer and of the pushes), adapters
+    started as PEFT starts them; losses equal plain transformers + PEFT + torch AdamW from the same adapters; the
+    merged export changes only the adapted projections, and equals the base model + the adapter export."""
+    peft = pytest.importorskip("peft")
+    from odcfsdp.models.hf import HFCausalLM
+
+    model_dir = save_pretrained_model(tmp_path / "llama", "llama")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_records(48))
+    tree = overrides(model_dir, data, data, tmp_path / "run", "shm")
+    tree["data"].pop("eval_path")
+    tree["run"].pop("eval_interval")
+    tree["model"]["lora"] = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    tree["optim"]["lr"] = 1e-2
+    run = subprocess.run([sys.executable, "-m", "odcfsdp.train", *as_cli(tree)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    ref = HFCausalLM(str(model_dir))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref.model.load_state_dict(base.state_dict())
+    ref.add_lora(4, 8.0, 0.0, ["q_proj", "v_proj"])
+    ref.load_state_dict(ref.initial_adapters(0), strict=False)
+    want_losses, _, _ = reference(tree, model_dir, ref.model)
+    torch.testing.assert_close([r["loss"] for r in rows], want_losses, rtol=1e-5, atol=0)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{STEPS:08d}"
+    saved = json.loads((checkpoint / "manifest.json").read_text())["optimizer"]["param_groups"]
+    assert {n for g in saved for n in g["params"]} and all(".lora_" in n for g in saved for n in g["params"])
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    base_params = dict(base.named_parameters())
+    for name, p in merged.named_parameters():
+        adapted = any(f"self_attn.{m}." in name for m in ("q_proj", "v_proj"))
+        assert torch.equal(p, base_params[name]) != adapted, name
+    adapter_dir = tmp_path / "adapter"
+    cmd = subprocess.run([sys.executable, "-m", "odcfsdp.export", str(checkpoint), str(adapter_dir), "--lora",
+                          "adapter"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert cmd.returncode == 0, cmd.stderr[-3000:]
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter_dir)
+    x = torch.randint(0, 280, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-5, atol=1e-5)

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.llama import Llama, LlamaConfig
 from ..sharding.shard import ODCShard
+from ..sharding.state_dict import gather_full
 from .manifest import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -46,15 +48,27 @@ def hf_llama_config(cfg: LlamaConfig, max_positions: int = 131072) -> dict:
     }
 
 
-def default_name_map(model: ODCShard) -> Callable[[str], str]:
-    """How parameter names become file names: HF names for our Llama and for wrapped HF models."""
+def peft_to_base_name(name: str) -> str | None:
+    """A PEFT model's parameter name as the base model's file name; None for an adapter (in no base file)."""
+    if not name.startswith("base_model.model."):
+        return name
+    if ".lora_" in name:
+        return None
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def default_name_map(model: ODCShard) -> Callable[[str], str | None]:
+    """How parameter names become file names: HF names for our Llama and for wrapped HF and PEFT models.
+
+    None means the parameter has no place in the base model's files (LoRA adapters).
+    """
     from ..models.hf import HFCausalLM
 
     if isinstance(model.module, Llama):
         return llama_to_hf_name
     if isinstance(model.module, HFCausalLM):
-        return lambda name: name.removeprefix("model.")
-    return lambda name: name
+        return lambda name: peft_to_base_name(name.removeprefix("model."))
+    return peft_to_base_name
 
 
 def transformers_model(model: ODCShard):
@@ -62,6 +76,8 @@ def transformers_model(model: ODCShard):
     from ..models.hf import HFCausalLM
 
     inner = model.module.model if isinstance(model.module, HFCausalLM) else model.module
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT: the base model's config and generation config
+        inner = inner.get_base_model()
     config = getattr(inner, "config", None)
     return inner if callable(getattr(config, "to_dict", None)) else None
 
@@ -78,18 +94,74 @@ def _config_json(model: ODCShard, dtype: torch.dtype) -> dict | None:
     return config
 
 
+def _lora_layers(model: ODCShard) -> list[tuple[str, nn.Module]]:
+    """(name prefix, module) of every PEFT LoRA layer of ``model`` (names as ``model``'s parameters have them)."""
+    return [(name, mod) for name, mod in model.module.named_modules()
+            if hasattr(mod, "lora_A") and hasattr(mod, "base_layer") and hasattr(mod, "scaling")]
+
+
+def _adapters_full(model: ODCShard) -> dict[str, torch.Tensor]:
+    """Full values of the trained parameters (the adapters, for a LoRA model): small; collective."""
+    return gather_full([g for g in model.groups if g.layout.requires_grad], model.mesh, {})
+
+
+def _adapter_merges(model: ODCShard) -> dict[str, torch.Tensor]:
+    """{base weight name: scale * B @ A} of every LoRA layer (collective: gathers the adapters)."""
+    layers = _lora_layers(model)
+    if not layers:
+        return {}
+    full = _adapters_full(model)
+    out = {}
+    for name, mod in layers:
+        for adapter, scale in mod.scaling.items():
+            a, b = full[f"{name}.lora_A.{adapter}.weight"], full[f"{name}.lora_B.{adapter}.weight"]
+            delta = scale * (b @ a)
+            key = f"{name}.base_layer.weight"
+            out[key] = out[key] + delta if key in out else delta
+    return out
+
+
+def export_lora_adapter(model: ODCShard, out_dir: str | Path) -> Path:
+    """Write the LoRA adapters alone as PEFT does (``adapter_model.safetensors`` + ``adapter_config.json``).
+
+    ``PeftModel.from_pretrained(base_model, out_dir)`` loads them. Collective; rank 0 writes.
+    """
+    from peft import get_peft_model_state_dict
+
+    from ..models.hf import HFCausalLM
+
+    peft_model = model.module.model if isinstance(model.module, HFCausalLM) else model.module
+    prefix = "model." if isinstance(model.module, HFCausalLM) else ""
+    full = _adapters_full(model)
+    out_dir = Path(out_dir)
+    if model.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(peft_model, state_dict={k.removeprefix(prefix): v for k, v in full.items()})
+        save_file({k: v.contiguous() for k, v in state.items()}, out_dir / "adapter_model.safetensors",
+                  metadata={"format": "pt"})
+        peft_model.peft_config["default"].save_pretrained(out_dir)
+    model.mesh.barrier()
+    return out_dir
+
+
 def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 << 30,
-              dtype: torch.dtype | None = None, name_map: Callable[[str], str] | None = None) -> list[Path]:
+              dtype: torch.dtype | None = None, name_map: Callable[[str], str | None] | None = None,
+              merge_adapters: bool = True) -> list[Path]:
     """Write consolidated weights of ``model`` under ``out_dir`` (rank 0 writes; collective).
 
     ``dtype`` casts every tensor (default: each parameter's original dtype). Tied
-    parameters are written once, under their first name. Returns the files written.
+    parameters are written once, under their first name; parameters that ``name_map``
+    maps to None are left out. For a model with LoRA adapters (PEFT) the base weights
+    are written with the adapters folded in (``W + scale * B @ A``), a plain model, unless
+    ``merge_adapters=False`` (the base weights as they are; see ``export_lora_adapter``).
+    Returns the files written.
     """
     name_map = name_map or default_name_map(model)
     out_dir = Path(out_dir)
     rank = model.rank
+    merge = _adapter_merges(model) if merge_adapters else {}
     sizes = [(s.name, s.numel * torch.empty((), dtype=dtype or lay.dtype).element_size())
-             for lay in model.layouts for s in lay.slots]
+             for lay in model.layouts for s in lay.slots if name_map(s.name) is not None]
     shards, current, used = [], [], 0  # plan the shard files from sizes alone, the same on every rank
     for name, nbytes in sizes:
         if current and used + nbytes > max_shard_bytes:
@@ -122,9 +194,14 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
     for g in model.groups:
         full = g.layout.unpack(model.mesh.all_gather_rows(g.read_master()))  # collective, every rank
         if rank == 0:
-            for i, s in enumerate(g.layout.slots):
-                pending[s.name] = g.layout.param_view(full, i).to(dtype or g.layout.dtype).cpu().clone()
-            flush(min(shard_of[s.name] for s in g.layout.slots))  # shards wholly before this group are done
+            kept = [(i, sl) for i, sl in enumerate(g.layout.slots) if sl.name in shard_of]
+            for i, sl in kept:
+                value = g.layout.param_view(full, i)
+                if sl.name in merge:
+                    value = value + merge[sl.name]
+                pending[sl.name] = value.to(dtype or g.layout.dtype).cpu().clone()
+            if kept:
+                flush(min(shard_of[sl.name] for _, sl in kept))  # shards wholly before this group are done
         del full
     if rank == 0:
         flush(len(shards))
@@ -140,15 +217,22 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
 
 
 def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: str | None = None,
-                      dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30) -> Path:
+                      dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30,
+                      lora: str = "merged") -> Path:
     """A complete Hugging Face directory of ``model`` that ``from_pretrained`` loads (collective).
 
     ``export_hf``'s weights and ``config.json``, plus ``generation_config.json`` (for a
     ``transformers`` model that has one) and the tokenizer's files (from
-    ``tokenizer_path``, a local Hugging Face tokenizer). Returns ``out_dir``.
+    ``tokenizer_path``, a local Hugging Face tokenizer). A model with LoRA adapters is
+    written merged (``lora="merged"``: a plain model) or as the adapters alone
+    (``lora="adapter"``: PEFT's files, for ``PeftModel.from_pretrained`` on the base
+    model). Returns ``out_dir``.
     """
     out_dir = Path(out_dir)
-    export_hf(model, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    if lora == "adapter" and _lora_layers(model):
+        export_lora_adapter(model, out_dir)
+    else:
+        export_hf(model, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
     if model.rank == 0:
         hf = transformers_model(model)
         if hf is not None and getattr(hf, "generation_config", None) is not None:
@@ -188,6 +272,8 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
             master = g.read_master()
             for s in g.layout.slots:
                 key = name_map(s.name)
+                if key is None:  # not a base weight (LoRA adapters): left as they are
+                    continue
                 if key not in where:
                     raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
                 file = where[key]
@@ -205,6 +291,6 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
                     dest[: hi - lo].copy_(rows.reshape(-1))
         for name, buf in model.persistent_buffers().items():  # replicated: every rank reads them whole
             key = name_map(name)
-            if key in where:
+            if key is not None and key in where:
                 with safe_open(str(where[key]), framework="pt") as f:
                     buf.copy_(f.get_tensor(key))

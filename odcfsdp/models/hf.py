@@ -52,12 +52,40 @@ class HFCausalLM(nn.Module):
 
     def decoder_layer_classes(self) -> tuple[type[nn.Module], ...]:
         """The classes Hugging Face never splits across devices (``_no_split_modules``): the decoder layers."""
-        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        names = set(getattr(base, "_no_split_modules", None) or ())
         return tuple({type(m) for m in self.model.modules() if type(m).__name__ in names})
 
     def enable_activation_checkpointing(self) -> None:
         """Hugging Face's gradient checkpointing of every decoder layer (non-reentrant)."""
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def add_lora(self, r: int, alpha: float, dropout: float, target_modules: list[str]) -> None:
+        """Wrap the model in PEFT LoRA adapters on ``target_modules``; base weights become frozen."""
+        try:
+            import peft
+        except ImportError as e:
+            raise ImportError("model.lora needs the `peft` package (pip install -e \".[hf]\")") from e
+        config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                                 bias="none")
+        self.model = peft.get_peft_model(self.model, config)
+
+    def initial_adapters(self, seed: int) -> dict[str, torch.Tensor]:
+        """Full initial values of the LoRA adapters, by parameter name, the same on every rank.
+
+        PEFT's initialisation (A as ``nn.Linear``'s Kaiming-uniform, B zero, so training
+        starts from the base model) from a generator seeded with ``seed``: a model built
+        on the meta device has no values to start from.
+        """
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for name, p in self.named_parameters():
+            if ".lora_A." in name:
+                bound = 1.0 / p.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)) of a (out, in) weight
+                out[name] = (torch.rand(p.shape, generator=g) * 2 - 1) * bound
+            elif ".lora_B." in name:
+                out[name] = torch.zeros(p.shape)
+        return out
 
     def generate(self, *args, **kwargs):
         """``generate`` of the Hugging Face model (under ``ODCShard``: every rank must call it, see README)."""
