@@ -266,6 +266,8 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
     name_map = name_map or default_name_map(model)
     path = Path(path)
     where = _weight_map(path)
+    # One file open at a time: a file's pages this rank touched stay mapped (and resident) while it is open,
+    # and parameters mostly come in file order.
     handles: dict[Path, object] = {}
     with model.protocol.rows_changing(), torch.no_grad():
         for g in model.groups:
@@ -278,6 +280,7 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
                     raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
                 file = where[key]
                 if file not in handles:
+                    handles.clear()
                     handles[file] = safe_open(str(file), framework="pt")
                 sl = handles[file].get_slice(key)
                 if tuple(sl.get_shape()) != s.shape:
