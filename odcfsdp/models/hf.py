@@ -3,7 +3,7 @@
 Built from a *local* directory (never downloaded; ``transformers`` optional): its
 config, and, to fine-tune, its weights, which ``odcfsdp.checkpoint.load_hf`` reads
 into the sharded model (each rank only its slices) after wrapping. Packed
-micro-batches pass per-document positions and a 4-D additive attention mask that
+micro-batches pass per-document positions and a 4-D boolean attention mask that
 keeps attention causal and inside each document.
 """
 
@@ -58,7 +58,11 @@ class HFCausalLM(nn.Module):
 
     def enable_activation_checkpointing(self) -> None:
         """Hugging Face's gradient checkpointing of every decoder layer (non-reentrant)."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def add_lora(self, r: int, alpha: float, dropout: float, target_modules: list[str]) -> None:
         """Wrap the model in PEFT LoRA adapters on ``target_modules``; base weights become frozen."""
@@ -96,10 +100,8 @@ class HFCausalLM(nn.Module):
             document_ids = torch.repeat_interleave(
                 torch.arange(len(doc_lengths), device=tokens.device),
                 torch.tensor(doc_lengths, device=tokens.device))[None]
-        mask = None
-        if document_ids is not None:
-            allowed = document_mask(document_ids)
-            dtype = next(self.model.parameters()).dtype
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        # A boolean mask (True: may attend), which SDPA takes as it is. An additive float mask would need
+        # the compute dtype, which the parameters outside their layer do not tell under ODCShard (fp32
+        # shards): fp32's minimum added in bf16 attention overflowed to -inf and gave NaN (found on H200).
+        mask = document_mask(document_ids) if document_ids is not None else None
         return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False).logits
