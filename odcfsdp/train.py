@@ -252,6 +252,9 @@ def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt, sched) -> int:
     path = latest_checkpoint(ck_dir) if spec == "auto" else Path(spec)
     if path is None:
         return 0  # auto with nothing saved yet: a fresh start
+    if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
+        raise CheckpointError(f"checkpoint.resume={spec} is a Hugging Face model directory, not a training checkpoint: "
+                              f"fine-tune it with model.name=hf model.path={spec}")
     saved_schedule = read_manifest(path).get("scheduler") is not None
     manifest = load_checkpoint(path, model, opt, scheduler=sched if saved_schedule else None)
     if not saved_schedule:  # a version-1 checkpoint: the schedule is a function of the step, so set it there

@@ -215,3 +215,25 @@ def test_lora_fine_tune_trains_only_the_adapters(tmp_path):
     x = torch.randint(0, 280, (2, 13))
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_and_resume_from_an_hf_directory(tmp_path):
+    """wrapped.generate on the CLI's model class equals plain transformers' greedy generation; pointing
+    checkpoint.resume at an HF directory names model.path."""
+    from odcfsdp.checkpoint import CheckpointError
+    from odcfsdp.models.hf import HFCausalLM
+    from odcfsdp.train import resume
+
+    model_dir = save_pretrained_model(tmp_path / "qwen", "qwen2")
+    with torch.device("meta"):
+        inner = HFCausalLM(str(model_dir))
+    model = ODCShard(inner, device=torch.device("cpu"), units=inner.decoder_layer_classes())
+    load_hf(model, model_dir)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = torch.tensor([[0, 17, 42, 99, 5]])
+    want = plain.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), want)
+    cfg = config_from({"checkpoint": {"resume": str(model_dir)}})
+    with pytest.raises(CheckpointError, match="model.path="):
+        resume(cfg, tmp_path, model, None, None)
+    model.close()
