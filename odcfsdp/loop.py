@@ -24,6 +24,7 @@ differs (``autocast``, ``loss_scale``, ``no_sync`` for DDP's non-final micro-bat
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -80,8 +81,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
                no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> dict:
     """Steps 2-3 for this rank: forward/backward of its micro-batches, clip, step; returns its numbers.
 
+    A non-finite global gradient norm (a NaN or inf loss or gradient on any rank) skips the
+    optimizer's and the scheduler's step: the gradients are dropped, the weights stay as they were.
+
     Returned: ``loss`` (this rank's share of the minibatch loss), ``grad_norm`` (the
-    global pre-clip norm, or None without clipping), ``compute_s`` (micro-batches,
+    global pre-clip norm), ``finite`` (whether the update was applied), ``compute_s`` (micro-batches,
     waited for on CUDA), ``host_s`` (until the host had queued them), ``step_s``
     (clip + optimizer step, waits for other ranks included).
     """
@@ -101,18 +105,24 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
     if cuda:
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
-    norm = None
+    # The global gradient norm, which clipping needs anyway, is the non-finite guard: a NaN or inf
+    # in any rank's loss or gradient makes it non-finite on every rank alike, with no extra meeting.
     if max_norm is not None:
         norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad()
+    else:
+        norm = grad_norm_value(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                              if p.grad is not None]))
+    finite = math.isfinite(norm)
+    if finite:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad()  # also what drops a non-finite minibatch's gradients (the update is not applied)
     if cuda:
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
-    return {"loss": loss_sum.item(), "grad_norm": norm, "compute_s": t1 - t0, "host_s": t_issued - t0,
-            "step_s": t2 - t1}
+    return {"loss": loss_sum.item(), "grad_norm": norm, "finite": finite, "compute_s": t1 - t0,
+            "host_s": t_issued - t0, "step_s": t2 - t1}
 
 
 def evaluate(model: nn.Module, source, cap: int, device: torch.device, rank: int, world: int,

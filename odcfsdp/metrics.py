@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
+
+
+def json_safe(value):
+    """``value`` with every non-finite float replaced by None: valid JSON (``NaN`` is not), nothing hidden.
+
+    Rows with a non-finite loss or gradient norm carry ``"nonfinite": true`` as well.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class MetricsWriter:
@@ -35,7 +50,7 @@ class MetricsWriter:
                 print("run.tensorboard=true but tensorboard is not installed; writing JSONL only", file=sys.stderr)
 
     def write(self, row: dict) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in row.items():

@@ -28,11 +28,16 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, warmup: int
     steps = [r["step"] for r in rows]
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in rows], label="loss")
+    nan = float("nan")
+    ax.plot(steps, [nan if r["loss"] is None else r["loss"] for r in rows], label="loss")
+    bad = [r["step"] for r in rows if r.get("nonfinite")]
+    for k, step in enumerate(bad):  # minibatches whose update was not applied (non-finite loss or gradient)
+        ax.axvline(step, color="tab:red", alpha=0.4, lw=1, label="non-finite (skipped)" if k == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (per target token)")
     ax2 = ax.twinx()
-    ax2.plot(steps, [r["grad_norm"] for r in rows], color="tab:orange", alpha=0.6, label="grad norm")
+    ax2.plot(steps, [nan if r["grad_norm"] is None else r["grad_norm"] for r in rows], color="tab:orange",
+             alpha=0.6, label="grad norm")
     ax2.set_ylabel("gradient norm (pre-clip)")
     fig.legend(loc="upper right")
     ax.set_title(f"{Path(run_dir).name}: loss")

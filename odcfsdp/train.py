@@ -36,7 +36,7 @@ from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
 from .launch import init_torchrun, spawn
 from .loop import evaluate, gather_stats, plan_step, train_step
-from .metrics import MetricsWriter, ProgressBar
+from .metrics import MetricsWriter, ProgressBar, json_safe
 from .mfu import mfu, peak_tflops
 from .models.llama import Llama, llama_config
 from .optim import param_groups
@@ -198,6 +198,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     cap, batch = cfg.data.micro_batch_tokens, cfg.data.batch_size
     metrics = []
     end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
+    nonfinite: list[int] = []  # steps whose update was not applied
+    in_a_row, stopped = 0, None
     for step in range(start, end):
         minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
         model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
@@ -218,17 +220,29 @@ def train(cfg: TrainConfig) -> list[dict]:
             "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
             "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
         }
-        if held_out is not None and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
+        in_a_row = 0 if out["finite"] else in_a_row + 1
+        if not out["finite"]:
+            row["nonfinite"] = True
+            nonfinite.append(step + 1)
+            if cfg.run.on_nonfinite == "stop" or in_a_row >= cfg.run.max_skipped:
+                stopped = (f"step {step + 1}: non-finite loss or gradient norm (loss {row['loss']}, grad norm "
+                           f"{out['grad_norm']}); the update was not applied and the run stops"
+                           + (f" after {in_a_row} such minibatches in a row (run.max_skipped)"
+                              if cfg.run.on_nonfinite == "skip" else
+                              " (run.on_nonfinite=skip skips such minibatches instead)"))
+        if held_out is not None and not stopped and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
             row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.group)
         metrics.append(row)
         if writer:
             writer.write(row)
             bar.update(row)
+        if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
+            break
         if ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end):
             save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
                             config=OmegaConf.to_container(OmegaConf.structured(cfg)),
                             extra={"samples_consumed": (step + 1) * batch})
-    if cfg.run.export_hf:
+    if cfg.run.export_hf and not stopped:
         out = Path(cfg.run.out_dir) / "hf"
         export_pretrained(model, out, tokenizer_path=tokenizer_path(cfg), lora=cfg.model.lora.export)  # collective
         if rank == 0:
@@ -236,11 +250,14 @@ def train(cfg: TrainConfig) -> list[dict]:
     if writer and metrics:
         bar.close()
         writer.close()
-        summary = summarize(metrics, cfg.run.warmup_steps)
-        (writer.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary = {**summarize(metrics, cfg.run.warmup_steps), "nonfinite_steps": nonfinite, "stopped": stopped}
+        (writer.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False))
         print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
-              f"{summary['tokens_per_s']:.0f} tokens/s after warm-up", file=sys.stderr)
+              f"{summary['tokens_per_s']:.0f} tokens/s after warm-up"
+              + (f", {len(nonfinite)} non-finite minibatch(es) skipped" if nonfinite else ""), file=sys.stderr)
     model.close()
+    if stopped:
+        raise NonFiniteError(stopped)
     return metrics
 
 
@@ -290,8 +307,15 @@ def config_from(overrides: dict) -> TrainConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
 
 
-def _train_worker(cfg_dict: dict) -> list[dict]:
-    return train(config_from(cfg_dict))
+class NonFiniteError(RuntimeError):
+    """A run stopped at a non-finite loss or gradient norm (``run.on_nonfinite``)."""
+
+
+def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
+    try:
+        return train(config_from(cfg_dict))
+    except NonFiniteError as e:  # every rank stops at the same step: hand the parent the message, not a traceback
+        return e
 
 
 def run(cfg: TrainConfig) -> None:
@@ -305,8 +329,10 @@ def run(cfg: TrainConfig) -> None:
             dist.destroy_process_group()
     elif cfg.run.world_size > 1:
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
-        spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
-              backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600)
+        results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                        backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600)
+        if isinstance(results[0], NonFiniteError):
+            raise results[0]
     else:
         train(cfg)
 
@@ -319,7 +345,11 @@ def _hydra_main(cfg) -> None:
     except ValueError as e:  # a configuration error: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    run(cfg)
+    try:
+        run(cfg)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 def main() -> None:

@@ -156,3 +156,42 @@ def test_torn_metrics_line_is_skipped(tmp_path):
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def _strict_json(line: str):
+    """json.loads that refuses NaN / Infinity, which Python accepts but JSON does not have."""
+    def refuse(constant):
+        raise AssertionError(f"not valid JSON: {constant}")
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_nonfinite_loss_or_gradient_stops_with_the_step_named_and_nothing_nan_saved(tmp_path, mode):
+    """optim.lr=1e6 drives the gradients non-finite: the update is never applied, the run exits with rc 3 and one
+    line naming the step (skip: after run.max_skipped such minibatches in a row), metrics and summary stay valid
+    JSON, and no checkpoint holds a non-finite value."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from odcfsdp.checkpoint import list_checkpoints
+
+    out = tmp_path / "run"
+    proc = cli("optim.lr=1e6", "run.steps=12", f"run.out_dir={out}", "checkpoint.interval=1",
+               f"run.on_nonfinite={mode}", "run.max_skipped=2", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    stop = int(re.match(r"error: step (\d+): non-finite", errors[0]).group(1))
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    bad = [r["step"] for r in rows if r.get("nonfinite")]
+    assert rows[-1]["step"] == stop and bad[-1] == stop
+    assert len(bad) == (1 if mode == "stop" else 2) and (mode == "stop" or "2 such minibatches in a row" in errors[0])
+    summary = _strict_json((out / "summary.json").read_text())
+    assert summary["nonfinite_steps"] == bad and summary["stopped"] == errors[0].removeprefix("error: ")
+    saved = list_checkpoints(out / "checkpoints")
+    assert saved and int(saved[-1].name[5:]) < stop
+    for path in saved:
+        for file in path.glob("rank*.safetensors"):
+            for name, value in load_file(file).items():
+                assert value.dtype in (torch.uint8, torch.int64) or torch.isfinite(value).all(), (path.name, name)
