@@ -119,7 +119,8 @@ class RunConfig:
     steps: int = 60
     stop_after: int | None = None  # stop after this step (as if preempted); the schedule still spans `steps`
     seed: int = 0
-    out_dir: str = "runs/default"
+    out_dir: str = "runs/default"  # under --multirun, unless set: each job's own Hydra directory
+    overwrite: bool = False  # start afresh in an out_dir that already holds a run (its metrics are replaced)
     world_size: int = 2  # ranks started on this machine when not under torchrun (CPU)
     device: str = "auto"  # auto | cpu | cuda
     peak_tflops: float | None = None  # per device, for MFU; None: 989 on H100/H200, no MFU on CPU

@@ -40,6 +40,7 @@ from .metrics import MetricsWriter, ProgressBar, json_safe
 from .mfu import mfu, peak_tflops
 from .models.llama import Llama, llama_config
 from .optim import param_groups
+from .preflight import preflight
 from .schedule import warmup_cosine
 from .sharding import ODCShard
 
@@ -337,11 +338,27 @@ def run(cfg: TrainConfig) -> None:
         train(cfg)
 
 
+def _multirun_job_dir(cfg: TrainConfig) -> None:
+    """Under ``--multirun``, a job without its own ``run.out_dir`` override writes to its Hydra job directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    if not any(o.split("=")[0].lstrip("+~") == "run.out_dir" for o in hc.overrides.task):
+        cfg.run.out_dir = hc.runtime.output_dir
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"job {hc.job.num} ({' '.join(hc.overrides.task) or 'defaults'}) -> {cfg.run.out_dir}", file=sys.stderr)
+
+
 @hydra.main(version_base="1.3", config_name="train", config_path=None)
 def _hydra_main(cfg) -> None:
     cfg = OmegaConf.to_object(cfg)
+    _multirun_job_dir(cfg)
     try:
         validate(cfg)
+        preflight(cfg, torchrun="RANK" in os.environ)
     except ValueError as e:  # a configuration error: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

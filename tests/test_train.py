@@ -195,3 +195,45 @@ def test_nonfinite_loss_or_gradient_stops_with_the_step_named_and_nothing_nan_sa
         for file in path.glob("rank*.safetensors"):
             for name, value in load_file(file).items():
                 assert value.dtype in (torch.uint8, torch.int64) or torch.isfinite(value).all(), (path.name, name)
+
+
+def test_multirun_jobs_get_their_own_run_dirs(tmp_path):
+    """Without a run.out_dir override every --multirun job writes to its own Hydra job directory, named in a banner."""
+    proc = cli("--multirun", "run.steps=2", "run.world_size=1", "data.batch_size=2,4",
+               f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in (0, 1):
+        assert len((tmp_path / "sweep" / str(job) / "metrics.jsonl").read_text().splitlines()) == 2
+        assert f"job {job} (" in proc.stderr and f"-> {tmp_path}/sweep/{job}" in proc.stderr
+
+
+@pytest.mark.parametrize("case, args, message", [
+    ("missing data", ["data.source=jsonl", "data.path=missing.jsonl"], "data.path='missing.jsonl' is not a file"),
+    ("bad data", ["data.source=jsonl", "data.path=bad.jsonl"], "bad.jsonl:2 is not valid JSON"),
+    ("out_dir under a file", ["run.out_dir=afile/run"], "run.out_dir='afile/run' is not writable"),
+    ("checkpoint.dir under a file", ["checkpoint.dir=afile/ck"], "checkpoint.dir='afile/ck' is not writable"),
+    ("missing resume", ["checkpoint.resume=nowhere"], "checkpoint.resume='nowhere' does not exist"),
+    ("resume an HF dir", ["checkpoint.resume=hfdir"], "fine-tune a Hugging Face directory with model.name=hf"),
+    ("too many ranks", ["run.world_size=512"], "run.world_size=512 ranks on a machine with"),
+    ("used out_dir", ["run.out_dir=used"], "run.out_dir='used' already holds a run"),
+])
+def test_bad_paths_and_sizes_fail_in_one_line_before_any_rank_starts(tmp_path, case, args, message):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "hfdir").mkdir()
+    (tmp_path / "hfdir" / "config.json").write_text("{}")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = cli("run.steps=2", *args, cwd=tmp_path)
+    assert proc.returncode == 2, (case, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines() == [f"error: {proc.stderr.strip().removeprefix('error: ')}"]
+    assert message in proc.stderr, (case, proc.stderr)
+    assert not (tmp_path / "runs").exists()  # no rank started, nothing written
+
+
+def test_overwrite_replaces_a_used_run_dir(tmp_path):
+    first = cli("run.steps=2", "run.world_size=1", "run.out_dir=run", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = cli("run.steps=3", "run.world_size=1", "run.out_dir=run", "run.overwrite=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -1,0 +1,84 @@
+"""Checks of a training run that need the file system or the machine, made before any rank starts.
+
+``validate`` (``config.py``) checks values against each other; ``preflight`` checks them
+against the world: the files a run reads exist and parse, the directories it writes are
+writable, a resume path is a checkpoint, the world size fits the machine, and ``run.out_dir``
+does not already hold another run. Each failure is a ``ValueError`` whose one line names the
+key and the fix; ``python -m odcfsdp.train`` prints it and exits with code 2, as for config errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .config import TrainConfig
+
+
+def _jsonl(key: str, path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{key}={path!r} is not a file")
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{key}: {path}:{lineno} is not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not ({"text", "messages"} & record.keys()):
+                raise ValueError(f"{key}: {path}:{lineno} needs a 'text' or a 'messages' field")
+
+
+def _writable(key: str, path: str | Path) -> None:
+    """``path`` exists as a writable directory, or can be created (its first existing ancestor is writable)."""
+    p = Path(path).absolute()
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}={str(path)!r} is not writable ({probe} is not a writable directory)")
+
+
+def used_run_dir(out_dir: str | Path) -> bool:
+    """Whether ``out_dir`` already holds a run's metrics."""
+    return (Path(out_dir) / "metrics.jsonl").is_file()
+
+
+def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
+    """Raise ``ValueError`` (one line: key and fix) for anything that would fail only after the ranks started."""
+    d, m, ck, r = cfg.data, cfg.model, cfg.checkpoint, cfg.run
+    if d.source == "jsonl":
+        _jsonl("data.path", d.path)
+    if d.eval_path:
+        _jsonl("data.eval_path", d.eval_path)
+    for key, path in (("model.path", m.path), ("model.hf_config", m.hf_config), ("data.tokenizer_path", d.tokenizer_path)):
+        if path and not Path(path).exists():
+            raise ValueError(f"{key}={path!r} does not exist (local paths only)")
+    if m.path and not (Path(m.path) / "config.json").is_file():
+        raise ValueError(f"model.path={m.path!r} holds no config.json: it must be a Hugging Face model directory")
+    _writable("run.out_dir", r.out_dir)
+    if ck.dir:
+        _writable("checkpoint.dir", ck.dir)
+    if ck.resume not in ("none", "auto"):
+        p = Path(ck.resume)
+        if not p.exists():
+            raise ValueError(f"checkpoint.resume={ck.resume!r} does not exist")
+        if not (p / "manifest.json").is_file():
+            hint = (f": fine-tune a Hugging Face directory with model.name=hf model.path={ck.resume}"
+                    if (p / "config.json").is_file() else " (a step_XXXXXXXX directory written by a run)")
+            raise ValueError(f"checkpoint.resume={ck.resume!r} is not a training checkpoint{hint}")
+    if used_run_dir(r.out_dir) and ck.resume == "none" and not r.overwrite:
+        raise ValueError(f"run.out_dir={r.out_dir!r} already holds a run: choose another run.out_dir, continue it "
+                         "with checkpoint.resume=auto, or replace it with run.overwrite=true")
+    if not torchrun and r.world_size > 1:
+        import torch
+
+        cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())
+        have = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+        if r.world_size > have:
+            raise ValueError(f"run.world_size={r.world_size} ranks on a machine with {have} "
+                             f"{'GPUs' if cuda else 'CPU cores'}: use at most {have} (each rank is a process "
+                             "with its own copy of the data pipeline)")
