@@ -4,6 +4,8 @@
 ranks' results in rank order. A worker's exception is re-raised in the parent with
 the worker's traceback, a worker that dies or hangs past ``timeout`` fails the call,
 and the other workers are stopped either way, so a broken test never hangs pytest.
+Workers die with the parent, however it dies (Linux ``PR_SET_PDEATHSIG``): killing a
+``python -m odcfsdp.train`` leaves no rank running.
 """
 
 from __future__ import annotations
@@ -45,7 +47,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, args, rank, world_size, port, backend, threads, results) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when its parent dies, however it dies (no orphaned ranks)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's own cleanup is all there is
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None) -> None:
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
@@ -83,7 +102,8 @@ def spawn(
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
-        ctx.Process(target=_worker, args=(fn, args, r, world_size, port, backend, threads, results), daemon=True)
+        ctx.Process(target=_worker, args=(fn, args, r, world_size, port, backend, threads, results, os.getpid()),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,50 @@ def test_overwrite_replaces_a_used_run_dir(tmp_path):
     again = cli("run.steps=3", "run.world_size=1", "run.out_dir=run", "run.overwrite=true", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
+    """Killing `python -m odcfsdp.train` (SIGKILL or SIGTERM) mid-run leaves no rank process after 10 s."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.steps=100000", "run.out_dir=run"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.2)
+    ranks = [c for c in _children(proc.pid) if _alive(c)]
+    ranks += [g for c in ranks for g in _children(c)]  # multiprocessing's helpers, if any
+    assert len(ranks) >= 2
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=30) != 0
+    deadline = time.monotonic() + 10
+    while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [r for r in ranks if _alive(r)]
+    for r in left:  # do not leave them behind for the rest of the suite
+        os.kill(r, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their parent"
