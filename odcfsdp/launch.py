@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -51,7 +52,6 @@ def _die_with_parent(parent_pid: int) -> None:
     """Linux: the kernel kills this process when its parent dies, however it dies (no orphaned ranks)."""
     try:
         import ctypes
-        import signal
 
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
@@ -60,6 +60,21 @@ def _die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
+
+
+def _forward_signals(signals: tuple[int, ...], procs) -> list:
+    """Pass ``signals`` on to ``procs`` while they run; returns the (signal, previous handler) pairs to restore."""
+    import threading
+
+    if not signals or threading.current_thread() is not threading.main_thread():
+        return []
+
+    def forward(sig, _frame):
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, sig)
+
+    return [(sig, signal.signal(sig, forward)) for sig in signals]
 
 
 def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None) -> None:
@@ -89,11 +104,14 @@ def spawn(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 300.0,
+    forward: tuple[int, ...] = (),
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return results by rank.
 
     ``fn`` must be importable by name (a module-level function). Each worker uses
     ``max(1, cpus // world_size)`` intra-op threads so ranks do not oversubscribe.
+    Signals in ``forward`` (e.g. SIGTERM) received by this process while it waits are
+    passed on to every worker instead of ending this process (called from the main thread).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -108,6 +126,7 @@ def spawn(
     ]
     for p in procs:
         p.start()
+    forwarded = _forward_signals(forward, procs)
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -128,6 +147,8 @@ def spawn(
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
+        for sig, handler in forwarded:
+            signal.signal(sig, handler)
         for p in procs:
             p.join(timeout=10 if len(out) == world_size else 0.5)
             if p.is_alive():

@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -200,7 +202,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     metrics = []
     end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
     nonfinite: list[int] = []  # steps whose update was not applied
-    in_a_row, stopped = 0, None
+    in_a_row, stopped, preempted = 0, None, None
+    terminate = _TerminationFlag()  # SIGTERM: finish this step, checkpoint, exit cleanly (every rank alike)
     for step in range(start, end):
         minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
         model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
@@ -208,8 +211,9 @@ def train(cfg: TrainConfig) -> list[dict]:
         out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)
         my_sizes = minibatch.my_sizes()
         table = gather_stats([out["loss"], out["compute_s"], model.protocol.last_wait_s, len(minibatch.mine),
-                              sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"]],
-                             model.mesh.device, model.mesh.group)
+                              sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
+                              float(terminate.raised)],
+                             model.mesh.device, model.mesh.group)  # the termination flag rides along: no extra meeting
         step_wall = table[:, 6].max().item()
         tokens = int(table[:, 4].sum())
         alloc, reserved = _peak_memory_gib(device)
@@ -239,11 +243,16 @@ def train(cfg: TrainConfig) -> list[dict]:
             bar.update(row)
         if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
             break
-        if ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end):
+        if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM: all stop after this step
+            preempted = step + 1
+        if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or (preempted and ck.dir):
             save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
                             config=OmegaConf.to_container(OmegaConf.structured(cfg)),
                             extra={"samples_consumed": (step + 1) * batch})
-    if cfg.run.export_hf and not stopped:
+        if preempted:
+            break
+    terminate.restore()
+    if cfg.run.export_hf and not stopped and not preempted:
         out = Path(cfg.run.out_dir) / "hf"
         export_pretrained(model, out, tokenizer_path=tokenizer_path(cfg), lora=cfg.model.lora.export)  # collective
         if rank == 0:
@@ -251,7 +260,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     if writer and metrics:
         bar.close()
         writer.close()
-        summary = {**summarize(metrics, cfg.run.warmup_steps), "nonfinite_steps": nonfinite, "stopped": stopped}
+        summary = {**summarize(metrics, cfg.run.warmup_steps), "nonfinite_steps": nonfinite, "stopped": stopped,
+                   "preempted_after_step": preempted}
         (writer.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False))
         print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
               f"{summary['tokens_per_s']:.0f} tokens/s after warm-up"
@@ -259,6 +269,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     model.close()
     if stopped:
         raise NonFiniteError(stopped)
+    if preempted and rank == 0:
+        saved = f"checkpoint saved in {ck_dir}; continue with checkpoint.resume=auto" if (
+            ck.dir or ck.interval) else "no checkpoint (set checkpoint.dir to save one on SIGTERM)"
+        print(f"terminated (SIGTERM) after step {preempted}: {saved}", file=sys.stderr)
     return metrics
 
 
@@ -308,6 +322,24 @@ def config_from(overrides: dict) -> TrainConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
 
 
+class _TerminationFlag:
+    """Records SIGTERM (what schedulers send before preempting) instead of dying at once (main thread only)."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, _sig, _frame) -> None:
+        self.raised = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
 class NonFiniteError(RuntimeError):
     """A run stopped at a non-finite loss or gradient norm (``run.on_nonfinite``)."""
 
@@ -331,7 +363,7 @@ def run(cfg: TrainConfig) -> None:
     elif cfg.run.world_size > 1:
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
         results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                        backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600)
+                        backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600, forward=(signal.SIGTERM,))
         if isinstance(results[0], NonFiniteError):
             raise results[0]
     else:

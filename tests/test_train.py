@@ -262,7 +262,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
-    """Killing `python -m odcfsdp.train` (SIGKILL or SIGTERM) mid-run leaves no rank process after 10 s."""
+    """Killing `python -m odcfsdp.train` mid-run leaves no rank process after 10 s: SIGKILL (the kernel kills the
+    ranks with it), or SIGTERM (passed on to the ranks, which finish the step and exit)."""
     import signal
     import time
 
@@ -277,7 +278,8 @@ def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
     ranks += [g for c in ranks for g in _children(c)]  # multiprocessing's helpers, if any
     assert len(ranks) >= 2
     proc.send_signal(getattr(signal, sig))
-    assert proc.wait(timeout=30) != 0
+    rc = proc.wait(timeout=30)
+    assert rc != 0 if sig == "SIGKILL" else rc == 0  # SIGTERM: the ranks finish the step and the run ends cleanly
     deadline = time.monotonic() + 10
     while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -285,3 +287,33 @@ def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
     for r in left:  # do not leave them behind for the rest of the suite
         os.kill(r, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their parent"
+
+
+def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path):
+    """SIGTERM to `python -m odcfsdp.train` mid-run (what a scheduler sends): every rank finishes the step, a
+    checkpoint is saved, the exit is clean; checkpoint.resume=auto then ends with the losses of an uninterrupted run
+    (collective transport: sums in a fixed order, so equal to the bit)."""
+    import signal
+    import time
+
+    common = ["run.steps=14", "shard.comm=collective", "balance.kind=lb_micro", "data.batch_size=4"]
+    whole = cli(*common, "run.out_dir=whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "odcfsdp.train", *common, "run.out_dir=cut", "checkpoint.dir=ck"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    cut = len(metrics.read_text().splitlines())
+    assert f"terminated (SIGTERM) after step {cut}" in err and cut < 14
+    assert (tmp_path / "ck" / f"step_{cut:08d}" / "manifest.json").is_file()
+    again = cli(*common, "run.out_dir=cut", "checkpoint.dir=ck", "checkpoint.resume=auto", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("whole", "cut")]
+    assert len(losses[1]) == 14 and losses[1] == losses[0]
