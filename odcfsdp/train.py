@@ -121,7 +121,8 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     units = unit_classes(model, s.units)
     model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
-                     overlap_push=s.overlap_push, units=units, device=device if pretrained else None)
+                     overlap_push=s.overlap_push, units=units, device=device if pretrained else None,
+                     timeout=cfg.run.timeout_s)
     if pretrained and weights:
         load_hf(model, cfg.model.path)  # base weights; LoRA adapters are in no file: start them as PEFT does
         if cfg.model.lora.r:
@@ -340,6 +341,10 @@ class _TerminationFlag:
             self._previous = None
 
 
+class RankError(RuntimeError):
+    """A spawned rank failed; the message is one line naming the rank (the traceback goes to the run dir)."""
+
+
 class NonFiniteError(RuntimeError):
     """A run stopped at a non-finite loss or gradient norm (``run.on_nonfinite``)."""
 
@@ -362,8 +367,15 @@ def run(cfg: TrainConfig) -> None:
             dist.destroy_process_group()
     elif cfg.run.world_size > 1:
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
-        results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                        backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600, forward=(signal.SIGTERM,))
+        try:
+            results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                            backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600, forward=(signal.SIGTERM,))
+        except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
+            log = Path(cfg.run.out_dir) / "error.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(str(e))
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            raise RankError(f"{lines[0].rstrip(':')}: {lines[-1].strip()} (traceback in {log})") from None
         if isinstance(results[0], NonFiniteError):
             raise results[0]
     else:
@@ -399,6 +411,9 @@ def _hydra_main(cfg) -> None:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
+    except RankError as e:
+        print(f"\nerror: {e}", file=sys.stderr)  # after a progress bar that may be mid-line
+        sys.exit(1)
 
 
 def main() -> None:

@@ -317,3 +317,39 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path):
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
               for d in ("whole", "cut")]
     assert len(losses[1]) == 14 and losses[1] == losses[0]
+
+
+def test_a_stuck_rank_is_named_and_every_process_exits(tmp_path):
+    """SIGSTOP one rank mid-run: the other raises at its next meeting after run.timeout_s, naming the stuck rank;
+    the run exits non-zero with one line within timeout + 15 s, and no process is left (the stopped one is killed)."""
+    import re
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.steps=100000", "run.out_dir=run",
+                             "run.timeout_s=6"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.1)
+    ranks = sorted(c for c in _children(proc.pid) if _alive(c))
+    os.kill(ranks[-1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=6 + 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+    assert time.monotonic() - stopped < 6 + 15
+    assert proc.returncode == 1, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"rank\(s\) \[\d\] did not reach the \w+ meeting of minibatch \d+ within 6 s",
+                                          errors[0]), err[-2000:]
+    assert "Traceback" not in err and (tmp_path / "run" / "error.log").is_file()
+    time.sleep(1)
+    assert not [r for r in ranks if _alive(r)]

@@ -14,6 +14,7 @@ collective is the identity.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -28,9 +29,11 @@ class ShardMesh:
         process_group: the ranks to shard over (None: the default group, or one process
             if torch.distributed is not initialised).
         device_mesh: a 1-D ``DeviceMesh`` to shard over instead of ``process_group``.
+        timeout_s: how long ``arrive`` waits for the other ranks before naming the missing ones.
     """
 
-    def __init__(self, device: torch.device, process_group: dist.ProcessGroup | None = None, device_mesh=None):
+    def __init__(self, device: torch.device, process_group: dist.ProcessGroup | None = None, device_mesh=None,
+                 timeout_s: float = 300.0):
         if device_mesh is not None:
             if process_group is not None:
                 raise ValueError("pass either process_group= or mesh=, not both")
@@ -46,6 +49,19 @@ class ShardMesh:
         else:
             self.rank, self.world_size = 0, 1
         self._device_mesh = device_mesh
+        self.timeout_s = timeout_s
+        self._arrivals = 0  # arrive() calls so far (the same sequence on every rank)
+        self._store = None
+        self._prefix = f"odcfsdp/arrive/{id(self)}"
+        if self.world_size > 1:
+            # One key prefix per mesh, agreed on by all ranks (ids differ between processes).
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store = _get_default_store()
+            n = self._store.add("odcfsdp/meshes", 1 if self.rank == 0 else 0)
+            token = [f"odcfsdp/arrive/{n}"] if self.rank == 0 else [None]
+            dist.broadcast_object_list(token, src=self.global_rank(0), group=self.group)
+            self._prefix = token[0]
 
     @property
     def device_mesh(self):
@@ -59,6 +75,41 @@ class ShardMesh:
     def global_rank(self, rank: int) -> int:
         """The default group's rank of this mesh's ``rank``."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    # -- the watchdog ------------------------------------------------------------------------------
+    def arrive(self, what: str) -> None:
+        """Wait until every rank has arrived here; after ``timeout_s`` raise naming the ranks that did not.
+
+        Design note [watchdog]: a rank that stops (a hang, SIGSTOP, a dead GPU) would leave the
+        others waiting forever in the next collective or one-sided wait. Before each meeting every
+        rank registers its arrival in the process group's key-value store (one key per rank and
+        meeting, a counter per meeting) and polls the counter; the survivors of a stopped rank all
+        time out at the same meeting and raise the same error, naming the missing ranks and
+        ``what`` they were expected at. Costs a few store round trips per meeting.
+        """
+        if self._store is None:
+            return
+        seq = self._arrivals
+        self._arrivals += 1
+        key = f"{self._prefix}/{seq}"
+        self._store.set(f"{key}/{self.rank}", "1")
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        arrived = self._store.add(key, 1)
+        while arrived < self.world_size:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not self._store.check([f"{key}/{r}"])]
+                raise RuntimeError(
+                    f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} s (run.timeout_s / "
+                    f"ODCShard(timeout=)); rank {self.rank} stops here")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+            arrived = self._store.add(key, 0)
+        if seq >= 2:  # every rank is past meeting seq - 1, so nobody reads seq - 2's keys again
+            old = f"{self._prefix}/{seq - 2}"
+            if self.rank == 0:
+                self._store.delete_key(old)
+            self._store.delete_key(f"{old}/{self.rank}")
 
     # -- meeting operations: rare (set-up, the step, checkpoints) ------------------------------------
     def barrier(self) -> None:

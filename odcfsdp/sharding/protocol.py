@@ -200,6 +200,7 @@ class StepProtocol:
     # -- meetings ------------------------------------------------------------------------------------
     def _meet(self, kind: _Meeting) -> torch.Tensor:
         """One meeting of all ranks; returns every rank's pushes. Raises alike on every rank if they disagree."""
+        self.mesh.arrive(f"the {kind.name.lower()} meeting of minibatch {self.minibatch}")  # [watchdog]
         mine = torch.tensor([int(kind), self.minibatch, self.pushes], dtype=torch.int64, device=self.mesh.device)
         table = self.mesh.all_gather_rows(mine).cpu()
         if (table[:, :2] != table[0, :2]).any():

@@ -155,6 +155,8 @@ class ODCShard(nn.Module):
             of their subtree gathered before their forward, e.g. the decoder layer
             class); other modules that own parameters are hooked one by one.
         mesh: a 1-D ``DeviceMesh`` to shard over, instead of ``process_group``.
+        timeout: seconds a rank waits at a meeting for the others before raising an error that
+            names the ranks that did not come (see [watchdog] in ``mesh.py``).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class ODCShard(nn.Module):
         overlap_push: bool = True,
         units: tuple[type[nn.Module], ...] | list[type[nn.Module]] = (),
         mesh=None,
+        timeout: float = 300.0,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -192,7 +195,9 @@ class ODCShard(nn.Module):
 
         self.module = module
         self.units = units
-        self.mesh = ShardMesh(device, process_group, mesh)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.mesh = ShardMesh(device, process_group, mesh, timeout_s=timeout)
         self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
