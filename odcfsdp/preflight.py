@@ -9,27 +9,22 @@ key and the fix; ``python -m odcfsdp.train`` prints it and exits with code 2, as
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from .config import TrainConfig
+from .data.jsonl import read_records
 
 
 def _jsonl(key: str, path: str) -> None:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{key}={path!r} is not a file")
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{key}: {path}:{lineno} is not valid JSON ({e.msg})") from None
+    try:
+        for lineno, record in read_records(path, key):
             if not isinstance(record, dict) or not ({"text", "messages"} & record.keys()):
                 raise ValueError(f"{key}: {path}:{lineno} needs a 'text' or a 'messages' field")
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}" if not str(e).startswith(key) else str(e)) from None
 
 
 def _writable(key: str, path: str | Path) -> None:

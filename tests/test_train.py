@@ -210,7 +210,7 @@ def test_multirun_jobs_get_their_own_run_dirs(tmp_path):
 
 @pytest.mark.parametrize("case, args, message", [
     ("missing data", ["data.source=jsonl", "data.path=missing.jsonl"], "data.path='missing.jsonl' is not a file"),
-    ("bad data", ["data.source=jsonl", "data.path=bad.jsonl"], "bad.jsonl:2 is not valid JSON"),
+    ("bad data", ["data.source=jsonl", "data.path=bad.jsonl"], "bad.jsonl:2: not valid JSON"),
     ("out_dir under a file", ["run.out_dir=afile/run"], "run.out_dir='afile/run' is not writable"),
     ("checkpoint.dir under a file", ["checkpoint.dir=afile/ck"], "checkpoint.dir='afile/ck' is not writable"),
     ("missing resume", ["checkpoint.resume=nowhere"], "checkpoint.resume='nowhere' does not exist"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -33,29 +34,38 @@ def encode_record(record: dict, tokenizer, where: str) -> tuple[list[int], list[
     return tokenizer.encode_chat(record["messages"])
 
 
+def read_records(path: str | Path, key: str = "data.path") -> Iterator[tuple[int, dict]]:
+    """(line number, parsed record) of every non-empty line of a JSONL file.
+
+    Raises ``FileNotFoundError`` naming ``key`` for a missing file and ``ValueError``
+    naming the line for one that is not JSON.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{key}={str(path)!r} is not a file")
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+
+
 class JsonlSource:
     """Samples from a local JSONL file; index i is the i-th sample of a seeded endless stream of epochs."""
 
     def __init__(self, path: str, tokenizer, max_len: int, seed: int = 0):
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"data.path={path!r} is not a file")
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
         dropped = 0
-        with p.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-                ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}")
-                ids, mask = ids[:max_len], mask[:max_len]
-                if len(ids) < 2 or not any(mask[1:]):
-                    dropped += 1
-                    continue
-                self.records.append((torch.tensor(ids), torch.tensor(mask)))
+        for lineno, record in read_records(path):
+            ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}")
+            ids, mask = ids[:max_len], mask[:max_len]
+            if len(ids) < 2 or not any(mask[1:]):
+                dropped += 1
+                continue
+            self.records.append((torch.tensor(ids), torch.tensor(mask)))
         if not self.records:
             raise ValueError(f"{path} holds no usable record ({dropped} without any loss-bearing token)")
         self.dropped = dropped
