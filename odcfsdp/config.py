@@ -126,7 +126,7 @@ class RunConfig:
     peak_tflops: float | None = None  # per device, for MFU; None: 989 on H100/H200, no MFU on CPU
     warmup_steps: int = 2  # excluded from the run's summary throughput
     tensorboard: bool = False  # also log to TensorBoard when it is installed
-    timeout_s: float = 300.0  # a rank waiting this long at a meeting for the others raises, naming the missing ranks
+    timeout_s: float = 300.0  # a rank waiting this long at a meeting, or for a silent (stopped) rank, ends the run naming it
     on_nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (non-zero exit) | skip (the minibatch)
     max_skipped: int = 3  # on_nonfinite=skip: stop after this many non-finite minibatches in a row
     eval_interval: int = 0  # evaluate the held-out loss on data.eval_path every this many steps (and at the end)

@@ -83,10 +83,21 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
+    from .sharding.mesh import set_fatal_handler
+
+    def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
+        results.put((rank, False, f"RuntimeError: {message}"))
+        results.close()
+        results.join_thread()
+
+    set_fatal_handler(report_fatal)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        # The parent hosts the store (see spawn): a stopped rank 0 must not take it down.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles outliving the worker
@@ -117,7 +128,10 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/mesh.py)
+    # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(target=_worker, args=(fn, args, r, world_size, port, backend, threads, results, os.getpid()),

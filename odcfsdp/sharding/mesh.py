@@ -14,11 +14,117 @@ collective is the identity.
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+import threading
 import time
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+_fatal_handler: Callable[[str], None] | None = None
+
+
+def set_fatal_handler(handler: Callable[[str], None] | None) -> None:
+    """Route the watchdog's fatal report (one line) through ``handler`` instead of stderr.
+
+    The watchdog ends the process with ``os._exit(1)`` after calling it (the main thread may be
+    blocked inside a collective that no Python exception can interrupt); a launcher uses this to
+    hand the line to its parent first.
+    """
+    global _fatal_handler
+    _fatal_handler = handler
+
+
+def _die(message: str) -> None:
+    try:
+        if _fatal_handler is not None:
+            _fatal_handler(message)
+        else:
+            sys.stderr.write(f"\nerror: {message}\n")
+            sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+class _Heartbeat:
+    """A daemon thread that beats for this rank and ends the process when a peer's beat stops.
+
+    See [watchdog]. Each period (at most 1 s) it adds 1 to this rank's counter in the store and
+    reads every peer's; a counter unchanged for ``timeout_s`` means that rank is stopped (SIGSTOP,
+    a dead host, a GIL held forever), wherever this rank's main thread waits for it. A rank that
+    closes its mesh writes -1 and is no longer watched.
+    """
+
+    def __init__(self, store, prefix: str, rank: int, world_size: int, timeout_s: float,
+                 where: Callable[[], str]):
+        self._store = store.clone()  # its own connection: the main thread's calls may block
+        self._keys = [f"{prefix}/beat/{r}" for r in range(world_size)]
+        self._rank, self._timeout_s, self._where = rank, timeout_s, where
+        self._stop = threading.Event()
+        self._store.set(f"{prefix}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._prefix = prefix
+        self._store.add(self._keys[rank], 1)
+        self._thread = threading.Thread(target=self._run, name="odcfsdp-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from datetime import timedelta
+
+        period = min(1.0, self._timeout_s / 4)
+        try:
+            self._store.wait(self._keys, timedelta(seconds=self._timeout_s))
+        except Exception:  # noqa: BLE001 - a rank that never beat: named below by its missing key
+            if self._stop.is_set():
+                return
+            missing = [r for r, k in enumerate(self._keys) if not self._store.check([k])]
+            _die(f"rank(s) {missing} never started their watchdog within {self._timeout_s:g} s "
+                 f"(run.timeout_s / ODCShard(timeout=)); rank {self._rank} stops here, {self._where()}")
+        seen = {r: (None, time.monotonic()) for r in range(len(self._keys)) if r != self._rank}
+        while not self._stop.wait(period):
+            try:
+                self._store.add(self._keys[self._rank], 1)
+                values = [int(v) for v in self._store.multi_get(self._keys)]
+            except Exception:  # noqa: BLE001 - the store is gone: the run is ending anyway
+                return
+            now = time.monotonic()
+            for r, (last, since) in list(seen.items()):
+                if values[r] < 0:
+                    del seen[r]  # closed its mesh
+                elif values[r] != last:
+                    seen[r] = (values[r], now)
+            stale = sorted(r for r, (_, since) in seen.items() if now - since > self._timeout_s)
+            if stale and not self._stop.is_set():
+                self._kill_stopped(stale)
+                _die(f"rank(s) {stale} stopped responding (no sign of life for {self._timeout_s:g} s; run.timeout_s / "
+                     f"ODCShard(timeout=)); rank {self._rank} stops here, {self._where()}")
+
+    def _kill_stopped(self, ranks: list[int]) -> None:
+        """SIGKILL those of ``ranks`` that are stopped processes on this host.
+
+        A stopped process acts on no signal but SIGKILL, so a launcher's SIGTERM would wait out its
+        grace period (torchrun: 30 s) before the run ends; a peer on another host is left to its launcher.
+        """
+        for r in ranks:
+            try:
+                host, pid = self._store.get(f"{self._prefix}/pid/{r}").decode().split()
+                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                if host == socket.gethostname() and state in ("T", "t"):
+                    os.kill(int(pid), 9)
+            except (OSError, ValueError, RuntimeError):
+                pass
+
+    def stop(self) -> None:
+        """Stop beating and tell the peers not to watch this rank any more."""
+        if not self._stop.is_set():
+            self._stop.set()
+            try:
+                self._store.set(self._keys[self._rank], "-1")
+            except Exception:  # noqa: BLE001 - the store may already be gone at exit
+                pass
 
 
 class ShardMesh:
@@ -29,7 +135,9 @@ class ShardMesh:
         process_group: the ranks to shard over (None: the default group, or one process
             if torch.distributed is not initialised).
         device_mesh: a 1-D ``DeviceMesh`` to shard over instead of ``process_group``.
-        timeout_s: how long ``arrive`` waits for the other ranks before naming the missing ones.
+        timeout_s: how long a rank waits for the others: ``arrive`` names the ranks missing at a
+            meeting after it, and the heartbeat ends the process naming a rank silent for it
+            (0 or inf: no watchdog).
     """
 
     def __init__(self, device: torch.device, process_group: dist.ProcessGroup | None = None, device_mesh=None,
@@ -53,6 +161,8 @@ class ShardMesh:
         self._arrivals = 0  # arrive() calls so far (the same sequence on every rank)
         self._store = None
         self._prefix = f"odcfsdp/arrive/{id(self)}"
+        self._at = "before the first meeting"  # where this rank is, for the watchdog's report
+        self._heartbeat: _Heartbeat | None = None
         if self.world_size > 1:
             # One key prefix per mesh, agreed on by all ranks (ids differ between processes).
             from torch.distributed.distributed_c10d import _get_default_store
@@ -62,6 +172,16 @@ class ShardMesh:
             token = [f"odcfsdp/arrive/{n}"] if self.rank == 0 else [None]
             dist.broadcast_object_list(token, src=self.global_rank(0), group=self.group)
             self._prefix = token[0]
+            if 0 < timeout_s < float("inf"):
+                me = weakref.ref(self)
+                self._heartbeat = _Heartbeat(self._store, self._prefix, self.rank, self.world_size, timeout_s,
+                                             lambda: (me()._at if me() is not None else "closing"))
+                weakref.finalize(self, self._heartbeat.stop)
+
+    def close(self) -> None:
+        """Stop this rank's watchdog (the peers stop watching it); meetings after this are unguarded."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
 
     @property
     def device_mesh(self):
@@ -81,14 +201,24 @@ class ShardMesh:
         """Wait until every rank has arrived here; after ``timeout_s`` raise naming the ranks that did not.
 
         Design note [watchdog]: a rank that stops (a hang, SIGSTOP, a dead GPU) would leave the
-        others waiting forever in the next collective or one-sided wait. Before each meeting every
-        rank registers its arrival in the process group's key-value store (one key per rank and
-        meeting, a counter per meeting) and polls the counter; the survivors of a stopped rank all
-        time out at the same meeting and raise the same error, naming the missing ranks and
-        ``what`` they were expected at. Costs a few store round trips per meeting.
+        others waiting forever in the next collective or one-sided wait. Two guards, both through
+        the process group's key-value store (hosted by the launcher: torchrun's agent, or
+        ``spawn``'s parent, so no rank's fate takes it down):
+
+        1. Arrival: before each meeting every rank registers its arrival (one key per rank and
+           meeting, a counter per meeting) and polls the counter; the survivors of a rank that is
+           alive but never comes (stuck in a kernel, a loop) all time out at the same meeting and
+           raise the same error, naming the missing ranks and ``what`` they were expected at.
+           Costs a few store round trips per meeting.
+        2. Liveness (``_Heartbeat``): a thread per rank beats once a second and watches the
+           peers' beats; a peer silent for ``timeout_s`` is stopped, and the rank may then be
+           blocked where no exception reaches (inside a collective, a one-sided wait), so the
+           thread reports one line (``set_fatal_handler``) and ends the process, as NCCL's
+           watchdog does. A rank paused in a debugger longer than ``timeout_s`` ends the run too.
         """
         if self._store is None:
             return
+        self._at = f"waiting at {what}"
         seq = self._arrivals
         self._arrivals += 1
         key = f"{self._prefix}/{seq}"
@@ -110,6 +240,7 @@ class ShardMesh:
             if self.rank == 0:
                 self._store.delete_key(old)
             self._store.delete_key(f"{old}/{self.rank}")
+        self._at = f"past {what}"
 
     # -- meeting operations: rare (set-up, the step, checkpoints) ------------------------------------
     def barrier(self) -> None:

@@ -156,7 +156,8 @@ class ODCShard(nn.Module):
             class); other modules that own parameters are hooked one by one.
         mesh: a 1-D ``DeviceMesh`` to shard over, instead of ``process_group``.
         timeout: seconds a rank waits at a meeting for the others before raising an error that
-            names the ranks that did not come (see [watchdog] in ``mesh.py``).
+            names the ranks that did not come; a rank silent (stopped) this long ends the
+            others' processes with one line naming it (see [watchdog] in ``mesh.py``).
     """
 
     def __init__(
@@ -417,6 +418,7 @@ class ODCShard(nn.Module):
             for mod in self.module.modules():
                 mod.__dict__.pop("_apply", None)
             self.transport.close()
+            self.mesh.close()
 
     def _check_open(self) -> None:
         if self._closed:

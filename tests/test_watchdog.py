@@ -1,0 +1,57 @@
+"""The watchdog's liveness half ([watchdog] in odcfsdp/sharding/mesh.py) under torchrun, through the Python API:
+a rank blocked inside a gloo collective (where no Python exception reaches) still ends, naming the stopped rank.
+The meeting half and the spawned CLI run are tested in test_train.py (test_a_stuck_rank_...)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASE = r"""
+import os, signal, torch, torch.distributed as dist
+from odcfsdp import ODCShard
+from odcfsdp.launch import init_torchrun
+from odcfsdp.models import Llama, LlamaConfig
+
+init_torchrun(use_cuda=False)
+torch.manual_seed(0)
+model = ODCShard(Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)), 4096, timeout=3)
+os.write(1, f"rank {dist.get_rank()} pid {os.getpid()}\n".encode())  # one write: lines of the ranks do not mix
+if dist.get_rank() == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)
+dist.all_reduce(torch.ones(1))  # rank 1 waits here, inside gloo
+print("unreachable", flush=True)
+"""
+
+
+def test_a_rank_blocked_in_a_collective_names_the_stopped_one_under_torchrun(tmp_path: Path):
+    """Rank 0 stops itself; rank 1, blocked in all_reduce, reports it after timeout=3 s on one stderr line and
+    exits 1; the stopped rank is killed (not left to torchrun's 30 s grace), so torchrun ends well within 3 + 15 s
+    of the stop."""
+    import re
+
+    (tmp_path / "case.py").write_text(CASE)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "case.py"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        while not any("rank 0 pid" in line for line in lines):  # rank 0 stops right after this line
+            line = proc.stdout.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+        stopped = time.monotonic()
+        rest, _ = proc.communicate(timeout=3 + 15)
+        elapsed = time.monotonic() - stopped
+    finally:
+        proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"rank\(s\) \[0\] stopped responding \(no sign of life for 3 s.*rank 1 "
+                                          r"stops here", errors[0]), out[-3000:]
+    assert "unreachable" not in out
+    pids = [int(p) for p in re.findall(r"rank \d pid (\d+)", out)]
+    assert len(pids) == 2 and not [p for p in pids if Path(f"/proc/{p}").exists()], out[-3000:]
+    assert elapsed < 3 + 15, f"{elapsed:.0f} s from the stop to the end"
