@@ -10,6 +10,7 @@ cannot (choices, ranges, combinations) and names the key and the allowed values.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,9 @@ class ShardConfig:
     prefetch: int = 1
     overlap_push: bool = True  # CUDA: push gradients on a side stream during backward
     units: list[str] = field(default_factory=list)  # class names hooked as a whole, e.g. [DecoderLayer]
+    # HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch;
+    # 1: full sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1
+    replicas: int | None = None
 
 
 @dataclass
@@ -189,6 +193,11 @@ def validate(cfg: TrainConfig) -> None:
     _choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     _positive("shard.group_bytes", cfg.shard.group_bytes)
     _positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)
+    if cfg.shard.replicas is not None:
+        _positive("shard.replicas", cfg.shard.replicas)
+        if "RANK" not in os.environ and cfg.run.world_size % cfg.shard.replicas:
+            raise ValueError(f"shard.replicas={cfg.shard.replicas} must divide run.world_size={cfg.run.world_size} "
+                             "(every replica shards over the same number of ranks)")
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
     if not cfg.checkpoint.resume:

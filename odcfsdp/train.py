@@ -45,6 +45,8 @@ from .optim import param_groups
 from .preflight import preflight
 from .schedule import warmup_cosine
 from .sharding import ODCShard
+from .sharding.mesh import hybrid_mesh
+from .sharding.transport import is_one_sided
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -122,7 +124,7 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
                      overlap_push=s.overlap_push, units=units, device=device if pretrained else None,
-                     timeout=cfg.run.timeout_s)
+                     timeout=cfg.run.timeout_s, mesh=hybrid_mesh(s.replicas, device.type, is_one_sided(s.comm)))
     if pretrained and weights:
         load_hf(model, cfg.model.path)  # base weights; LoRA adapters are in no file: start them as PEFT does
         if cfg.model.lora.r:
@@ -214,7 +216,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         table = gather_stats([out["loss"], out["compute_s"], model.protocol.last_wait_s, len(minibatch.mine),
                               sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
                               float(terminate.raised)],
-                             model.mesh.device, model.mesh.group)  # the termination flag rides along: no extra meeting
+                             model.mesh.device, model.mesh.everyone.group)  # the termination flag rides along: no extra meeting
         step_wall = table[:, 6].max().item()
         tokens = int(table[:, 4].sum())
         alloc, reserved = _peak_memory_gib(device)
@@ -237,7 +239,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                               if cfg.run.on_nonfinite == "skip" else
                               " (run.on_nonfinite=skip skips such minibatches instead)"))
         if held_out is not None and not stopped and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
-            row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.group)
+            row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.everyone.group)
         metrics.append(row)
         if writer:
             writer.write(row)

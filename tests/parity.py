@@ -151,18 +151,20 @@ def sharded_run(
     param_dtype: torch.dtype | None = None,
     units: tuple = (),
     compile_backend: str | None = None,
+    replicas: int = 1,
 ) -> dict:
     """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
     On ``device="cuda"`` each rank uses its current GPU; ``param_dtype`` defaults to
     bf16 there (ODCShard's default) and to ``dtype`` on CPU. ``units`` goes to
-    ``ODCShard``; ``compile_backend`` compiles the decoder layers' dense parts.
+    ``ODCShard``; ``compile_backend`` compiles the decoder layers' dense parts; ``replicas`` > 1
+    shards over a 2-D ``(replicate, shard)`` mesh (HSDP).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     model = ODCShard(
         ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
-        prefetch=prefetch, param_dtype=param_dtype, units=units,
+        prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas),
     )
     out = train_loop(run, model, lambda step: run.data[step][rank], compute=lambda t: t.to(dev))
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
@@ -171,6 +173,15 @@ def sharded_run(
 
     return {"losses": out["losses"], "norms": out["norms"], "params": state, "groups": len(model.groups),
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def _hsdp_mesh(device: torch.device, replicas: int):
+    if replicas == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (replicas, dist.get_world_size() // replicas),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 @torch.no_grad()

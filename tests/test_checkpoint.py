@@ -27,9 +27,9 @@ from test_train import run_ranks
 CFG = LlamaConfig(vocab_size=61, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=108)
 
 
-def build(cfg: LlamaConfig = CFG, group_bytes: int = 4096, seed: int = 0) -> tuple[ODCShard, torch.optim.AdamW]:
+def build(cfg: LlamaConfig = CFG, group_bytes: int = 4096, seed: int = 0, mesh=None) -> tuple[ODCShard, torch.optim.AdamW]:
     torch.manual_seed(seed)
-    model = ODCShard(Llama(cfg), group_bytes, comm="shm" if dist.is_initialized() else "collective")
+    model = ODCShard(Llama(cfg), group_bytes, comm="shm" if dist.is_initialized() else "collective", mesh=mesh)
     return model, torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
 
 
@@ -127,9 +127,9 @@ def _read_slices_only(path: str) -> list[str]:
     opened = []
     real = sharded._Files.get
 
-    def spy(self, rank):
+    def spy(self, rank, *replica):
         opened.append(rank)
-        return real(self, rank)
+        return real(self, rank, *replica)
 
     sharded._Files.get = spy
     model, opt = build()

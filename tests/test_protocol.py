@@ -26,15 +26,16 @@ FUNCTIONAL = ["all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_t
 
 
 @contextlib.contextmanager
-def counting(calls: list[str]):
-    """Record the name of every collective called inside (torch.distributed's and the functional ones)."""
+def counting(calls: list, with_groups: bool = False):
+    """Record the name of every collective called inside (torch.distributed's and the functional ones), with
+    ``with_groups`` as (name, the ``group=`` keyword argument)."""
     patched = [(dist, n) for n in COLLECTIVES if hasattr(dist, n)] + [(funcol, n) for n in FUNCTIONAL
                                                                      if hasattr(funcol, n)]
     originals = [(mod, n, getattr(mod, n)) for mod, n in patched]
 
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
-            calls.append(name)
+            calls.append((name, kwargs.get("group")) if with_groups else name)
             return fn(*args, **kwargs)
         return wrapper
 

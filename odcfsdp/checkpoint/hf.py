@@ -134,14 +134,19 @@ def export_lora_adapter(model: ODCShard, out_dir: str | Path) -> Path:
     prefix = "model." if isinstance(model.module, HFCausalLM) else ""
     full = _adapters_full(model)
     out_dir = Path(out_dir)
-    if model.rank == 0:
+    if _writes(model):
         out_dir.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(peft_model, state_dict={k.removeprefix(prefix): v for k, v in full.items()})
         save_file({k: v.contiguous() for k, v in state.items()}, out_dir / "adapter_model.safetensors",
                   metadata={"format": "pt"})
         peft_model.peft_config["default"].save_pretrained(out_dir)
-    model.mesh.barrier()
+    model.mesh.everyone.barrier()
     return out_dir
+
+
+def _writes(model: ODCShard) -> bool:
+    """Whether this rank writes whole-model files: rank 0 of all ranks (with HSDP, of replica 0's shard group)."""
+    return model.mesh.everyone.rank == 0
 
 
 def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 << 30,
@@ -158,7 +163,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
     """
     name_map = name_map or default_name_map(model)
     out_dir = Path(out_dir)
-    rank = model.rank
+    writer = _writes(model)
     merge = _adapter_merges(model) if merge_adapters else {}
     sizes = [(s.name, s.numel * torch.empty((), dtype=dtype or lay.dtype).element_size())
              for lay in model.layouts for s in lay.slots if name_map(s.name) is not None]
@@ -173,7 +178,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
     files = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
                                                 for k in range(len(shards))]
     shard_of = {name: k for k, names in enumerate(shards) for name in names}
-    if rank == 0:
+    if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         for stale in [*out_dir.glob("model*.safetensors"), out_dir / INDEX]:  # an earlier export must not mix in
             stale.unlink(missing_ok=True)
@@ -193,7 +198,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
 
     for g in model.groups:
         full = g.layout.unpack(model.mesh.all_gather_rows(g.read_master()))  # collective, every rank
-        if rank == 0:
+        if writer:
             kept = [(i, sl) for i, sl in enumerate(g.layout.slots) if sl.name in shard_of]
             for i, sl in kept:
                 value = g.layout.param_view(full, i)
@@ -203,7 +208,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
             if kept:
                 flush(min(shard_of[sl.name] for _, sl in kept))  # shards wholly before this group are done
         del full
-    if rank == 0:
+    if writer:
         flush(len(shards))
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(n for _, n in sizes)},
@@ -212,7 +217,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
         config = _config_json(model, dtype or model.layouts[0].dtype)
         if config is not None:
             (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    model.mesh.barrier()
+    model.mesh.everyone.barrier()
     return written
 
 
@@ -233,7 +238,7 @@ def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: s
         export_lora_adapter(model, out_dir)
     else:
         export_hf(model, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
-    if model.rank == 0:
+    if _writes(model):
         hf = transformers_model(model)
         if hf is not None and getattr(hf, "generation_config", None) is not None:
             hf.generation_config.to_json_file(out_dir / "generation_config.json")
@@ -241,7 +246,7 @@ def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: s
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out_dir)
-    model.mesh.barrier()
+    model.mesh.everyone.barrier()
     return out_dir
 
 

@@ -33,8 +33,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked: incomplete, corrupt, incompatible or for another model."""
 
 
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
+def rank_file(rank: int, replica: int = 0) -> str:
+    """The file of shard ``rank``; with HSDP ([hsdp]), replicas after the first write only their RNG states."""
+    return f"rank{rank:05d}.safetensors" if replica == 0 else f"replica{replica:05d}-rank{rank:05d}.safetensors"
 
 
 def read_manifest(path: Path) -> dict:

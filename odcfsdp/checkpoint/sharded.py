@@ -8,7 +8,9 @@ Save (collective), as numbered steps:
    fp32 master and of every optimizer state tensor shaped like the parameter (AdamW's
    moments, SGD's momentum, ...; views of the rows and of the optimizer's DTensors:
    no full model anywhere), plus its RNG states (rank 0 also the persistent
-   buffers); then fsyncs it and reports size and CRC-32;
+   buffers); then fsyncs it and reports size and CRC-32. With HSDP ([hsdp]) the
+   shards are replica 0's; the other replicas' ranks write only their RNG states
+   (``replica<k>-rank<r>.safetensors``), and every meeting of the save spans all ranks;
 3. rank 0 writes ``manifest.json`` (with the optimizer's parameter groups, scalar
    states such as ``step``, and the LR scheduler's state), renames the directory to
    ``step_<k>/`` (atomic), fsyncs the parent, moves checkpoints of *later* steps aside
@@ -179,45 +181,46 @@ def save_checkpoint(
     goes into the manifest). ``config`` and ``extra`` (e.g. the data position) are
     stored in the manifest. Returns the checkpoint's path.
     """
-    mesh = model.mesh
+    mesh, everyone = model.mesh, model.mesh.everyone  # HSDP: replica 0 writes the shards, every rank its RNG
     opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer)
-    pending = mesh.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
+    pending = everyone.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
     if pending.item():  # decided together: a rank raising alone would leave the others waiting
         raise CheckpointError("save_checkpoint was called with gradients pending; save between optimizer steps")
     directory = Path(directory)
     rank, world = model.rank, model.world_size
-    token = mesh.broadcast_object(secrets.token_hex(4))
+    token = everyone.broadcast_object(secrets.token_hex(4))
     final = directory / f"step_{step:08d}"
     tmp = directory / f"{final.name}.tmp-{token}"
-    if rank == 0:
+    first = everyone.rank == 0  # replica 0's rank 0
+    if first:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(f"{final.name}.tmp-*"):  # an earlier, killed save of this step
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    mesh.barrier()
+    everyone.barrier()
 
     tensors: dict[str, torch.Tensor] = {}
-    for g in model.groups:
+    for g in (model.groups if mesh.replica == 0 else ()):
         master = g.read_master()
         for s in g.layout.slots:
             lo, hi = s.local_range(rank)
             if hi > lo:
                 tensors[f"{s.name}/master"] = master[s.offset : s.offset + hi - lo].detach().cpu()
-    tensors.update({k: v for k, v in opt_tensors.items() if v.numel()})
-    if rank == 0:  # persistent buffers are replicated: one copy, read back by every rank
+    tensors.update({k: v for k, v in opt_tensors.items() if v.numel() and mesh.replica == 0})
+    if first:  # persistent buffers are replicated: one copy, read back by every rank
         for name, buf in model.persistent_buffers().items():
             tensors[f"__buffer__/{name}"] = buf.detach().cpu()
     tensors["__rng__/torch"] = torch.get_rng_state()
     if mesh.device.type == "cuda":
         tensors["__rng__/cuda"] = torch.cuda.get_rng_state(mesh.device)
-    path = tmp / rank_file(rank)
+    path = tmp / rank_file(rank, mesh.replica)
     save_file(tensors, path, metadata={"rank": str(rank), "python_random": json.dumps(random.getstate())})
     fsync_path(path)
-    files = mesh.all_gather_object({"file": path.name, "bytes": path.stat().st_size, "crc32": crc32_of(path)})
+    files = everyone.all_gather_object({"file": path.name, "bytes": path.stat().st_size, "crc32": crc32_of(path)})
 
-    if rank == 0:
+    if first:
         manifest = {
-            "format": FORMAT, "version": VERSION, "world_size": world, "step": step,
+            "format": FORMAT, "version": VERSION, "world_size": world, "replicas": mesh.replicas, "step": step,
             "param_dtype": str(model.param_dtype).removeprefix("torch."),
             "params": [
                 {"name": s.name, "shape": list(s.shape), "dtype": str(lay.dtype).removeprefix("torch."),
@@ -242,7 +245,7 @@ def save_checkpoint(
                 shutil.rmtree(old)
                 for leftover in directory.glob(f"{old.name.split('.')[0]}.tmp-*"):
                     shutil.rmtree(leftover, ignore_errors=True)
-    mesh.barrier()
+    everyone.barrier()
     return final
 
 
@@ -254,9 +257,9 @@ class _Files:
         self.info = {f["file"]: f for f in manifest["files"]}
         self.open: dict[int, object] = {}
 
-    def get(self, rank: int):
-        if rank not in self.open:
-            name = rank_file(rank)
+    def get(self, rank: int, replica: int = 0):
+        if (rank, replica) not in self.open:
+            name = rank_file(rank, replica)
             file = self.path / name
             if name not in self.info or not file.is_file():
                 raise CheckpointError(f"{file} is missing")
@@ -267,8 +270,8 @@ class _Files:
                     raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced)")
                 if crc32_of(file) != info["crc32"]:
                     raise CheckpointError(f"{file}: checksum mismatch (the file was altered or corrupted)")
-            self.open[rank] = safe_open(str(file), framework="pt")
-        return self.open[rank]
+            self.open[rank, replica] = safe_open(str(file), framework="pt")
+        return self.open[rank, replica]
 
     def read(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
         f = self.get(rank)
@@ -284,8 +287,8 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
     Works for any world size and ``group_bytes`` of the writer and the reader. The
     optimizer must group the model's parameters as the saved one did (same
     parameters in the same groups); its hyper-parameters are restored from the
-    checkpoint, as ``load_state_dict`` does. RNG states are restored when the world
-    size is unchanged. Returns the manifest.
+    checkpoint, as ``load_state_dict`` does. RNG states are restored when the shard
+    group size and the number of HSDP replicas are unchanged. Returns the manifest.
     """
     path = Path(path)
     manifest = read_manifest(path)
@@ -321,8 +324,8 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
         _load_optimizer(path, manifest, files, model, optimizer, old_world, old_seg)
     if scheduler is not None:
         scheduler.load_state_dict(manifest["scheduler"])
-    if old_world == model.world_size:
-        _restore_rng(files.get(rank), model.mesh.device)
+    if old_world == model.world_size and manifest.get("replicas", 1) == model.mesh.replicas:
+        _restore_rng(files.get(rank, model.mesh.replica), model.mesh.device)
     return manifest
 
 

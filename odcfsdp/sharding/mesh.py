@@ -5,10 +5,11 @@ Design note [mesh]
 Everything of odcfsdp's own that makes ranks *meet* (the step protocol's meetings,
 barriers, set-up exchanges, whole-model gathers for checkpoints) goes through one
 ``ShardMesh`` (the gradient norm's all-reduce is DTensor's, in ``clip_grad_norm_``); transports only
-move rows one-sidedly or, for ``collective``, through the same process group. Today a
-mesh is one flat process group (the default one, a given ``process_group``, or a 1-D
-``DeviceMesh``); a 2-D replicate x shard mesh (HSDP) extends this class, not its
-callers. Without ``torch.distributed`` initialised it is a single rank and every
+move rows one-sidedly or, for ``collective``, through the same process group. A mesh is
+one flat process group (the default one, a given ``process_group``, or a 1-D
+``DeviceMesh``), or a 2-D replicate x shard ``DeviceMesh`` (HSDP, [hsdp]): then ``rank``,
+``world_size`` and the collectives are the shard group's, ``replicate`` the group of this
+shard's copies and ``everyone`` all ranks (the watchdog, checkpoints). Without ``torch.distributed`` initialised it is a single rank and every
 collective is the identity.
 """
 
@@ -127,129 +128,33 @@ class _Heartbeat:
                 pass
 
 
-class ShardMesh:
-    """Rank, world size, device and the meeting operations of the ranks a model is sharded over.
+class RankGroup:
+    """Rank, size and the rare collectives (set-up, the step, checkpoints) of one process group.
 
     Args:
-        device: where this rank's rows and buffers live.
-        process_group: the ranks to shard over (None: the default group, or one process
-            if torch.distributed is not initialised).
-        device_mesh: a 1-D ``DeviceMesh`` to shard over instead of ``process_group``.
-        timeout_s: how long a rank waits for the others: ``arrive`` names the ranks missing at a
-            meeting after it, and the heartbeat ends the process naming a rank silent for it
-            (0 or inf: no watchdog).
+        group: the process group (None: the default group, or one process if
+            torch.distributed is not initialised).
     """
 
-    def __init__(self, device: torch.device, process_group: dist.ProcessGroup | None = None, device_mesh=None,
-                 timeout_s: float = 300.0):
-        if device_mesh is not None:
-            if process_group is not None:
-                raise ValueError("pass either process_group= or mesh=, not both")
-            if device_mesh.ndim != 1:
-                raise ValueError(f"mesh must be 1-D (the ranks to shard over), got a {device_mesh.ndim}-D mesh; "
-                                 "hybrid sharding over a 2-D mesh is not supported yet")
-            process_group = device_mesh.get_group()
-        self.device = device
-        self.group = process_group
-        self.distributed = process_group is not None or dist.is_initialized()
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.distributed = group is not None or dist.is_initialized()
         if self.distributed:
-            self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
-        self._device_mesh = device_mesh
-        self.timeout_s = timeout_s
-        self._arrivals = 0  # arrive() calls so far (the same sequence on every rank)
-        self._store = None
-        self._prefix = f"odcfsdp/arrive/{id(self)}"
-        self._at = "before the first meeting"  # where this rank is, for the watchdog's report
-        self._heartbeat: _Heartbeat | None = None
-        if self.world_size > 1:
-            # One key prefix per mesh, agreed on by all ranks (ids differ between processes).
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self._store = _get_default_store()
-            n = self._store.add("odcfsdp/meshes", 1 if self.rank == 0 else 0)
-            token = [f"odcfsdp/arrive/{n}"] if self.rank == 0 else [None]
-            dist.broadcast_object_list(token, src=self.global_rank(0), group=self.group)
-            self._prefix = token[0]
-            if 0 < timeout_s < float("inf"):
-                me = weakref.ref(self)
-                self._heartbeat = _Heartbeat(self._store, self._prefix, self.rank, self.world_size, timeout_s,
-                                             lambda: (me()._at if me() is not None else "closing"))
-                weakref.finalize(self, self._heartbeat.stop)
-
-    def close(self) -> None:
-        """Stop this rank's watchdog (the peers stop watching it); meetings after this are unguarded."""
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-
-    @property
-    def device_mesh(self):
-        """The ``DeviceMesh`` parameters are DTensors on (None without torch.distributed)."""
-        if self._device_mesh is None and self.distributed:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._device_mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
-        return self._device_mesh
 
     def global_rank(self, rank: int) -> int:
-        """The default group's rank of this mesh's ``rank``."""
+        """The default group's rank of this group's ``rank``."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    # -- the watchdog ------------------------------------------------------------------------------
-    def arrive(self, what: str) -> None:
-        """Wait until every rank has arrived here; after ``timeout_s`` raise naming the ranks that did not.
-
-        Design note [watchdog]: a rank that stops (a hang, SIGSTOP, a dead GPU) would leave the
-        others waiting forever in the next collective or one-sided wait. Two guards, both through
-        the process group's key-value store (hosted by the launcher: torchrun's agent, or
-        ``spawn``'s parent, so no rank's fate takes it down):
-
-        1. Arrival: before each meeting every rank registers its arrival (one key per rank and
-           meeting, a counter per meeting) and polls the counter; the survivors of a rank that is
-           alive but never comes (stuck in a kernel, a loop) all time out at the same meeting and
-           raise the same error, naming the missing ranks and ``what`` they were expected at.
-           Costs a few store round trips per meeting.
-        2. Liveness (``_Heartbeat``): a thread per rank beats once a second and watches the
-           peers' beats; a peer silent for ``timeout_s`` is stopped, and the rank may then be
-           blocked where no exception reaches (inside a collective, a one-sided wait), so the
-           thread reports one line (``set_fatal_handler``) and ends the process, as NCCL's
-           watchdog does. A rank paused in a debugger longer than ``timeout_s`` ends the run too.
-        """
-        if self._store is None:
-            return
-        self._at = f"waiting at {what}"
-        seq = self._arrivals
-        self._arrivals += 1
-        key = f"{self._prefix}/{seq}"
-        self._store.set(f"{key}/{self.rank}", "1")
-        deadline = time.monotonic() + self.timeout_s
-        pause = 1e-4
-        arrived = self._store.add(key, 1)
-        while arrived < self.world_size:
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if not self._store.check([f"{key}/{r}"])]
-                raise RuntimeError(
-                    f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} s (run.timeout_s / "
-                    f"ODCShard(timeout=)); rank {self.rank} stops here")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
-            arrived = self._store.add(key, 0)
-        if seq >= 2:  # every rank is past meeting seq - 1, so nobody reads seq - 2's keys again
-            old = f"{self._prefix}/{seq - 2}"
-            if self.rank == 0:
-                self._store.delete_key(old)
-            self._store.delete_key(f"{old}/{self.rank}")
-        self._at = f"past {what}"
-
-    # -- meeting operations: rare (set-up, the step, checkpoints) ------------------------------------
     def barrier(self) -> None:
         """Wait for all ranks."""
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a small tensor over ranks (in place) and return it."""
+        """Sum a tensor over ranks (in place) and return it."""
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)
         return t
@@ -278,6 +183,165 @@ class ShardMesh:
         box = [obj]
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
         return box[0]
+
+
+class ShardMesh(RankGroup):
+    """The ranks a model is sharded over (``rank``, ``world_size``, their collectives), its device,
+    the replicas of hybrid sharding and the watchdog.
+
+    Design note [hsdp]: a 2-D ``DeviceMesh`` ``(replicate, shard)`` shards parameters within each
+    shard group (mesh dim 1: the one-sided transport, meetings, checkpoint shards) and replicates
+    them across groups (mesh dim 0). Shard groups run the ODC protocol on their own; replicas meet
+    once per minibatch, in the sync ([step-protocol] 1), where after the shard group's meeting each
+    trained group's fp32 accumulator row is summed over the replicas (one all-reduce per group,
+    plus one integer for the pushes), so every replica holds the same reduced gradient shards and
+    takes the same step. Nothing crosses replicas between the first forward and that sync, and
+    ranks may run different numbers of micro-batches in any replica. Parameters are DTensors
+    ``(Replicate(), Shard(0))`` on the 2-D mesh, as FSDP2's HSDP.
+
+    Args:
+        device: where this rank's rows and buffers live.
+        process_group: the ranks to shard over (None: the default group, or one process
+            if torch.distributed is not initialised).
+        device_mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D (full sharding over its
+            ranks) or 2-D ``(replicate, shard)`` spanning the default group (hybrid sharding).
+        timeout_s: how long a rank waits for the others: ``arrive`` names the ranks missing at a
+            meeting after it, and the heartbeat ends the process naming a rank silent for it
+            (0 or inf: no watchdog).
+    """
+
+    def __init__(self, device: torch.device, process_group: dist.ProcessGroup | None = None, device_mesh=None,
+                 timeout_s: float = 300.0):
+        replicate_group = None
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("pass either process_group= or mesh=, not both")
+            if device_mesh.ndim == 1:
+                process_group = device_mesh.get_group()
+            elif device_mesh.ndim == 2:
+                if device_mesh.size() != dist.get_world_size():
+                    raise ValueError(f"a 2-D (replicate, shard) mesh must span every rank ({dist.get_world_size()}), "
+                                     f"this one has {device_mesh.size()}")
+                replicate_group, process_group = device_mesh.get_group(0), device_mesh.get_group(1)
+            else:
+                raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got a {device_mesh.ndim}-D mesh")
+        super().__init__(process_group)
+        self.device = device
+        self.replicate = RankGroup(replicate_group) if replicate_group is not None else None
+        self.replicas = self.replicate.world_size if self.replicate else 1  # copies of every shard
+        self.replica = self.replicate.rank if self.replicate else 0  # which copy this rank holds
+        self.everyone = RankGroup(None) if self.replicate else self  # every rank of the mesh
+        self._device_mesh = device_mesh
+        self.timeout_s = timeout_s
+        self._arrivals = 0  # arrive() calls so far (the same sequence on every rank)
+        self._store = None
+        self._prefix = f"odcfsdp/arrive/{id(self)}"
+        self._at = "before the first meeting"  # where this rank is, for the watchdog's report
+        self._heartbeat: _Heartbeat | None = None
+        who = self.everyone
+        if who.world_size > 1:
+            # One key prefix per mesh, agreed on by all its ranks (ids differ between processes).
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store = _get_default_store()
+            n = self._store.add("odcfsdp/meshes", 1 if who.rank == 0 else 0)
+            self._prefix = who.broadcast_object(f"odcfsdp/arrive/{n}" if who.rank == 0 else None)
+            if 0 < timeout_s < float("inf"):
+                me = weakref.ref(self)
+                self._heartbeat = _Heartbeat(self._store, self._prefix, who.rank, who.world_size, timeout_s,
+                                             lambda: (me()._at if me() is not None else "closing"))
+                weakref.finalize(self, self._heartbeat.stop)
+
+    def close(self) -> None:
+        """Stop this rank's watchdog (the peers stop watching it); meetings after this are unguarded."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    @property
+    def device_mesh(self):
+        """The ``DeviceMesh`` parameters are DTensors on (None without torch.distributed)."""
+        if self._device_mesh is None and self.distributed:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
+        return self._device_mesh
+
+    def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the replicas of this shard (in place; the identity without HSDP)."""
+        return self.replicate.all_reduce_sum(t) if self.replicate else t
+
+    # -- the watchdog ------------------------------------------------------------------------------
+    def arrive(self, what: str) -> None:
+        """Wait until every rank has arrived here; after ``timeout_s`` raise naming the ranks that did not.
+
+        Design note [watchdog]: a rank that stops (a hang, SIGSTOP, a dead GPU) would leave the
+        others waiting forever in the next collective or one-sided wait. Two guards, both through
+        the process group's key-value store (hosted by the launcher: torchrun's agent, or
+        ``spawn``'s parent, so no rank's fate takes it down):
+
+        1. Arrival: before each meeting every rank registers its arrival (one key per rank and
+           meeting, a counter per meeting) and polls the counter; the survivors of a rank that is
+           alive but never comes (stuck in a kernel, a loop) all time out at the same meeting and
+           raise the same error, naming the missing ranks and ``what`` they were expected at.
+           Costs a few store round trips per meeting.
+        2. Liveness (``_Heartbeat``): a thread per rank beats once a second and watches the
+           peers' beats; a peer silent for ``timeout_s`` is stopped, and the rank may then be
+           blocked where no exception reaches (inside a collective, a one-sided wait), so the
+           thread reports one line (``set_fatal_handler``) and ends the process, as NCCL's
+           watchdog does. A rank paused in a debugger longer than ``timeout_s`` ends the run too.
+        """
+        if self._store is None:
+            return
+        self._at = f"waiting at {what}"
+        who = self.everyone  # HSDP: every replica's ranks (global ranks)
+        seq = self._arrivals
+        self._arrivals += 1
+        key = f"{self._prefix}/{seq}"
+        self._store.set(f"{key}/{who.rank}", "1")
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        arrived = self._store.add(key, 1)
+        while arrived < who.world_size:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(who.world_size) if not self._store.check([f"{key}/{r}"])]
+                raise RuntimeError(
+                    f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} s (run.timeout_s / "
+                    f"ODCShard(timeout=)); rank {who.rank} stops here")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+            arrived = self._store.add(key, 0)
+        if seq >= 2:  # every rank is past meeting seq - 1, so nobody reads seq - 2's keys again
+            old = f"{self._prefix}/{seq - 2}"
+            if who.rank == 0:
+                self._store.delete_key(old)
+            self._store.delete_key(f"{old}/{who.rank}")
+        self._at = f"past {what}"
+
+
+def hybrid_mesh(replicas: int | None, device_type: str, one_sided: bool = True):
+    """The ``DeviceMesh`` for ``replicas`` copies of the model ([hsdp]); None for full sharding or one process.
+
+    ``replicas=None`` puts one shard group on each node (torchrun's ``LOCAL_WORLD_SIZE``).
+    A shard group wider than a node needs a transport that reaches other hosts, which the
+    one-sided ones (``shm``: one host's memory, ``nvshmem``: peer pointers) do not yet.
+    """
+    if not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    replicas = replicas or max(1, world // local)
+    if world % replicas:
+        raise ValueError(f"shard.replicas={replicas} must divide the world size {world}")
+    shard = world // replicas
+    if one_sided and shard > local:
+        raise ValueError(
+            f"a shard group of {shard} ranks spans nodes of {local}, and the one-sided transports reach only their "
+            f"own node: use shard.replicas={world // local} (HSDP, one shard group per node) or shard.comm=collective")
+    if replicas == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases. Looked up at

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
@@ -89,12 +89,17 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def shard_placements(device_mesh) -> tuple:
+    """A shard's DTensor placements: ``(Shard(0),)``, or ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh ([hsdp])."""
+    return (Shard(0),) if device_mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
 def as_global(local: torch.Tensor, shape: tuple[int, ...], device_mesh, requires_grad: bool = False,
               cls: type = DTensor) -> torch.Tensor:
     """``local`` (a rank's dim-0 shard) as a ``cls`` DTensor of global ``shape`` (itself without a mesh)."""
     if device_mesh is None:
         return local
-    spec = DTensorSpec(device_mesh, (Shard(0),), TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype))
+    spec = DTensorSpec(device_mesh, shard_placements(device_mesh), TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype))
     return cls(local, spec, requires_grad=requires_grad)
 
 

@@ -10,8 +10,9 @@ PyTorch loop already needs every rank's gradients, without any call of odcfsdp's
    ``.grad`` after the rank's micro-batches (``clip_grad_norm_``, or the optimizer's
    step): this rank's pushes are made complete and visible (its push stream, the
    transport's ``quiesce``), then one meeting; afterwards every rank's pushes are in,
-   so each rank's accumulator rows hold its fully reduced gradient shard, and they
-   are attached as the shards' ``.grad`` ([params]);
+   so each rank's accumulator rows hold its fully reduced gradient shard (with HSDP
+   after a sum over the replicas, [hsdp] in ``mesh.py``), and they are attached as
+   the shards' ``.grad`` ([params]);
 2. the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
    update the fp32 masters in place;
 3. *finish*, as soon as every trained parameter's gradient is consumed (stepped on
@@ -224,6 +225,11 @@ class StepProtocol:
                 f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks pushed "
                 f"{pushes.tolist()} gradients: balance with lb_micro, or use a one-sided transport")
         self.synced_pushes = int(pushes.sum())
+        if self.mesh.replicas > 1:  # [hsdp]: the replicas' only meeting in the minibatch
+            self.synced_pushes = int(self.mesh.sum_over_replicas(pushes.sum().reshape(1).to(self.mesh.device)).item())
+            if self.synced_pushes:
+                for g in self._trained:
+                    self.mesh.sum_over_replicas(g.accumulator)
         self._consumed = set()
         if self.synced_pushes:
             for g in self._trained:

@@ -154,7 +154,10 @@ class ODCShard(nn.Module):
         units: module classes whose instances are hooked as a whole (all parameters
             of their subtree gathered before their forward, e.g. the decoder layer
             class); other modules that own parameters are hooked one by one.
-        mesh: a 1-D ``DeviceMesh`` to shard over, instead of ``process_group``.
+        mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D to shard over its ranks, or
+            2-D ``("replicate", "shard")`` for hybrid sharding (HSDP): sharded within each
+            shard group, replicated across them, replicas combined once per minibatch at
+            the first ``.grad`` read (see [hsdp] in ``mesh.py``).
         timeout: seconds a rank waits at a meeting for the others before raising an error that
             names the ranks that did not come; a rank silent (stopped) this long ends the
             others' processes with one line naming it (see [watchdog] in ``mesh.py``).
@@ -306,11 +309,13 @@ class ODCShard(nn.Module):
         """
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 0:
             raise ValueError(f"micro_batches must be an int >= 0, got {micro_batches!r}")
-        if self.world_size == 1 or (self.transport.one_sided and tokens is None):
+        everyone = self.mesh.everyone  # with HSDP the tokens of every replica count
+        if everyone.world_size == 1 or (self.transport.one_sided and tokens is None):
             return tokens
         local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.mesh.device)
-        table = self.mesh.all_gather_rows(local).cpu()
-        counts = table[:, 0].tolist()
+        table = everyone.all_gather_rows(local).cpu()
+        counts = [int(table[r if everyone is self.mesh else self.mesh.global_rank(r), 0])
+                  for r in range(self.world_size)]  # this shard group's
         if not self.transport.one_sided and len(set(counts)) > 1:
             raise RuntimeError(
                 f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, got {counts} "

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .group import FlatGroup
 from .mesh import ShardMesh
@@ -61,7 +61,7 @@ def _shard_of(value: torch.Tensor, sp, rank: int) -> torch.Tensor:
     """This rank's shard of ``value``: a matching DTensor's local tensor, or the rows of a full tensor."""
     if isinstance(value, DTensor):
         local = value.to_local()
-        if value.placements == (Shard(0),) and tuple(local.shape) == tuple(sp.local.shape):
+        if value.placements == getattr(sp.sharded, "placements", None) and tuple(local.shape) == tuple(sp.local.shape):
             return local
         value = value.full_tensor()  # another placement or mesh size: reshard through the full value
     lo, hi = sp.slot.local_range(rank)
@@ -72,7 +72,7 @@ def load_sharded(groups: Sequence[FlatGroup], protocol: StepProtocol, aliases: d
                  state: dict[str, torch.Tensor], strict: bool) -> tuple[list[str], list[str]]:
     """``load_state_dict`` of a wrapped model (collective); returns (missing keys, unexpected keys).
 
-    Parameter values are this rank's shards (DTensors with a ``Shard(0)`` placement) or
+    Parameter values are this rank's shards (DTensors placed as the model's: ``Shard(0)``, HSDP ``(Replicate(), Shard(0))``) or
     full tensors; buffers are whole. Shapes are checked before anything changes.
     """
     params = {sp.name: (g, sp) for g in groups for sp in g.params}

@@ -1,0 +1,99 @@
+"""Hybrid sharding (HSDP, [hsdp] in odcfsdp/sharding/mesh.py) on CPU: a 2-D (replicate, shard) mesh, shm within
+each shard group and gloo across replicas, against one plain process on the union of the data; where replicas meet;
+checkpoints across mesh shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from odcfsdp import ODCShard
+from odcfsdp.launch import spawn
+from odcfsdp.sharding.mesh import hybrid_mesh
+from parity import ParityModel, Run, causal_lm_loss, sharded_run
+from test_checkpoint import assert_same_state, build, full_state, train_steps
+from test_parity import check_against_reference
+from test_protocol import counting
+
+
+@pytest.mark.parametrize("replicas, micro_batches", [
+    (2, [2, 2, 2, 2]),        # 2 x 2, equal counts
+    (2, [1, 3, 0, 2]),        # 2 x 2, uneven, a rank without micro-batches
+    (2, [1, 0, 2, 3, 1, 1]),  # 2 x 3, uneven
+])
+def test_hsdp_matches_one_process_on_the_union(replicas, micro_batches):
+    """AdamW over two parameter groups, clipping active, 3 steps: losses, norms and parameters equal the plain run's
+    (fp32, rtol 1e-5), whatever each rank's share of micro-batches in either replica."""
+    world = len(micro_batches)
+    run = Run(world, micro_batches=micro_batches)
+    results = spawn(sharded_run, world, run, torch.float32, 4096, True, "shm", "cpu", 1, None, (), None, replicas,
+                    timeout=300)
+    assert [len(r["losses"][0]) for r in results] == micro_batches
+    check_against_reference(run, results, torch.float32)
+
+
+def _count_across_replicas(micro_batches: list[int]) -> list[dict]:
+    rank = dist.get_rank()
+    run = Run(len(micro_batches), micro_batches)
+    model = ODCShard(ParityModel(), 4096, comm="shm", mesh=hybrid_mesh(2, "cpu"))
+    across = model.mesh.replicate.group
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    per_step = []
+    for step in range(2):
+        phases: dict[str, list] = {}
+        with counting(phases.setdefault("micro-batches", []), with_groups=True):
+            for x, y in run.data[step][rank]:
+                causal_lm_loss(model(x), y, run.tokens(step)).backward()
+        with counting(phases.setdefault("clip", []), with_groups=True):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with counting(phases.setdefault("step", []), with_groups=True):
+            opt.step()
+        with counting(phases.setdefault("zero_grad", []), with_groups=True):
+            opt.zero_grad()
+        per_step.append(phases)
+    trained = sum(g.layout.requires_grad for g in model.groups)
+    model.close()
+    return [{k: [name for name, group in v if group is across] for k, v in p.items()}
+            | {"all": {k: [name for name, _ in v] for k, v in p.items()}, "trained": trained} for p in per_step]
+
+
+def test_replicas_meet_once_per_minibatch_at_the_sync():
+    """Between the first forward and the step nothing runs across replicas; in the sync (the first .grad read, in
+    clip_grad_norm_) one all-reduce of the push count plus one per trained group; nothing in the step; zero_grad's
+    pass (a sync that finds nothing) only the push count: no replica can tell alone that the others pushed nothing."""
+    for per_step in spawn(_count_across_replicas, 4, [3, 0, 1, 2], timeout=300):
+        for p in per_step:
+            assert p["micro-batches"] == [] and p["all"]["micro-batches"] == []
+            assert p["clip"] == ["all_reduce"] * (1 + p["trained"])
+            assert p["step"] == [] and p["zero_grad"] == ["all_reduce"]
+
+
+def _save_hsdp(path: str) -> dict:
+    model, opt = build(mesh=hybrid_mesh(2, "cpu"))
+    train_steps(model, opt, 2)
+    from odcfsdp.checkpoint import save_checkpoint
+
+    save_checkpoint(path, model, opt, step=2)
+    return full_state(model, opt)
+
+
+def _load_mesh(path: str, replicas: int) -> dict:
+    from odcfsdp.checkpoint import latest_checkpoint, load_checkpoint
+
+    model, opt = build(group_bytes=2048, seed=123, mesh=hybrid_mesh(replicas, "cpu"))
+    manifest = load_checkpoint(latest_checkpoint(path), model, opt)
+    out = full_state(model, opt)
+    out["step"], out["replicas"] = manifest["step"], manifest["replicas"]
+    return out
+
+
+@pytest.mark.parametrize("world, replicas", [(3, 1), (4, 4), (4, 2)])
+def test_checkpoint_moves_between_mesh_shapes_exactly(tmp_path, world, replicas):
+    """Saved under 2 x 2 (replica 0 writes the shards), loaded under 1 x 3, 4 x 1 and 2 x 2 with other groups: master
+    weights and AdamW state bit for bit."""
+    written = spawn(_save_hsdp, 4, str(tmp_path), timeout=300)
+    assert all(w["params"].keys() == written[0]["params"].keys() for w in written)
+    for loaded in spawn(_load_mesh, world, str(tmp_path), replicas, timeout=300):
+        assert loaded["step"] == 2 and loaded["replicas"] == 2
+        assert_same_state(written[0], loaded)
