@@ -97,3 +97,33 @@ def test_checkpoint_moves_between_mesh_shapes_exactly(tmp_path, world, replicas)
     for loaded in spawn(_load_mesh, world, str(tmp_path), replicas, timeout=300):
         assert loaded["step"] == 2 and loaded["replicas"] == 2
         assert_same_state(written[0], loaded)
+
+
+def _meshes_across_nodes() -> list:
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # as torchrun sets it for 2 nodes of 1 rank
+    out = [tuple(hybrid_mesh(None, "cpu").shape)]  # default: one shard group per node
+    try:
+        hybrid_mesh(1, "cpu", one_sided=True)
+    except ValueError as e:
+        out.append(str(e))
+    out.append(hybrid_mesh(1, "cpu", one_sided=False))  # the collective transport reaches every host
+    return out
+
+
+def test_the_default_mesh_puts_one_shard_group_on_each_node():
+    for shape, error, collective in spawn(_meshes_across_nodes, 2, timeout=120):
+        assert shape == (2, 1) and collective is None
+        assert "spans nodes of 1" in error and "shard.replicas=2" in error
+
+
+def test_shard_replicas_through_the_cli(tmp_path):
+    """shard.replicas=2 on 2 ranks (2 x 1) trains as full sharding over 2 ranks: same losses."""
+    from test_train import run_ranks
+
+    base = {"run": {"steps": 3}}
+    hsdp = run_ranks({**base, "shard": {"replicas": 2}}, tmp_path / "hsdp")
+    full = run_ranks({**base, "shard": {"replicas": 1}}, tmp_path / "full")
+    torch.testing.assert_close([r["loss"] for r in hsdp], [r["loss"] for r in full], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in hsdp], [r["grad_norm"] for r in full], rtol=1e-5, atol=0)

@@ -64,6 +64,8 @@ def test_default_job_short_run(tmp_path):
         ({"data": {"source": "jsonl"}}, "data.source=jsonl needs data.path"),
         ({"model": {"name": "hf"}}, "model.name=hf needs one of model.path"),
         ({"model": {"compile": True}}, "model.compile=true needs shard.units=[DecoderLayer]"),
+        ({"shard": {"replicas": 3}}, "shard.replicas=3 must divide run.world_size=2"),
+        ({"shard": {"replicas": 0}}, "shard.replicas=0 must be > 0"),
     ],
 )
 def test_invalid_values_name_key_and_choices(overrides, message):
