@@ -199,6 +199,14 @@ class ShardMesh(RankGroup):
     ranks may run different numbers of micro-batches in any replica. Parameters are DTensors
     ``(Replicate(), Shard(0))`` on the 2-D mesh, as FSDP2's HSDP.
 
+    Across nodes HSDP is the layout to run, not only the one that exists: one-sided gets and
+    pushes move a copy of every remote shard per *rank*, g (GPUs per node) times the
+    inter-node bytes of a NCCL ring, which enters each node once. For 8B on 2 x 8 GPUs over
+    400 Gb/s per GPU (``benchmarks/multinode_cost_model.py``, ``results/cost_model/``) full
+    sharding over such a path takes 0.71 s of InfiniBand per micro-batch against 0.31 s of
+    compute for 2K tokens; HSDP moves nothing across nodes per micro-batch and 4 GiB per rank
+    per minibatch (0.10 s at the step), for twice the sharded state (16.8 vs 8.4 GiB per GPU).
+
     Args:
         device: where this rank's rows and buffers live.
         process_group: the ranks to shard over (None: the default group, or one process
