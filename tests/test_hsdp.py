@@ -88,15 +88,26 @@ def _load_mesh(path: str, replicas: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world, replicas", [(3, 1), (4, 4), (4, 2)])
-def test_checkpoint_moves_between_mesh_shapes_exactly(tmp_path, world, replicas):
-    """Saved under 2 x 2 (replica 0 writes the shards), loaded under 1 x 3, 4 x 1 and 2 x 2 with other groups: master
-    weights and AdamW state bit for bit."""
-    written = spawn(_save_hsdp, 4, str(tmp_path), timeout=300)
+@pytest.fixture(scope="module")
+def hsdp_checkpoint(tmp_path_factory):
+    """(directory, full state) of a checkpoint saved under 2 x 2, once for the module."""
+    path = tmp_path_factory.mktemp("hsdp")
+    written = spawn(_save_hsdp, 4, str(path), timeout=300)
     assert all(w["params"].keys() == written[0]["params"].keys() for w in written)
-    for loaded in spawn(_load_mesh, world, str(tmp_path), replicas, timeout=300):
+    assert sorted(f.name for f in next(path.iterdir()).iterdir()) == [
+        "manifest.json", "rank00000.safetensors", "rank00001.safetensors", "replica00001-rank00000.safetensors",
+        "replica00001-rank00001.safetensors"]
+    return path, written[0]
+
+
+@pytest.mark.parametrize("world, replicas", [(3, 1), (4, 4), (4, 2)])
+def test_checkpoint_moves_between_mesh_shapes_exactly(hsdp_checkpoint, world, replicas):
+    """Saved under 2 x 2 (replica 0 writes the shards, replica 1 its RNG states), loaded under 1 x 3, 4 x 1 and
+    2 x 2 with other groups: master weights and AdamW state bit for bit."""
+    path, written = hsdp_checkpoint
+    for loaded in spawn(_load_mesh, world, str(path), replicas, timeout=300):
         assert loaded["step"] == 2 and loaded["replicas"] == 2
-        assert_same_state(written[0], loaded)
+        assert_same_state(written, loaded)
 
 
 def _meshes_across_nodes() -> list:
