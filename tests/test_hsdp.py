@@ -60,13 +60,14 @@ def _count_across_replicas(micro_batches: list[int]) -> list[dict]:
 
 def test_replicas_meet_once_per_minibatch_at_the_sync():
     """Between the first forward and the step nothing runs across replicas; in the sync (the first .grad read, in
-    clip_grad_norm_) one all-reduce of the push count plus one per trained group; nothing in the step; zero_grad's
-    pass (a sync that finds nothing) only the push count: no replica can tell alone that the others pushed nothing."""
+    clip_grad_norm_) one small all-gather (each group's meeting and push count) plus one all-reduce per trained
+    group; nothing in the step; zero_grad's pass (a sync that finds nothing) only the small all-gather: no replica
+    can tell alone that the others pushed nothing."""
     for per_step in spawn(_count_across_replicas, 4, [3, 0, 1, 2], timeout=300):
         for p in per_step:
             assert p["micro-batches"] == [] and p["all"]["micro-batches"] == []
-            assert p["clip"] == ["all_reduce"] * (1 + p["trained"])
-            assert p["step"] == [] and p["zero_grad"] == ["all_reduce"]
+            assert p["clip"] == ["all_gather_single"] + ["all_reduce"] * p["trained"]
+            assert p["step"] == [] and p["zero_grad"] == ["all_gather_single"]
 
 
 def _save_hsdp(path: str) -> dict:
@@ -138,3 +139,33 @@ def test_shard_replicas_through_the_cli(tmp_path):
     full = run_ranks({**base, "shard": {"replicas": 1}}, tmp_path / "full")
     torch.testing.assert_close([r["loss"] for r in hsdp], [r["loss"] for r in full], rtol=1e-5, atol=0)
     torch.testing.assert_close([r["grad_norm"] for r in hsdp], [r["grad_norm"] for r in full], rtol=1e-5, atol=0)
+
+
+def _misuse_hsdp() -> list[str]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    errors = []
+    model = ODCShard(ParityModel(), 4096, comm="collective", mesh=hybrid_mesh(2, "cpu"))  # 2 x 1
+    x = torch.randint(0, 97, (2, 6))
+    model(x).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the replicas' gradients are summed here
+    try:
+        model(x).sum().backward()  # a second sum would count them twice
+    except RuntimeError as e:
+        errors.append(str(e))
+    model.close()
+    try:
+        ODCShard(ParityModel(), 4096, mesh=DeviceMesh("cpu", [[1, 0]]))
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_hsdp_misuse_is_refused():
+    """Reading gradients then running forward without a step is refused under HSDP even with one rank per shard
+    group and the collective transport (the replicas' sum already happened); a 2-D mesh not laid out
+    (replicate, shard) over ranks in order is refused."""
+    for errors in spawn(_misuse_hsdp, 2, timeout=120):
+        assert len(errors) == 2, errors
+        assert "or with HSDP replicas (summed at that read)" in errors[0]
+        assert "a 2-D mesh must be (replicate, shard) over ranks 0..1 in order" in errors[1]

@@ -1,10 +1,12 @@
 """The checkpoint manifest: what a checkpoint holds and how to check it against a model.
 
 A checkpoint directory ``step_00000123/`` holds one ``rank00000.safetensors`` per
-rank that wrote it and ``manifest.json``:
+rank of the shard group that wrote it and ``manifest.json``; with HSDP, the other
+replicas' ranks add ``replica<k>-rank<r>.safetensors`` holding only their RNG states:
 
 * ``format`` / ``version``: ``odcfsdp-checkpoint`` / 2 (1 is read too);
-* ``world_size``, ``step``, ``config`` and ``extra`` (e.g. the data position);
+* ``world_size`` (the shard group's size), ``replicas`` (HSDP copies; absent: 1),
+  ``step``, ``config`` and ``extra`` (e.g. the data position);
 * ``params``: per parameter its name, shape, dtype, requires_grad, and where it
   sat in the writer's plan: group, row offset and shard length ``seg``. Rank q
   stored elements ``[q * seg, min((q + 1) * seg, numel))`` of the flattened

@@ -85,12 +85,19 @@ class _Heartbeat:
             _die(f"rank(s) {missing} never started their watchdog within {self._timeout_s:g} s "
                  f"(run.timeout_s / ODCShard(timeout=)); rank {self._rank} stops here, {self._where()}")
         seen = {r: (None, time.monotonic()) for r in range(len(self._keys)) if r != self._rank}
+        unreachable_since = None
         while not self._stop.wait(period):
             try:
                 self._store.add(self._keys[self._rank], 1)
                 values = [int(v) for v in self._store.multi_get(self._keys)]
-            except Exception:  # noqa: BLE001 - the store is gone: the run is ending anyway
-                return
+                unreachable_since = None
+            except Exception as e:  # noqa: BLE001 - a store hiccup is retried; a store gone for good ends the run
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self._timeout_s and not self._stop.is_set():
+                    _die(f"the process group's store did not answer for {self._timeout_s:g} s ({type(e).__name__}); "
+                         f"rank {self._rank} stops here, {self._where()}")
+                continue
             now = time.monotonic()
             for r, (last, since) in list(seen.items()):
                 if values[r] < 0:
@@ -102,6 +109,10 @@ class _Heartbeat:
                 self._kill_stopped(stale)
                 _die(f"rank(s) {stale} stopped responding (no sign of life for {self._timeout_s:g} s; run.timeout_s / "
                      f"ODCShard(timeout=)); rank {self._rank} stops here, {self._where()}")
+        try:  # written here, after the last beat, so that no beat can turn it back into a count
+            self._store.set(self._keys[self._rank], "-1")
+        except Exception:  # noqa: BLE001 - the store may already be gone at exit
+            pass
 
     def _kill_stopped(self, ranks: list[int]) -> None:
         """SIGKILL those of ``ranks`` that are stopped processes on this host.
@@ -119,13 +130,10 @@ class _Heartbeat:
                 pass
 
     def stop(self) -> None:
-        """Stop beating and tell the peers not to watch this rank any more."""
-        if not self._stop.is_set():
-            self._stop.set()
-            try:
-                self._store.set(self._keys[self._rank], "-1")
-            except Exception:  # noqa: BLE001 - the store may already be gone at exit
-                pass
+        """Stop beating; the thread then tells the peers not to watch this rank any more (-1)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
 
 class RankGroup:
@@ -191,12 +199,15 @@ class ShardMesh(RankGroup):
 
     Design note [hsdp]: a 2-D ``DeviceMesh`` ``(replicate, shard)`` shards parameters within each
     shard group (mesh dim 1: the one-sided transport, meetings, checkpoint shards) and replicates
-    them across groups (mesh dim 0). Shard groups run the ODC protocol on their own; replicas meet
-    once per minibatch, in the sync ([step-protocol] 1), where after the shard group's meeting each
-    trained group's fp32 accumulator row is summed over the replicas (one all-reduce per group,
-    plus one integer for the pushes), so every replica holds the same reduced gradient shards and
-    takes the same step. Nothing crosses replicas between the first forward and that sync, and
-    ranks may run different numbers of micro-batches in any replica. Parameters are DTensors
+    them across groups (mesh dim 0). Shard groups run the ODC protocol on their own; replicas
+    exchange data in the sync ([step-protocol] 1) only: after the shard group's meeting, one small
+    all-gather of each group's (meeting, minibatch, pushes, problem) across replicas, so that they
+    agree on the minibatch and stop together if one group found a problem, then each trained
+    group's fp32 accumulator row is summed over the replicas (one all-reduce per group), so every
+    replica holds the same reduced gradient shards and takes the same step. A ``zero_grad`` pass
+    that syncs and finds nothing costs only the small all-gather. Nothing crosses replicas
+    between the first forward and that sync, and ranks may run different numbers of
+    micro-batches in any replica; the watchdog's arrival at each meeting spans all ranks. Parameters are DTensors
     ``(Replicate(), Shard(0))`` on the 2-D mesh, as FSDP2's HSDP.
 
     Across nodes HSDP is the layout to run, not only the one that exists: one-sided gets and
@@ -227,9 +238,11 @@ class ShardMesh(RankGroup):
             if device_mesh.ndim == 1:
                 process_group = device_mesh.get_group()
             elif device_mesh.ndim == 2:
-                if device_mesh.size() != dist.get_world_size():
-                    raise ValueError(f"a 2-D (replicate, shard) mesh must span every rank ({dist.get_world_size()}), "
-                                     f"this one has {device_mesh.size()}")
+                world = dist.get_world_size()
+                if device_mesh.mesh.flatten().tolist() != list(range(world)):
+                    raise ValueError(f"a 2-D mesh must be (replicate, shard) over ranks 0..{world - 1} in order "
+                                     f"(init_device_mesh(device, (replicas, {world} // replicas))), got "
+                                     f"{device_mesh.mesh.tolist()}")
                 replicate_group, process_group = device_mesh.get_group(0), device_mesh.get_group(1)
             else:
                 raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got a {device_mesh.ndim}-D mesh")
@@ -258,12 +271,13 @@ class ShardMesh(RankGroup):
                 me = weakref.ref(self)
                 self._heartbeat = _Heartbeat(self._store, self._prefix, who.rank, who.world_size, timeout_s,
                                              lambda: (me()._at if me() is not None else "closing"))
-                weakref.finalize(self, self._heartbeat.stop)
+                self._stop_heartbeat = weakref.finalize(self, self._heartbeat.stop)
 
     def close(self) -> None:
         """Stop this rank's watchdog (the peers stop watching it); meetings after this are unguarded."""
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            self._stop_heartbeat()
+            self._heartbeat = None
 
     @property
     def device_mesh(self):
@@ -285,7 +299,9 @@ class ShardMesh(RankGroup):
         Design note [watchdog]: a rank that stops (a hang, SIGSTOP, a dead GPU) would leave the
         others waiting forever in the next collective or one-sided wait. Two guards, both through
         the process group's key-value store (hosted by the launcher: torchrun's agent, or
-        ``spawn``'s parent, so no rank's fate takes it down):
+        ``spawn``'s parent, so no rank's fate takes it down; under launchers whose rank 0 hosts
+        it, a stopped rank 0 makes the store unreachable, which ends the others after
+        ``timeout_s`` too, naming the store):
 
         1. Arrival: before each meeting every rank registers its arrival (one key per rank and
            meeting, a counter per meeting) and polls the counter; the survivors of a rank that is
@@ -296,7 +312,7 @@ class ShardMesh(RankGroup):
            peers' beats; a peer silent for ``timeout_s`` is stopped, and the rank may then be
            blocked where no exception reaches (inside a collective, a one-sided wait), so the
            thread reports one line (``set_fatal_handler``) and ends the process, as NCCL's
-           watchdog does. A rank paused in a debugger longer than ``timeout_s`` ends the run too.
+           watchdog does. A rank paused longer than ``timeout_s`` (a breakpoint included) ends the run.
         """
         if self._store is None:
             return

@@ -199,37 +199,52 @@ class StepProtocol:
         self.transport.quiesce()
 
     # -- meetings ------------------------------------------------------------------------------------
-    def _meet(self, kind: _Meeting) -> torch.Tensor:
-        """One meeting of all ranks; returns every rank's pushes. Raises alike on every rank if they disagree."""
+    def _meet(self, kind: _Meeting) -> int:
+        """One meeting of all ranks; returns the pushes of every rank. Raises alike on every rank if they disagree.
+
+        A sync of a shard group also meets the other replicas ([hsdp]): one small all-gather of each group's
+        (kind, minibatch, pushes, problem), so that a problem found in one group stops every replica together.
+        """
         self.mesh.arrive(f"the {kind.name.lower()} meeting of minibatch {self.minibatch}")  # [watchdog]
         mine = torch.tensor([int(kind), self.minibatch, self.pushes], dtype=torch.int64, device=self.mesh.device)
         table = self.mesh.all_gather_rows(mine).cpu()
+        problem = None
+        names = {int(m): m.name.lower() for m in _Meeting}
         if (table[:, :2] != table[0, :2]).any():
-            names = {int(m): m.name.lower() for m in _Meeting}
             where = ", ".join(f"rank {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
                               for r, (k, m, _) in enumerate(table.tolist()))
-            raise RuntimeError(
-                f"ranks disagree about the minibatch ({where}). Every rank must run the same loop: read .grad "
-                "(clip_grad_norm_, opt.step) only after its micro-batches, and step or zero_grad every trained "
-                "parameter each minibatch")
-        return table[:, 2]
+            problem = f"ranks disagree about the minibatch ({where})"
+        elif kind is _Meeting.SYNC and not self.transport.one_sided and (table[:, 2] != table[0, 2]).any():
+            problem = (f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks "
+                       f"pushed {table[:, 2].tolist()} gradients: balance with lb_micro, or use a one-sided transport")
+        pushes = int(table[:, 2].sum())
+        if kind is _Meeting.SYNC and self.mesh.replicas > 1:
+            row = torch.tensor([int(kind), self.minibatch, pushes, problem is not None], dtype=torch.int64,
+                               device=self.mesh.device)
+            groups = self.mesh.replicate.all_gather_rows(row).cpu()
+            pushes = int(groups[:, 2].sum())
+            if problem is None and (groups[:, :2] != groups[0, :2]).any():
+                where = ", ".join(f"replica {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
+                                  for r, (k, m, _, _) in enumerate(groups.tolist()))
+                problem = f"replicas disagree about the minibatch ({where})"
+            elif problem is None and groups[:, 3].any():
+                problem = f"replica(s) {groups[:, 3].nonzero().flatten().tolist()} stopped at this sync (see their error)"
+        if problem is not None:
+            if problem.startswith(("ranks disagree", "replicas disagree")):
+                problem += (". Every rank must run the same loop: read .grad (clip_grad_norm_, opt.step) only after "
+                            "its micro-batches, and step or zero_grad every trained parameter each minibatch")
+            raise RuntimeError(problem)
+        return pushes
 
     def sync(self) -> None:
         """Meeting 1 of [step-protocol]: every rank's pushes are in; attach the gradient shards."""
         t0 = time.perf_counter()
         self.wait_pushes()
-        pushes = self._meet(_Meeting.SYNC)
+        self.synced_pushes = self._meet(_Meeting.SYNC)  # with HSDP, over every replica
         self.last_wait_s = time.perf_counter() - t0
-        if not self.transport.one_sided and (pushes != pushes[0]).any():
-            raise RuntimeError(
-                f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks pushed "
-                f"{pushes.tolist()} gradients: balance with lb_micro, or use a one-sided transport")
-        self.synced_pushes = int(pushes.sum())
-        if self.mesh.replicas > 1:  # [hsdp]: the replicas' only meeting in the minibatch
-            self.synced_pushes = int(self.mesh.sum_over_replicas(pushes.sum().reshape(1).to(self.mesh.device)).item())
-            if self.synced_pushes:
-                for g in self._trained:
-                    self.mesh.sum_over_replicas(g.accumulator)
+        if self.mesh.replicas > 1 and self.synced_pushes:  # [hsdp]: the replicas' one exchange of gradients
+            for g in self._trained:
+                self.mesh.sum_over_replicas(g.accumulator)
         self._consumed = set()
         if self.synced_pushes:
             for g in self._trained:
@@ -290,11 +305,12 @@ class StepProtocol:
         if self.state is GradState.EMPTY:
             self.state = GradState.ACCUMULATING
         elif self.state is GradState.READY:
-            if self.transport.one_sided and self.mesh.world_size > 1:
+            if (self.transport.one_sided and self.mesh.world_size > 1) or self.mesh.replicas > 1:
                 raise RuntimeError(
                     "a forward pass after gradients were read (.grad, clip_grad_norm_) but neither stepped on nor "
-                    "cleared: with a one-sided transport on several ranks, reading .grad ends the minibatch (it is "
-                    "where ranks meet, and ranks may run different numbers of micro-batches). Read gradients only "
+                    "cleared: with a one-sided transport on several ranks, or with HSDP replicas (summed at that read), "
+                    "reading .grad ends the minibatch (it is where ranks meet, and ranks may run different numbers of "
+                    "micro-batches). Read gradients only "
                     "after the minibatch's last backward, then opt.step() and/or opt.zero_grad()")
             for g in self._trained:
                 g.detach_grads()

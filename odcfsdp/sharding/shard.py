@@ -156,7 +156,7 @@ class ODCShard(nn.Module):
             class); other modules that own parameters are hooked one by one.
         mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D to shard over its ranks, or
             2-D ``("replicate", "shard")`` for hybrid sharding (HSDP): sharded within each
-            shard group, replicated across them, replicas combined once per minibatch at
+            shard group, replicated across them, gradients combined once per minibatch at
             the first ``.grad`` read (see [hsdp] in ``mesh.py``).
         timeout: seconds a rank waits at a meeting for the others before raising an error that
             names the ranks that did not come; a rank silent (stopped) this long ends the
@@ -387,7 +387,8 @@ class ODCShard(nn.Module):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
         """The wrapped model's state dict under its own names: parameters are this rank's shards (DTensors
-        with a ``Shard(0)`` placement, as FSDP2's), buffers are whole. No communication."""
+        placed ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP, as FSDP2's), buffers are whole. No
+        communication."""
         if args:
             raise TypeError("ODCShard.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
         self._check_open()

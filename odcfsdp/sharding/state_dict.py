@@ -61,7 +61,13 @@ def _shard_of(value: torch.Tensor, sp, rank: int) -> torch.Tensor:
     """This rank's shard of ``value``: a matching DTensor's local tensor, or the rows of a full tensor."""
     if isinstance(value, DTensor):
         local = value.to_local()
-        if value.placements == getattr(sp.sharded, "placements", None) and tuple(local.shape) == tuple(sp.local.shape):
+        # Decided from what every rank sees alike (mesh, placements, global shape): a choice that hung on the
+        # local shape could differ between ranks of uneven shards and leave some in full_tensor() alone.
+        if isinstance(sp.sharded, DTensor) and value.device_mesh == sp.sharded.device_mesh and \
+                value.placements == sp.sharded.placements and value.shape == sp.sharded.shape:
+            if tuple(local.shape) != tuple(sp.local.shape):
+                raise ValueError(f"{sp.name}: this rank's shard has shape {tuple(local.shape)}, the model's "
+                                 f"{tuple(sp.local.shape)}: a DTensor sharded differently on the same mesh")
             return local
         value = value.full_tensor()  # another placement or mesh size: reshard through the full value
     lo, hi = sp.slot.local_range(rank)
