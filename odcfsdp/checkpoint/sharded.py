@@ -91,8 +91,8 @@ def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
     return groups
 
 
-def _optimizer_tensors(model: ODCShard, optimizer) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(manifest entry, {file key: this rank's shard}) of the optimizer's state.
+def _optimizer_tensors(model: ODCShard, optimizer, copy: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest entry, {file key: this rank's shard}) of the optimizer's state (no shards without ``copy``).
 
     Per-parameter states are scalars or tensors of the parameter's shape (element-wise
     optimizers), stored sharded like the parameter; any other tensor state (Adafactor's
@@ -106,7 +106,8 @@ def _optimizer_tensors(model: ODCShard, optimizer) -> tuple[dict, dict[str, torc
             for key, value in optimizer.state.get(sp.sharded, {}).items():
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == sp.shape and value.dim() > 0:
                     local = getattr(value, "_local_tensor", value)
-                    tensors[f"{sp.name}/{key}"] = local.detach().reshape(-1).cpu()
+                    if copy:
+                        tensors[f"{sp.name}/{key}"] = local.detach().reshape(-1).cpu()
                     keys.add(key)
                 elif isinstance(value, torch.Tensor) and value.dim() > 0:
                     raise CheckpointError(
@@ -182,7 +183,9 @@ def save_checkpoint(
     stored in the manifest. Returns the checkpoint's path.
     """
     mesh, everyone = model.mesh, model.mesh.everyone  # HSDP: replica 0 writes the shards, every rank its RNG
-    opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer)
+    # Every rank checks the optimizer's state (a refusal comes alike everywhere); replica 0 copies it.
+    opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer,
+                                                                                    copy=mesh.replica == 0)
     pending = everyone.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
     if pending.item():  # decided together: a rank raising alone would leave the others waiting
         raise CheckpointError("save_checkpoint was called with gradients pending; save between optimizer steps")
@@ -206,7 +209,7 @@ def save_checkpoint(
             lo, hi = s.local_range(rank)
             if hi > lo:
                 tensors[f"{s.name}/master"] = master[s.offset : s.offset + hi - lo].detach().cpu()
-    tensors.update({k: v for k, v in opt_tensors.items() if v.numel() and mesh.replica == 0})
+    tensors.update({k: v for k, v in opt_tensors.items() if v.numel()})
     if first:  # persistent buffers are replicated: one copy, read back by every rank
         for name, buf in model.persistent_buffers().items():
             tensors[f"__buffer__/{name}"] = buf.detach().cpu()
