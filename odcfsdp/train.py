@@ -188,6 +188,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     device = _device(cfg)
     source, vocab = build_source(cfg)
     model, flops, cost = build_sharded_model(cfg, vocab, device)
+    if model.mesh.replicas > 1 and rank == 0:
+        print(f"hybrid sharding: {model.mesh.replicas} replicas x {model.world_size} ranks "
+              f"(shard.replicas; comm={model.transport.name} within a replica)", file=sys.stderr)
     held_out = None
     if cfg.data.eval_path:
         held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(tokenizer_path(cfg)), cfg.data.micro_batch_tokens + 1)

@@ -169,3 +169,27 @@ def test_hsdp_misuse_is_refused():
         assert len(errors) == 2, errors
         assert "or with HSDP replicas (summed at that read)" in errors[0]
         assert "a 2-D mesh must be (replicate, shard) over ranks 0..1 in order" in errors[1]
+
+
+def test_two_torchrun_nodes_default_to_hsdp(tmp_path):
+    """Multi-node launch as documented, simulated with two torchrun agents of one rank each on this host
+    (--nnodes=2, a static rendezvous): the default mesh is one shard group per node, i.e. HSDP 2 x 1, and the run
+    trains as full sharding over 2 spawned ranks does."""
+    import json
+    import subprocess
+    import sys
+
+    from odcfsdp.launch import free_port
+    from test_train import run_ranks
+
+    port = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    args = ["-m", "odcfsdp.train", "run.steps=3", f"run.out_dir={tmp_path / 'nodes'}"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *common, f"--node-rank={n}", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "hybrid sharding: 2 replicas x 1 ranks" in outs[0]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "nodes" / "metrics.jsonl").read_text().splitlines()]
+    full = run_ranks({"run": {"steps": 3}, "shard": {"replicas": 1}}, tmp_path / "full")
+    torch.testing.assert_close(losses, [r["loss"] for r in full], rtol=1e-5, atol=0)
