@@ -11,8 +11,9 @@ machine with network access, as numbered steps:
    target's Python version where a dependency's markers tell versions apart;
 2. downloads each package, pinned, as a wheel for the target interpreter and platform
    (``--python-version``, ``--platform``); a package published only as a source
-   distribution (antlr4-python3-runtime) is built into a wheel here, which works for
-   pure-Python ones;
+   distribution (antlr4-python3-runtime) is built into a wheel here (in pip's build
+   isolation: its build requirements come from the index or ``--find-links`` too), which
+   works for pure-Python ones;
 3. writes ``requirements.txt`` (the pins) and ``install.sh``: on the target,
    ``sh wheels/install.sh /tmp/site`` installs them with no index and no dependency
    resolution into that directory (``PYTHONPATH=/tmp/site:<odcfsdp checkout>``), or into
@@ -51,7 +52,7 @@ def closure(requirements: list[str], pip: list[str]) -> list[tuple[str, str]]:
     """(name, version) of every package ``pip install <requirements>`` would install, odcfsdp itself left out."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        proc = subprocess.run([*pip, "install", "--dry-run", "--ignore-installed", "--no-build-isolation", "--quiet",
+        proc = subprocess.run([*pip, "install", "--dry-run", "--ignore-installed", "--quiet",
                                "--report", str(report), *requirements], capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"error: resolving {' '.join(requirements)} failed: {_pip_error(proc.stderr)}")
@@ -77,7 +78,7 @@ def fetch(name: str, version: str, out: Path, python_version: str, platforms: li
                          capture_output=True, text=True)
     if got.returncode == 0:
         return "downloaded"
-    built = subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-binary", name, *index,
+    built = subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "--no-binary", name, *index,
                             "--wheel-dir", str(out), spec],
                            capture_output=True, text=True)
     if built.returncode:

@@ -10,18 +10,52 @@ import textwrap
 from pathlib import Path
 
 
+# A minimal in-tree PEP 517 backend: builds the package's wheel and sdist with the standard library alone, so that
+# pip builds it offline, in build isolation, whatever setuptools / wheel the test environment has.
+BACKEND = r"""
+import base64, hashlib, io, os, tarfile, zipfile
+from odcx_meta import NAME, VERSION, DEPS
+
+MOD = NAME.replace("-", "_")
+DIST = f"{MOD}-{VERSION}"
+META = "Metadata-Version: 2.1\nName: %s\nVersion: %s\n%s" % (NAME, VERSION, "".join(f"Requires-Dist: {d}\n" for d in DEPS))
+SOURCES = ["pyproject.toml", "odcx_backend.py", "odcx_meta.py", f"{MOD}/__init__.py"]
+
+def build_sdist(directory, config_settings=None):
+    with tarfile.open(os.path.join(directory, DIST + ".tar.gz"), "w:gz") as t:
+        for f in SOURCES:
+            t.add(f, arcname=f"{DIST}/{f}")
+        info = tarfile.TarInfo(f"{DIST}/PKG-INFO")
+        info.size = len(META.encode())
+        t.addfile(info, io.BytesIO(META.encode()))
+    return DIST + ".tar.gz"
+
+def build_wheel(directory, config_settings=None, metadata_directory=None):
+    name = f"{DIST}-py3-none-any.whl"
+    files = {f"{MOD}/__init__.py": open(f"{MOD}/__init__.py", "rb").read(), f"{DIST}.dist-info/METADATA": META.encode(),
+             f"{DIST}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: odcx\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    with zipfile.ZipFile(os.path.join(directory, name), "w") as z:
+        for arc, data in files.items():
+            z.writestr(arc, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{arc},sha256={digest},{len(data)}")
+        z.writestr(f"{DIST}.dist-info/RECORD", "\n".join(record + [f"{DIST}.dist-info/RECORD,,"]) + "\n")
+    return name
+"""
+
+
 def _package(root: Path, name: str, deps: list[str]) -> Path:
     pkg = root / name
     (pkg / name.replace("-", "_")).mkdir(parents=True)
     (pkg / name.replace("-", "_") / "__init__.py").write_text(f"NAME = {name!r}\n")
-    (pkg / "pyproject.toml").write_text(textwrap.dedent(f"""
+    (pkg / "odcx_meta.py").write_text(f"NAME, VERSION, DEPS = {name!r}, '1.0', {deps!r}\n")
+    (pkg / "odcx_backend.py").write_text(BACKEND)
+    (pkg / "pyproject.toml").write_text(textwrap.dedent("""
         [build-system]
-        requires = ["setuptools"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "{name}"
-        version = "1.0"
-        dependencies = {deps!r}
+        requires = []
+        build-backend = "odcx_backend"
+        backend-path = ["."]
         """))
     return pkg
 
@@ -32,9 +66,9 @@ def test_bundle_from_a_mirror_installs_offline(tmp_path):
     top = _package(tmp_path / "src", "odcx-top", ["odcx-leaf"])
     leaf = _package(tmp_path / "src", "odcx-leaf", [])
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(links), str(top)], check=True)
-    subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({str(links)!r})"],
-                   cwd=leaf, check=True, capture_output=True)  # the leaf exists only as a source distribution
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-index", "-w", str(links), str(top)], check=True)
+    subprocess.run([sys.executable, "-c", f"import odcx_backend; odcx_backend.build_sdist({str(links)!r})"],
+                   cwd=leaf, check=True)  # the leaf exists only as a source distribution
     assert sorted(p.suffix for p in links.iterdir()) == [".gz", ".whl"]
 
     out = tmp_path / "bundle"
