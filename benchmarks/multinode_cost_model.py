@@ -97,19 +97,21 @@ def step_time(method: str, a: argparse.Namespace, rates: dict, params: int) -> d
     replica_sync = 0.0
     if hsdp and n > 1:  # all-reduce of the rank's fp32 gradient shard over n replicas (ring over the NICs)
         replica_sync = 2 * (n - 1) / n * fp32 / shard / ib
-    per_micro_sync = replica_sync if (hsdp and not odc and not a.fsdp2_defer_all_reduce) else 0.0
-    micro = max(compute, intra, inter + per_micro_sync)
+    fsdp2_syncs_each_micro_batch = hsdp and not odc and not a.fsdp2_defer_all_reduce  # FSDP2 HSDP's default
+    if fsdp2_syncs_each_micro_batch:
+        inter += replica_sync
+    micro = max(compute, intra, inter)
     optim = rates["optim_s_per_param"]["odc_torch" if odc else "fsdp2"] * params / shard
-    exposed = optim + (replica_sync if (hsdp and (odc or a.fsdp2_defer_all_reduce)) else 0.0)
+    exposed = optim + (0.0 if fsdp2_syncs_each_micro_batch else replica_sync)
     total = a.micro_batches * micro + exposed
     bytes_per_param = 18 if odc else 16  # fp32 master + Adam (12) + fp32 accumulator or grad (4) + bf16 row (2)
     return {
         "method": method, "shard_group": shard, "replicas": world // shard,
-        "compute_s": compute, "intra_s": intra, "inter_s": inter + per_micro_sync, "replica_sync_s": replica_sync,
+        "compute_s": compute, "intra_s": intra, "inter_s": inter, "replica_sync_s": replica_sync,
         "micro_batch_s": micro, "exposed_s": exposed, "step_s": total,
         "tokens_per_s_per_gpu": a.micro_batches * a.tokens / total,
         "state_gib_per_gpu": bytes_per_param * params / shard / 2**30,
-        "bound": max((("compute", compute), ("nvlink", intra), ("infiniband", inter + per_micro_sync)),
+        "bound": max((("compute", compute), ("nvlink", intra), ("infiniband", inter)),
                      key=lambda kv: kv[1])[0],
     }
 

@@ -16,11 +16,13 @@ collective is the identity.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -65,9 +67,9 @@ class _Heartbeat:
         self._store = store.clone()  # its own connection: the main thread's calls may block
         self._keys = [f"{prefix}/beat/{r}" for r in range(world_size)]
         self._rank, self._timeout_s, self._where = rank, timeout_s, where
+        self._prefix = prefix
         self._stop = threading.Event()
         self._store.set(f"{prefix}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
-        self._prefix = prefix
         self._store.add(self._keys[rank], 1)
         self._thread = threading.Thread(target=self._run, name="odcfsdp-watchdog", daemon=True)
         self._thread.start()
@@ -82,8 +84,8 @@ class _Heartbeat:
             if self._stop.is_set():
                 return
             missing = [r for r, k in enumerate(self._keys) if not self._store.check([k])]
-            _die(f"rank(s) {missing} never started their watchdog within {self._timeout_s:g} s "
-                 f"(run.timeout_s / ODCShard(timeout=)); rank {self._rank} stops here, {self._where()}")
+            self._give_up(f"rank(s) {missing} never started their watchdog within {self._timeout_s:g} s "
+                          "(run.timeout_s / ODCShard(timeout=))")
         seen = {r: (None, time.monotonic()) for r in range(len(self._keys)) if r != self._rank}
         unreachable_since = None
         while not self._stop.wait(period):
@@ -95,11 +97,11 @@ class _Heartbeat:
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self._timeout_s and not self._stop.is_set():
-                    _die(f"the process group's store did not answer for {self._timeout_s:g} s ({type(e).__name__}); "
-                         f"rank {self._rank} stops here, {self._where()}")
+                    self._give_up(f"the process group's store did not answer for {self._timeout_s:g} s "
+                                  f"({type(e).__name__})")
                 continue
             now = time.monotonic()
-            for r, (last, since) in list(seen.items()):
+            for r, (last, _) in list(seen.items()):
                 if values[r] < 0:
                     del seen[r]  # closed its mesh
                 elif values[r] != last:
@@ -107,12 +109,16 @@ class _Heartbeat:
             stale = sorted(r for r, (_, since) in seen.items() if now - since > self._timeout_s)
             if stale and not self._stop.is_set():
                 self._kill_stopped(stale)
-                _die(f"rank(s) {stale} stopped responding (no sign of life for {self._timeout_s:g} s; run.timeout_s / "
-                     f"ODCShard(timeout=)); rank {self._rank} stops here, {self._where()}")
+                self._give_up(f"rank(s) {stale} stopped responding (no sign of life for {self._timeout_s:g} s; "
+                              "run.timeout_s / ODCShard(timeout=))")
         try:  # written here, after the last beat, so that no beat can turn it back into a count
             self._store.set(self._keys[self._rank], "-1")
         except Exception:  # noqa: BLE001 - the store may already be gone at exit
             pass
+
+    def _give_up(self, problem: str) -> None:
+        """Report ``problem`` in one line, with where this rank was, and end the process."""
+        _die(f"{problem}; rank {self._rank} stops here, {self._where()}")
 
     def _kill_stopped(self, ranks: list[int]) -> None:
         """SIGKILL those of ``ranks`` that are stopped processes on this host.
@@ -123,9 +129,9 @@ class _Heartbeat:
         for r in ranks:
             try:
                 host, pid = self._store.get(f"{self._prefix}/pid/{r}").decode().split()
-                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 if host == socket.gethostname() and state in ("T", "t"):
-                    os.kill(int(pid), 9)
+                    os.kill(int(pid), signal.SIGKILL)
             except (OSError, ValueError, RuntimeError):
                 pass
 
@@ -287,10 +293,6 @@ class ShardMesh(RankGroup):
 
             self._device_mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         return self._device_mesh
-
-    def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the replicas of this shard (in place; the identity without HSDP)."""
-        return self.replicate.all_reduce_sum(t) if self.replicate else t
 
     # -- the watchdog ------------------------------------------------------------------------------
     def arrive(self, what: str) -> None:

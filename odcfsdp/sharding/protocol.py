@@ -114,6 +114,18 @@ class _Meeting(enum.IntEnum):
     FINISH = 3
 
 
+def _disagreement(who: str, table: torch.Tensor) -> str | None:
+    """The error when the rows of ``table`` (``who`` 0, 1, ...: kind, minibatch, ...) name different meetings."""
+    if not (table[:, :2] != table[0, :2]).any():
+        return None
+    names = {int(m): m.name.lower() for m in _Meeting}
+    where = ", ".join(f"{who} {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
+                      for r, (k, m, *_) in enumerate(table.tolist()))
+    return (f"{who}s disagree about the minibatch ({where}). Every rank must run the same loop: read .grad "
+            "(clip_grad_norm_, opt.step) only after its micro-batches, and step or zero_grad every trained parameter "
+            "each minibatch")
+
+
 class StepProtocol:
     """Counts gradient pushes and runs the minibatch's meetings (see [step-protocol]).
 
@@ -208,13 +220,9 @@ class StepProtocol:
         self.mesh.arrive(f"the {kind.name.lower()} meeting of minibatch {self.minibatch}")  # [watchdog]
         mine = torch.tensor([int(kind), self.minibatch, self.pushes], dtype=torch.int64, device=self.mesh.device)
         table = self.mesh.all_gather_rows(mine).cpu()
-        problem = None
-        names = {int(m): m.name.lower() for m in _Meeting}
-        if (table[:, :2] != table[0, :2]).any():
-            where = ", ".join(f"rank {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
-                              for r, (k, m, _) in enumerate(table.tolist()))
-            problem = f"ranks disagree about the minibatch ({where})"
-        elif kind is _Meeting.SYNC and not self.transport.one_sided and (table[:, 2] != table[0, 2]).any():
+        problem = _disagreement("rank", table)
+        if problem is None and kind is _Meeting.SYNC and not self.transport.one_sided and \
+                (table[:, 2] != table[0, 2]).any():
             problem = (f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks "
                        f"pushed {table[:, 2].tolist()} gradients: balance with lb_micro, or use a one-sided transport")
         pushes = int(table[:, 2].sum())
@@ -223,16 +231,11 @@ class StepProtocol:
                                device=self.mesh.device)
             groups = self.mesh.replicate.all_gather_rows(row).cpu()
             pushes = int(groups[:, 2].sum())
-            if problem is None and (groups[:, :2] != groups[0, :2]).any():
-                where = ", ".join(f"replica {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
-                                  for r, (k, m, _, _) in enumerate(groups.tolist()))
-                problem = f"replicas disagree about the minibatch ({where})"
-            elif problem is None and groups[:, 3].any():
+            if problem is None:
+                problem = _disagreement("replica", groups)
+            if problem is None and groups[:, 3].any():
                 problem = f"replica(s) {groups[:, 3].nonzero().flatten().tolist()} stopped at this sync (see their error)"
         if problem is not None:
-            if problem.startswith(("ranks disagree", "replicas disagree")):
-                problem += (". Every rank must run the same loop: read .grad (clip_grad_norm_, opt.step) only after "
-                            "its micro-batches, and step or zero_grad every trained parameter each minibatch")
             raise RuntimeError(problem)
         return pushes
 
@@ -244,7 +247,7 @@ class StepProtocol:
         self.last_wait_s = time.perf_counter() - t0
         if self.mesh.replicas > 1 and self.synced_pushes:  # [hsdp]: the replicas' one exchange of gradients
             for g in self._trained:
-                self.mesh.sum_over_replicas(g.accumulator)
+                self.mesh.replicate.all_reduce_sum(g.accumulator)
         self._consumed = set()
         if self.synced_pushes:
             for g in self._trained:

@@ -314,8 +314,8 @@ class ODCShard(nn.Module):
             return tokens
         local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.mesh.device)
         table = everyone.all_gather_rows(local).cpu()
-        counts = [int(table[r if everyone is self.mesh else self.mesh.global_rank(r), 0])
-                  for r in range(self.world_size)]  # this shard group's
+        group = table if everyone is self.mesh else table[[self.mesh.global_rank(r) for r in range(self.world_size)]]
+        counts = group[:, 0].tolist()  # this shard group's
         if not self.transport.one_sided and len(set(counts)) > 1:
             raise RuntimeError(
                 f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, got {counts} "
