@@ -141,36 +141,6 @@ def test_shard_replicas_through_the_cli(tmp_path):
     torch.testing.assert_close([r["grad_norm"] for r in hsdp], [r["grad_norm"] for r in full], rtol=1e-5, atol=0)
 
 
-def _misuse_hsdp() -> list[str]:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    errors = []
-    model = ODCShard(ParityModel(), 4096, comm="collective", mesh=hybrid_mesh(2, "cpu"))  # 2 x 1
-    x = torch.randint(0, 97, (2, 6))
-    model(x).sum().backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the replicas' gradients are summed here
-    try:
-        model(x).sum().backward()  # a second sum would count them twice
-    except RuntimeError as e:
-        errors.append(str(e))
-    model.close()
-    try:
-        ODCShard(ParityModel(), 4096, mesh=DeviceMesh("cpu", [[1, 0]]))
-    except ValueError as e:
-        errors.append(str(e))
-    return errors
-
-
-def test_hsdp_misuse_is_refused():
-    """Reading gradients then running forward without a step is refused under HSDP even with one rank per shard
-    group and the collective transport (the replicas' sum already happened); a 2-D mesh not laid out
-    (replicate, shard) over ranks in order is refused."""
-    for errors in spawn(_misuse_hsdp, 2, timeout=120):
-        assert len(errors) == 2, errors
-        assert "or with HSDP replicas (summed at that read)" in errors[0]
-        assert "a 2-D mesh must be (replicate, shard) over ranks 0..1 in order" in errors[1]
-
-
 def test_two_torchrun_nodes_default_to_hsdp(tmp_path):
     """Multi-node launch as documented, simulated with two torchrun agents of one rank each on this host
     (--nnodes=2, a static rendezvous): the default mesh is one shard group per node, i.e. HSDP 2 x 1, and the run

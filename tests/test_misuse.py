@@ -159,3 +159,27 @@ def test_changing_parameters_outside_a_step_is_refused_not_silent(tmp_path, worl
     if __name__ == "__main__":
         assert (spawn(body, {world}) if {world} > 1 else [body()]) == [True] * {world}
     """)
+
+
+def test_hsdp_misuse_is_refused(tmp_path):
+    """Reading gradients then running forward without a step is refused under HSDP even with one rank per shard
+    group and the collective transport (the replicas' sum already happened); a 2-D mesh not laid out
+    (replicate, shard) over ranks in order is refused."""
+    run_case(tmp_path, """
+    from torch.distributed.device_mesh import DeviceMesh
+    from odcfsdp.sharding.mesh import hybrid_mesh
+
+    def body():
+        model = ODCShard(llama(), 4096, comm="collective", mesh=hybrid_mesh(2, "cpu"))  # 2 x 1
+        x = torch.randint(0, 64, (2, 6))
+        model(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the replicas' gradients are summed here
+        expect(RuntimeError, "or with HSDP replicas (summed at that read)", lambda: model(x).sum().backward())
+        model.close()
+        expect(ValueError, "a 2-D mesh must be (replicate, shard) over ranks 0..1 in order",
+               lambda: ODCShard(llama(), 4096, mesh=DeviceMesh("cpu", [[1, 0]])))
+        return True
+
+    if __name__ == "__main__":
+        assert spawn(body, 2) == [True, True]
+    """)
