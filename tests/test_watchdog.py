@@ -19,6 +19,7 @@ init_torchrun(use_cuda=False)
 torch.manual_seed(0)
 model = ODCShard(Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)), 4096, timeout=3)
 os.write(1, f"rank {dist.get_rank()} pid {os.getpid()}\n".encode())  # one write: lines of the ranks do not mix
+dist.barrier()  # both pids are out before rank 0 stops (a slow rank 1 would otherwise be ended before its line)
 if dist.get_rank() == 0:
     os.kill(os.getpid(), signal.SIGSTOP)
 dist.all_reduce(torch.ones(1))  # rank 1 waits here, inside gloo
@@ -42,8 +43,10 @@ def test_a_rank_blocked_in_a_collective_names_the_stopped_one_under_torchrun(tmp
             assert line, "".join(lines)[-3000:]
             lines.append(line)
         stopped = time.monotonic()
-        rest, _ = proc.communicate(timeout=3 + 15)
+        # wait, then read: communicate() would read the pipe's fd and drop what readline() has buffered
+        proc.wait(timeout=3 + 15)  # the output is a few kB, well inside the pipe's buffer
         elapsed = time.monotonic() - stopped
+        rest = proc.stdout.read()
     finally:
         proc.kill()
     out = "".join(lines) + rest
