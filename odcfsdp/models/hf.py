@@ -3,8 +3,10 @@
 Built from a *local* directory (never downloaded; ``transformers`` optional): its
 config, and, to fine-tune, its weights, which ``odcfsdp.checkpoint.load_hf`` reads
 into the sharded model (each rank only its slices) after wrapping. Packed
-micro-batches pass per-document positions and a 4-D boolean attention mask that
-keeps attention causal and inside each document.
+micro-batches pass per-document positions and their document lengths, which the
+per-document attention of ``hf_attention`` uses (no S x S mask; see
+[hf-document-attention]); models whose attention it does not compute (sliding
+windows, soft-capping) run SDPA on the masks HF builds from the positions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .llama import document_mask
+from .hf_attention import DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, register_document_attention, supports_document_attention
 
 
 class HFCausalLM(nn.Module):
@@ -41,7 +43,7 @@ class HFCausalLM(nn.Module):
         config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path), local_files_only=True)
         if vocab_size is not None and vocab_size > config.vocab_size:
             config.vocab_size = vocab_size
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = register_document_attention() if supports_document_attention(config) else "sdpa"
         self.config = config
         # fp32 parameters whatever dtype the checkpoint's files have: they become the fp32 masters, and the
         # compute dtype is ODCShard's param_dtype (bf16 on CUDA). from_config would otherwise take config.dtype.
@@ -96,12 +98,29 @@ class HFCausalLM(nn.Module):
         return self.model.generate(*args, **kwargs)
 
     def forward(self, tokens, positions=None, document_ids=None, doc_lengths=None):
-        if doc_lengths is not None and document_ids is None:  # HF attention takes masks: build one
-            document_ids = torch.repeat_interleave(
-                torch.arange(len(doc_lengths), device=tokens.device),
-                torch.tensor(doc_lengths, device=tokens.device))[None]
-        # A boolean mask (True: may attend), which SDPA takes as it is. An additive float mask would need
-        # the compute dtype, which the parameters outside their layer do not tell under ODCShard (fp32
-        # shards): fp32's minimum added in bf16 attention overflowed to -inf and gave NaN (found on H200).
-        mask = document_mask(document_ids) if document_ids is not None else None
-        return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False).logits
+        """Logits (B, S, vocab) of ``tokens`` (B, S), attending causally within each packed document.
+
+        Documents are given by ``doc_lengths`` (one row, host-side: what the training loop
+        passes) or ``document_ids`` (B, S); ``positions`` restart at 0 in each document
+        (derived from the documents if None). With per-document attention the lengths
+        reach the attention directly; otherwise HF detects the packing from the positions
+        and builds its own masks per layer type (sliding windows included).
+        """
+        if doc_lengths is None and document_ids is not None and tokens.shape[0] == 1:
+            doc_lengths = torch.unique_consecutive(document_ids[0], return_counts=True)[1].tolist()
+        if positions is None and doc_lengths is not None:
+            positions = torch.cat([torch.arange(n, device=tokens.device) for n in doc_lengths])[None]
+        elif positions is None and document_ids is not None:
+            positions = _positions_within_documents(document_ids)
+        extra = {}
+        if doc_lengths is not None and self.model.config._attn_implementation == DOCUMENT_ATTENTION:
+            extra[DOC_LENGTHS_KWARG] = list(doc_lengths)
+        return self.model(input_ids=tokens, position_ids=positions, use_cache=False, **extra).logits
+
+
+def _positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (documents are runs of equal ids along a row)."""
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
