@@ -75,6 +75,36 @@ def test_packed_rows_run_attention_per_document_like_plain_transformers(tmp_path
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_compiled_layers_do_not_recompile_for_new_documents(tmp_path):
+    """Decoder layers compiled as `model.compile=true` does: after three micro-batches (static shapes, one document
+    (dynamo specialises sizes 1), dynamic shapes) new numbers and lengths of documents compile nothing more (a list
+    of lengths recompiled at every one), and losses and gradients equal the eager model's."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    eager, _ = tiny_hf(tmp_path)
+    compiled = copy.deepcopy(eager)
+    for layer in compiled.model.model.layers:
+        layer.compile(backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    frames = []
+    for lengths in ([5, 7], [12], [9, 3, 4], [2, 6, 3, 8, 4], [3] * 7, [4, 11]):
+        tokens = torch.randint(0, 64, (1, sum(lengths)), generator=g)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss = model(tokens, positions, doc_lengths=lengths).sum()
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-9, atol=1e-9)
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=name)
+        frames.append(counters["frames"]["total"])
+    assert frames[2] == frames[-1], frames
+
+
 def test_padded_generation_matches_plain_transformers(tmp_path):
     """A 2-D padding mask and decoding with a cache take HF's SDPA path: greedy generation of a left-padded batch
     equals plain transformers'."""

@@ -114,7 +114,7 @@ class HFCausalLM(nn.Module):
             positions = _positions_within_documents(document_ids)
         extra = {}
         if doc_lengths is not None and self.model.config._attn_implementation == DOCUMENT_ATTENTION:
-            extra[DOC_LENGTHS_KWARG] = list(doc_lengths)
+            extra[DOC_LENGTHS_KWARG] = torch.tensor(doc_lengths)  # a tensor: compiled layers do not guard on values
         return self.model(input_ids=tokens, position_ids=positions, use_cache=False, **extra).logits
 
 

@@ -15,7 +15,7 @@ lengths), i.e. sum(n_i^2)/2 scores and no mask at all.
 interface, so HF models get it without a change to their code:
 
 1. Boundaries: the ``odc_doc_lengths`` keyword that ``HFCausalLM`` passes through the
-   model (a host-side list: no device sync); without it, per row from ``position_ids``
+   model (a CPU tensor: no device sync); without it, per row from ``position_ids``
    (a new document wherever a position is not the previous one + 1, HF's own rule; one
    device sync per layer); without those, the row is one document.
 2. Its mask function builds no mask for that case (``attention_mask=None`` and as many
@@ -24,6 +24,11 @@ interface, so HF models get it without a change to their code:
 3. Only for plain causal softmax attention: ``supports_document_attention`` refuses
    configs with a sliding window, logit soft-capping or attention dropout, and the
    function raises on keywords it cannot honour (attention sinks, a sliding window).
+4. Compiled decoder layers (``model.compile``) break their graph around the attention
+   (``torch.compiler.disable``), as our Llama's compiled dense parts do: a per-document
+   loop traced by dynamo would recompile for every new number of documents, and a Python
+   list of lengths would be guarded value by value (measured: a recompile at every
+   micro-batch); a tensor of lengths costs one recompile, to dynamic shapes.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
     return out
 
 
+@torch.compiler.disable
 def document_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -99,6 +105,8 @@ def document_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         raise ValueError(f"attention {DOCUMENT_ATTENTION!r} has no attention dropout (got {dropout}); "
                          "set the config's attention_dropout to 0 or use attn_implementation='sdpa'")
     lengths = kwargs.get(DOC_LENGTHS_KWARG)
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
     if lengths is not None and (query.shape[0] != 1 or sum(lengths) != query.shape[2]):
         raise ValueError(f"{DOC_LENGTHS_KWARG} {list(lengths)} must cover one row of {query.shape[2]} tokens "
                          f"(got {query.shape[0]} rows)")
