@@ -261,6 +261,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes of the `python -m odcfsdp.train` ``pid``: the children of its fork server, by start."""
+    servers = [c for c in _children(pid) if "forkserver" in _cmdline(c)]
+    return sorted(r for s in servers for r in _children(s) if _alive(r))
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -283,9 +289,9 @@ def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
         time.sleep(0.2)
-    ranks = [c for c in _children(proc.pid) if _alive(c)]
-    ranks += [g for c in ranks for g in _children(c)]  # multiprocessing's helpers, if any
-    assert len(ranks) >= 2
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 2
+    ranks += [c for c in _children(proc.pid) if _alive(c)]  # multiprocessing's helpers: fork server, tracker
     proc.send_signal(getattr(signal, sig))
     rc = proc.wait(timeout=30)
     assert rc != 0 if sig == "SIGKILL" else rc == 0  # SIGTERM: the ranks finish the step and the run ends cleanly
@@ -344,7 +350,7 @@ def test_a_stuck_rank_is_named_and_every_process_exits(tmp_path):
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
         time.sleep(0.1)
-    ranks = sorted(c for c in _children(proc.pid) if _alive(c) and "spawn_main" in _cmdline(c))  # not the tracker
+    ranks = _ranks_of(proc.pid)
     assert len(ranks) == 2
     os.kill(ranks[0], signal.SIGSTOP)  # started first: rank 0
     stopped = time.monotonic()
