@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from odcfsdp.data.packing import Sample, pack
+from odcfsdp.models.hf_attention import DOCUMENT_ATTENTION_MODEL_TYPES
 
 transformers = pytest.importorskip("transformers", reason="the HF model path needs transformers (test extra)")
 
@@ -18,18 +19,21 @@ def tiny_config_dir(tmp_path):
     return tmp_path / "hf"
 
 
-def tiny_hf(tmp_path, arch: str = "llama", **extra):
-    """An HFCausalLM of a tiny ``arch`` config (float64) and a plain transformers model (SDPA) with its weights."""
+# A tiny config of any family (keys a family does not know are kept as plain attributes).
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, moe_intermediate_size=32, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, num_experts_per_tok=2, num_experts=4, num_local_experts=4)
+
+
+def tiny_hf(tmp_path, arch: str = "llama", dtype=torch.float64, **extra):
+    """An HFCausalLM of a tiny ``arch`` config and a plain transformers model (SDPA) with its weights."""
     from odcfsdp.models.hf import HFCausalLM
 
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, **extra)
-    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig, "granite": transformers.GraniteConfig}[arch](**common)
+    cfg = transformers.AutoConfig.for_model(arch, **{**TINY, **extra})
     cfg.save_pretrained(tmp_path / arch)
     torch.manual_seed(0)
-    model = HFCausalLM(str(tmp_path / arch)).double()
-    plain = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    model = HFCausalLM(str(tmp_path / arch)).to(dtype)
+    plain = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
     plain.load_state_dict(model.model.state_dict())
     return model, plain
 
@@ -48,23 +52,32 @@ def sdpa_spy(monkeypatch):
     return calls
 
 
+def pack_docs(docs):
+    """``docs`` packed into one micro-batch (inputs: one token fewer each)."""
+    return pack([Sample(i, d, torch.ones_like(d, dtype=torch.bool)) for i, d in enumerate(docs)])
+
+
+def packed(lengths, seed: int = 0):
+    """Random documents of ``lengths`` tokens, and their packed micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 64, (n,), generator=g) for n in lengths]
+    return docs, pack_docs(docs)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "granite"])  # granite: scores scaled by 0.3, not 1/sqrt(8)
-@pytest.mark.parametrize("given", ["doc_lengths", "document_ids", "position_ids"])
+@pytest.mark.parametrize("given", ["doc_lengths", "document_ids"])
 def test_packed_rows_run_attention_per_document_like_plain_transformers(tmp_path, monkeypatch, arch, given):
     """A packed row's loss and gradients equal plain transformers (SDPA) on each document alone, float64; the
-    attention runs per document (no S x S mask, no query longer than a document), whichever way the documents
-    are given: the training loop's host-side lengths, document ids, or HF's own packed position_ids."""
+    attention runs per document (no S x S mask, no query longer than a document), whether the documents come as
+    the training loop's host-side lengths or as document ids."""
     model, plain = tiny_hf(tmp_path, arch, **({"attention_multiplier": 0.3} if arch == "granite" else {}))
     assert model.model.config._attn_implementation == "odc_documents"
-    docs = [torch.randint(0, 64, (n,)) for n in (6, 9, 4)]
-    mb = pack([Sample(i, d, torch.ones_like(d, dtype=torch.bool)) for i, d in enumerate(docs)])
+    docs, mb = packed((6, 9, 4))
     calls = sdpa_spy(monkeypatch)
     if given == "doc_lengths":
         logits = model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)
-    elif given == "document_ids":
-        logits = model(mb.tokens, mb.positions, mb.document_ids)
     else:
-        logits = model.model(input_ids=mb.tokens, position_ids=mb.positions).logits
+        logits = model(mb.tokens, mb.positions, mb.document_ids)
     assert calls and not any(masked for _, masked in calls) and max(n for n, _ in calls) == 8
     torch.nn.functional.cross_entropy(logits[0], mb.targets[0], reduction="sum").backward()
     ref = sum(torch.nn.functional.cross_entropy(plain(input_ids=d[:-1][None]).logits[0], d[1:], reduction="sum")
@@ -73,6 +86,93 @@ def test_packed_rows_run_attention_per_document_like_plain_transformers(tmp_path
     grads = {n: p.grad for n, p in model.model.named_parameters()}
     for name, p in plain.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("arch", sorted(DOCUMENT_ATTENTION_MODEL_TYPES))
+def test_every_listed_family_attends_per_document_like_plain_transformers(tmp_path, monkeypatch, arch):
+    """Each family on the list takes the per-document attention (keyword arguments reach it; no mask is built)
+    and gives plain transformers' logits on each document alone (float32: MoE kernels have no float64), for one
+    row given by lengths and for two rows packed differently, given by document ids."""
+    model, plain = tiny_hf(tmp_path, arch, torch.float32, **({"sliding_window": None} if arch == "mistral" else {}))
+    model.eval(), plain.eval()  # no router noise (phimoe), no dropout
+    assert model.model.config._attn_implementation == "odc_documents"
+    docs, mb = packed((8, 13, 6))
+    swapped = pack_docs([docs[1], docs[0], docs[2]])
+    calls = sdpa_spy(monkeypatch)
+    with torch.no_grad():
+        one = model(mb.tokens, doc_lengths=mb.doc_lengths)[0]
+        two = model(torch.cat([mb.tokens, swapped.tokens]), document_ids=torch.cat([mb.document_ids,
+                                                                                    swapped.document_ids]))
+        alone = [plain(input_ids=d[:-1][None]).logits[0] for d in docs]
+    assert calls and not any(masked for _, masked in calls)
+    for got, want in ((one, torch.cat(alone)), (two[0], torch.cat(alone)),
+                      (two[1], torch.cat([alone[1], alone[0], alone[2]]))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_positions_without_lengths_take_hf_masks(tmp_path, monkeypatch):
+    """Calling the HF model itself with packed positions, no lengths and no cache (HF detects packing only then):
+    HF builds its mask, which the attention then applies through SDPA (nothing dropped), equal to the documents alone."""
+    model, plain = tiny_hf(tmp_path)
+    docs, mb = packed((6, 9, 4))
+    calls = sdpa_spy(monkeypatch)
+    with torch.no_grad():
+        logits = model.model(input_ids=mb.tokens, position_ids=mb.positions, use_cache=False).logits[0]
+        alone = torch.cat([plain(input_ids=d[:-1][None]).logits[0] for d in docs])
+    assert calls[0] == (16, True)
+    torch.testing.assert_close(logits, alone, rtol=1e-9, atol=1e-9)
+
+
+def test_the_mask_function_builds_every_mask_hf_asks_for():
+    """No mask only where the attention needs none: lengths given without padding, or a plain causal mask HF may
+    skip; a mask HF wants materialised, a custom mask function, padding or a cache offset get HF's SDPA mask."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
+
+    from odcfsdp.models.hf_attention import document_mask_function, lengths_given
+
+    def no_first_key(b, h, q, kv):
+        return kv > 0
+
+    common = dict(batch_size=1, q_length=5, kv_length=5)
+    assert document_mask_function(**common, mask_function=causal_mask_function) is None
+    custom = and_masks(causal_mask_function, no_first_key)
+    padding = torch.tensor([[0, 1, 1, 1, 1]], dtype=torch.bool)
+    for kwargs in (dict(mask_function=causal_mask_function, allow_is_causal_skip=False),
+                   dict(mask_function=custom, allow_is_causal_skip=False),  # as HF calls it with a custom function
+                   dict(mask_function=causal_mask_function, attention_mask=padding)):
+        want = sdpa_mask(**common, **kwargs)
+        assert want is not None and torch.equal(document_mask_function(**common, **kwargs), want)
+    with lengths_given():
+        assert document_mask_function(**common, mask_function=custom) is None
+        offset = document_mask_function(batch_size=1, q_length=1, kv_length=5, q_offset=4,
+                                        mask_function=causal_mask_function, allow_is_causal_skip=False)
+        assert torch.equal(offset, sdpa_mask(batch_size=1, q_length=1, kv_length=5, q_offset=4,
+                                             mask_function=causal_mask_function, allow_is_causal_skip=False))
+
+
+def test_attention_dropout_drops_in_training_only(tmp_path):
+    """attention_dropout applies per document in training (two passes differ) and not in eval (plain's logits)."""
+    model, plain = tiny_hf(tmp_path, attention_dropout=0.5)
+    assert model.model.config._attn_implementation == "odc_documents"
+    docs, mb = packed((6, 9))
+    with torch.no_grad():
+        train = [model.train()(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths) for _ in range(2)]
+        evaluated = model.eval()(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)[0]
+        alone = torch.cat([plain.eval()(input_ids=d[:-1][None]).logits[0] for d in docs])
+    assert not torch.allclose(train[0], train[1])
+    torch.testing.assert_close(evaluated, alone, rtol=1e-9, atol=1e-9)
+
+
+def test_lengths_that_do_not_reach_the_attention_are_an_error(tmp_path, monkeypatch):
+    """A family whose layers do not hand keyword arguments to the attention (stablelm) is not on the list; forced
+    onto it, the lengths' absence is an error, never one long document."""
+    import odcfsdp.models.hf_attention as hf_attention
+
+    monkeypatch.setattr(hf_attention, "DOCUMENT_ATTENTION_MODEL_TYPES", {"stablelm"})
+    model, _ = tiny_hf(tmp_path, "stablelm")
+    _, mb = packed((6, 9))
+    with pytest.raises(RuntimeError, match="odc_doc_lengths did not reach the attention of StableLmAttention"):
+        model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)
 
 
 def test_compiled_layers_do_not_recompile_for_new_documents(tmp_path):

@@ -53,19 +53,21 @@ def _uses_cudnn(backend: str, device_index: int) -> bool:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lengths: list[int] | None = None,
-                     backend: str = "auto", scale: float | None = None) -> torch.Tensor:
+                     backend: str = "auto", scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of (B, H, S, D) queries over (B, H_kv, S, D) keys/values, within each document.
 
     ``doc_lengths`` splits the sequence into documents (one packed row, B = 1);
     None means one document. Grouped heads (H a multiple of H_kv) are handled here.
-    ``scale`` multiplies the scores (None: 1/sqrt(D)). Returns (B, H, S, D).
+    ``scale`` multiplies the scores (None: 1/sqrt(D)); ``dropout_p`` drops attention weights
+    (training). Returns (B, H, S, D).
     """
     if not q.is_cuda:  # the math kernel: repeating keys costs nothing extra there
         return _per_document(q, *repeat_kv(q, k, v), doc_lengths, contextlib.nullcontext, pad=False, gqa=False,
-                             scale=scale)
+                             scale=scale, dropout_p=dropout_p)
     cudnn = _uses_cudnn(backend, q.device.index)
     kernels = functools.partial(sdpa_kernel, _CUDNN_FIRST if cudnn else _FLASH_FIRST, set_priority=True)
-    return _per_document(q, k, v, doc_lengths, kernels, pad=cudnn, gqa=q.shape[1] != k.shape[1], scale=scale)
+    return _per_document(q, k, v, doc_lengths, kernels, pad=cudnn, gqa=q.shape[1] != k.shape[1], scale=scale,
+                         dropout_p=dropout_p)
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,8 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
-def _per_document(q, k, v, doc_lengths, kernels, pad: bool, gqa: bool, scale: float | None = None) -> torch.Tensor:
+def _per_document(q, k, v, doc_lengths, kernels, pad: bool, gqa: bool, scale: float | None = None,
+                  dropout_p: float = 0.0) -> torch.Tensor:
     lengths = doc_lengths if doc_lengths is not None and len(doc_lengths) > 1 else None
     parts = zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2)) if lengths else [(q, k, v)]
     outs = []
@@ -86,7 +89,8 @@ def _per_document(q, k, v, doc_lengths, kernels, pad: bool, gqa: bool, scale: fl
             extra = bucket_length(n) - n if pad else 0
             if extra:
                 qd, kd, vd = (F.pad(t, (0, 0, 0, extra)) for t in (qd, kd, vd))
-            out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa, scale=scale)
+            out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa, scale=scale,
+                                                 dropout_p=dropout_p)
             outs.append(out[:, :, :n] if extra else out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -5,8 +5,8 @@ config, and, to fine-tune, its weights, which ``odcfsdp.checkpoint.load_hf`` rea
 into the sharded model (each rank only its slices) after wrapping. Packed
 micro-batches pass per-document positions and their document lengths, which the
 per-document attention of ``hf_attention`` uses (no S x S mask; see
-[hf-document-attention]); models whose attention it does not compute (sliding
-windows, soft-capping) run SDPA on the masks HF builds from the positions.
+[hf-document-attention]); other models (other families, sliding windows,
+soft-capping) run SDPA on the masks HF builds from the positions.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .hf_attention import DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, register_document_attention, supports_document_attention
+from .hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given, register_document_attention,
+                           supports_document_attention)
 
 
 class HFCausalLM(nn.Module):
@@ -106,16 +107,21 @@ class HFCausalLM(nn.Module):
         reach the attention directly; otherwise HF detects the packing from the positions
         and builds its own masks per layer type (sliding windows included).
         """
-        if doc_lengths is None and document_ids is not None and tokens.shape[0] == 1:
-            doc_lengths = torch.unique_consecutive(document_ids[0], return_counts=True)[1].tolist()
         if positions is None and doc_lengths is not None:
             positions = torch.cat([torch.arange(n, device=tokens.device) for n in doc_lengths])[None]
         elif positions is None and document_ids is not None:
             positions = _positions_within_documents(document_ids)
-        extra = {}
-        if doc_lengths is not None and self.model.config._attn_implementation == DOCUMENT_ATTENTION:
-            extra[DOC_LENGTHS_KWARG] = torch.tensor(doc_lengths)  # a tensor: compiled layers do not guard on values
-        return self.model(input_ids=tokens, position_ids=positions, use_cache=False, **extra).logits
+        if self.model.config._attn_implementation != DOCUMENT_ATTENTION or (doc_lengths is None and
+                                                                          document_ids is None):
+            return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        if doc_lengths is not None:
+            lengths = torch.tensor(doc_lengths)  # a tensor: compiled layers do not guard on its values
+        else:  # each row's runs of equal ids, zero-padded to the longest list
+            rows = [torch.unique_consecutive(r, return_counts=True)[1] for r in document_ids.cpu()]
+            lengths = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        with lengths_given():
+            return self.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                              **{DOC_LENGTHS_KWARG: lengths}).logits
 
 
 def _positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:

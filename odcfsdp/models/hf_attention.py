@@ -14,24 +14,35 @@ lengths), i.e. sum(n_i^2)/2 scores and no mask at all.
 ``DOCUMENT_ATTENTION`` is that kernel registered with transformers' attention
 interface, so HF models get it without a change to their code:
 
-1. Boundaries: the ``odc_doc_lengths`` keyword that ``HFCausalLM`` passes through the
-   model (a CPU tensor: no device sync); without it, per row from ``position_ids``
-   (a new document wherever a position is not the previous one + 1, HF's own rule; one
-   device sync per layer); without those, the row is one document.
-2. Its mask function builds no mask for that case (``attention_mask=None`` and as many
-   queries as keys) and HF's SDPA mask otherwise (a 2-D padding mask, decoding with a
-   cache); the attention then runs HF's SDPA path with that mask, as before.
-3. Only for plain causal softmax attention: ``supports_document_attention`` refuses
-   configs with a sliding window, logit soft-capping or attention dropout, and the
-   function raises on keywords it cannot honour (attention sinks, a sliding window).
-4. Compiled decoder layers (``model.compile``) break their graph around the attention
+1. Which models: the families in ``DOCUMENT_ATTENTION_MODEL_TYPES``, each checked
+   against plain transformers in ``tests/test_hf.py`` (their attention is causal softmax
+   over HF's standard masks, and they pass keyword arguments on to it), and only configs
+   without sliding-window layers or logit soft-capping (``supports_document_attention``).
+   Every other model keeps SDPA on the masks HF builds.
+2. Boundaries: ``HFCausalLM`` passes each row's document lengths as the ``odc_doc_lengths``
+   keyword (a CPU tensor: no device sync, and compiled layers do not guard on its values)
+   inside ``lengths_given()``; HF hands the keyword on to the attention.
+3. Masks: the mask function builds none where the attention splits documents itself
+   (lengths given, no padding mask, as many queries as keys; the listed families add no
+   mask functions of their own) or where the mask would be
+   plain causal and HF allows skipping it; otherwise it builds HF's SDPA mask (padding,
+   a cache, a packing HF detected from positions without our lengths, custom mask
+   functions) and the attention runs HF's SDPA path on it: never a mask dropped.
+4. Refusals, never silence: keywords the kernel cannot honour (attention sinks, a
+   sliding window, soft-capping, position biases, ``is_causal=False``) raise, and so do
+   lengths that were given but did not reach the attention.
+5. Compiled decoder layers (``model.compile``) break their graph around the attention
    (``torch.compiler.disable``), as our Llama's compiled dense parts do: a per-document
    loop traced by dynamo would recompile for every new number of documents, and a Python
    list of lengths would be guarded value by value (measured: a recompile at every
-   micro-batch); a tensor of lengths costs one recompile, to dynamic shapes.
+   micro-batch); a tensor of lengths costs at most two recompiles (to dynamic shapes, and
+   for one document, whose size dynamo specialises).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 
@@ -39,17 +50,25 @@ from .attention import causal_attention
 
 DOCUMENT_ATTENTION = "odc_documents"
 DOC_LENGTHS_KWARG = "odc_doc_lengths"
+# Checked one by one against plain transformers (tests/test_hf.py); add a family only with its test.
+DOCUMENT_ATTENTION_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "granite", "granitemoe",
+    "olmo", "olmo2", "olmoe", "phi3", "phimoe", "glm", "glm4", "smollm3", "starcoder2", "cohere",
+    "helium", "internlm3",
+})
+_LENGTHS_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("odc_lengths_given", default=False)
 
 
 def supports_document_attention(config) -> bool:
-    """Whether ``config``'s attention is plain causal softmax attention (what ``DOCUMENT_ATTENTION`` computes)."""
+    """Whether ``DOCUMENT_ATTENTION`` computes ``config``'s attention exactly (see the design note, 1.)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text, "layer_types", None) or []
-    sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
-    return (getattr(text, "is_causal", True) and not sliding
-            and all(t == "full_attention" for t in layer_types)
-            and getattr(text, "attn_logit_softcapping", None) is None
-            and not getattr(text, "attention_dropout", 0.0))
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:  # HF applies a window on sliding layers only
+        windowed = any(t != "full_attention" for t in layer_types)
+    else:
+        windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
+    return (getattr(text, "model_type", None) in DOCUMENT_ATTENTION_MODEL_TYPES and not windowed
+            and getattr(text, "is_causal", True) and getattr(text, "attn_logit_softcapping", None) is None)
 
 
 def register_document_attention() -> str:
@@ -58,28 +77,43 @@ def register_document_attention() -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(DOCUMENT_ATTENTION, document_attention_forward)
-    AttentionMaskInterface.register(DOCUMENT_ATTENTION, _document_mask)
+    AttentionMaskInterface.register(DOCUMENT_ATTENTION, document_mask_function)
     return DOCUMENT_ATTENTION
 
 
-def _document_mask(*args, **kwargs):
-    """No mask where the attention splits documents itself; HF's SDPA mask elsewhere (see the design note, 2.)."""
-    from transformers.masking_utils import sdpa_mask
+@contextlib.contextmanager
+def lengths_given():
+    """Within it, the model call carries ``odc_doc_lengths``: its masks are not built (see the design note, 3.)."""
+    token = _LENGTHS_GIVEN.set(True)
+    try:
+        yield
+    finally:
+        _LENGTHS_GIVEN.reset(token)
 
-    plain = (kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length")
-             and not kwargs.get("q_offset") and not kwargs.get("kv_offset"))
-    return None if plain else sdpa_mask(*args, **kwargs)
+
+def document_mask_function(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                           mask_function=None, attention_mask: torch.Tensor | None = None,
+                           allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
+    """HF mask-interface function of ``DOCUMENT_ATTENTION``: None where no mask is needed, else HF's SDPA mask."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    whole = attention_mask is None and q_length == kv_length and not q_offset and not kv_offset
+    if whole and (_LENGTHS_GIVEN.get() or (mask_function is causal_mask_function and allow_is_causal_skip)):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
+                     **({"mask_function": mask_function} if mask_function is not None else {}), **kwargs)
 
 
-def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
-    """Each row's document lengths: a document starts wherever a position is not the previous one + 1."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    out = []
-    for row in starts.cpu():
-        first = row.nonzero().flatten().tolist() + [row.numel()]
-        out.append([b - a for a, b in zip(first, first[1:])])
-    return out
+def _rows(lengths, batch: int, tokens: int) -> list[list[int]]:
+    """Each row's document lengths from ``odc_doc_lengths``: one row's (a list or 1-D tensor) or (B, k) zero-padded."""
+    if isinstance(lengths, torch.Tensor):
+        rows = [lengths.tolist()] if lengths.dim() == 1 else [[n for n in r if n] for r in lengths.tolist()]
+    else:
+        rows = [list(lengths)]
+    if len(rows) != batch or any(sum(r) != tokens for r in rows):
+        raise ValueError(f"{DOC_LENGTHS_KWARG} {rows} must cover {batch} row(s) of {tokens} tokens")
+    return rows
 
 
 @torch.compiler.disable
@@ -91,34 +125,26 @@ def document_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     Takes (B, H, S, D) queries and (B, H_kv, S_kv, D) keys/values as HF passes them;
     returns ((B, S, H, D) output, None).
     """
-    for name in ("s_aux", "sliding_window", "softcap"):
+    for name in ("s_aux", "sliding_window", "softcap", "position_bias", "indices"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"attention {DOCUMENT_ATTENTION!r} does not support {name}={kwargs[name]!r}; "
-                             "build the model with attn_implementation='sdpa'")
+            raise ValueError(f"attention {DOCUMENT_ATTENTION!r} does not support {name}; build the model with "
+                             "attn_implementation='sdpa'")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"attention {DOCUMENT_ATTENTION!r} is causal only; build the model with "
+                         "attn_implementation='sdpa'")
+    lengths = kwargs.pop(DOC_LENGTHS_KWARG, None)
     if attention_mask is not None or query.shape[2] != key.shape[2]:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        kwargs.pop(DOC_LENGTHS_KWARG, None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if dropout:
-        raise ValueError(f"attention {DOCUMENT_ATTENTION!r} has no attention dropout (got {dropout}); "
-                         "set the config's attention_dropout to 0 or use attn_implementation='sdpa'")
-    lengths = kwargs.get(DOC_LENGTHS_KWARG)
-    if isinstance(lengths, torch.Tensor):
-        lengths = lengths.tolist()
-    if lengths is not None and (query.shape[0] != 1 or sum(lengths) != query.shape[2]):
-        raise ValueError(f"{DOC_LENGTHS_KWARG} {list(lengths)} must cover one row of {query.shape[2]} tokens "
-                         f"(got {query.shape[0]} rows)")
-    if lengths is not None:
-        rows = [list(lengths)]
-    elif kwargs.get("position_ids") is not None:
-        rows = document_lengths(kwargs["position_ids"].expand(query.shape[0], -1))
-    else:
-        rows = [None] * query.shape[0]
+    if lengths is None and _LENGTHS_GIVEN.get():
+        raise RuntimeError(f"{DOC_LENGTHS_KWARG} did not reach the attention of {type(module).__name__}: the model "
+                           "does not hand keyword arguments on to it; use attn_implementation='sdpa'")
+    rows = _rows(lengths, query.shape[0], query.shape[2]) if lengths is not None else [None]
     if len(rows) == 1 or all(r == rows[0] for r in rows):
-        out = causal_attention(query, key, value, rows[0], scale=scaling)
+        out = causal_attention(query, key, value, rows[0], scale=scaling, dropout_p=dropout)
     else:
-        out = torch.cat([causal_attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], rows[b], scale=scaling)
-                         for b in range(query.shape[0])])
+        out = torch.cat([causal_attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], rows[b], scale=scaling,
+                                          dropout_p=dropout) for b in range(query.shape[0])])
     return out.transpose(1, 2).contiguous(), None
