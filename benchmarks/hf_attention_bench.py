@@ -18,6 +18,7 @@ odcfsdp's per-document attention ([hf-document-attention] in odcfsdp/models/hf_a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from odcfsdp.models.hf_attention import DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, register_document_attention  # noqa: E402
+from odcfsdp.models.hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given,  # noqa: E402
+                                         register_document_attention)
 
 SIZES = {"tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2),
@@ -52,8 +54,10 @@ def document_lengths(tokens: int, shortest: int, seed: int) -> list[int]:
 def step(model, tokens, positions, lengths, impl: str) -> tuple[float, float]:
     """Forward + backward of the summed cross-entropy; (loss, gradient norm)."""
     model.config._attn_implementation = impl
-    extra = {DOC_LENGTHS_KWARG: lengths} if impl == DOCUMENT_ATTENTION else {}
-    logits = model(input_ids=tokens[:, :-1], position_ids=positions[:, :-1], use_cache=False, **extra).logits
+    ours = impl == DOCUMENT_ATTENTION  # as HFCausalLM calls it: the lengths, and no masks built for them
+    with lengths_given() if ours else contextlib.nullcontext():
+        logits = model(input_ids=tokens[:, :-1], position_ids=positions[:, :-1], use_cache=False,
+                       **({DOC_LENGTHS_KWARG: torch.tensor(lengths)} if ours else {})).logits
     loss = F.cross_entropy(logits[0].float(), tokens[0, 1:], reduction="sum")
     model.zero_grad(set_to_none=True)
     loss.backward()

@@ -250,3 +250,23 @@ def test_sharded_training_of_an_hf_model(tmp_path):
                                "lengths": {"max_len": 128}},
                       "run": {"steps": 12}}, tmp_path / "run")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
+
+
+def test_hf_attention_bench_runs_on_cpu(tmp_path):
+    """benchmarks/hf_attention_bench.py end to end on a CPU (tiny config): both implementations timed, the same
+    loss and gradient norm (fp32), and its tables written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "hf_attention_bench.py"
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--size", "tiny", "--tokens", "192",
+                          "--device", "cpu", "--warmup", "1", "--iters", "1", "--impls", "sdpa", "odc_documents"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "hf_attention_bench.json").read_text())["rows"]
+    ours = row["results"]["odc_documents"]
+    assert row["documents"] > 1 and ours["tokens_per_s"] > 0 and row["results"]["sdpa"]["tokens_per_s"] > 0
+    assert ours["loss_rel_diff_vs_sdpa"] < 1e-5 and ours["grad_norm_rel_diff_vs_sdpa"] < 1e-5
+    assert "odc_documents" in (tmp_path / "hf_attention_bench.md").read_text()
