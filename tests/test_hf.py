@@ -163,18 +163,6 @@ def test_attention_dropout_drops_in_training_only(tmp_path):
     torch.testing.assert_close(evaluated, alone, rtol=1e-9, atol=1e-9)
 
 
-def test_lengths_that_do_not_reach_the_attention_are_an_error(tmp_path, monkeypatch):
-    """A family whose layers do not hand keyword arguments to the attention (stablelm) is not on the list; forced
-    onto it, the lengths' absence is an error, never one long document."""
-    import odcfsdp.models.hf_attention as hf_attention
-
-    monkeypatch.setattr(hf_attention, "DOCUMENT_ATTENTION_MODEL_TYPES", {"stablelm"})
-    model, _ = tiny_hf(tmp_path, "stablelm")
-    _, mb = packed((6, 9))
-    with pytest.raises(RuntimeError, match="odc_doc_lengths did not reach the attention of StableLmAttention"):
-        model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)
-
-
 def test_compiled_layers_do_not_recompile_for_new_documents(tmp_path):
     """Decoder layers compiled as `model.compile=true` does: after three micro-batches (static shapes, one document
     (dynamo specialises sizes 1), dynamic shapes) new numbers and lengths of documents compile nothing more (a list

@@ -183,3 +183,23 @@ def test_hsdp_misuse_is_refused(tmp_path):
     if __name__ == "__main__":
         assert spawn(body, 2) == [True, True]
     """)
+
+
+def test_lengths_that_do_not_reach_the_attention_are_an_error(tmp_path):
+    """A family whose layers do not hand keyword arguments to the attention (stablelm) is not on the list; forced
+    onto it, the lengths' absence is an error, never one long document."""
+    pytest.importorskip("transformers", reason="the HF model path needs transformers (test extra)")
+    run_case(tmp_path, """
+    import transformers
+    import odcfsdp.models.hf_attention as hf_attention
+    from odcfsdp.models.hf import HFCausalLM
+
+    hf_attention.DOCUMENT_ATTENTION_MODEL_TYPES = {"stablelm"}  # forced onto the list
+    transformers.AutoConfig.for_model("stablelm", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256).save_pretrained("stablelm")
+    model = HFCausalLM("stablelm")
+    tokens, positions = torch.randint(0, 64, (1, 13)), torch.cat([torch.arange(5), torch.arange(8)])[None]
+    expect(RuntimeError, "odc_doc_lengths did not reach the attention of StableLmAttention",
+           lambda: model(tokens, positions, doc_lengths=[5, 8]))
+    """)

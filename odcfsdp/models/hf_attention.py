@@ -91,18 +91,19 @@ def lengths_given():
         _LENGTHS_GIVEN.reset(token)
 
 
-def document_mask_function(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-                           mask_function=None, attention_mask: torch.Tensor | None = None,
-                           allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
-    """HF mask-interface function of ``DOCUMENT_ATTENTION``: None where no mask is needed, else HF's SDPA mask."""
+def document_mask_function(**kwargs) -> torch.Tensor | None:
+    """HF mask-interface function of ``DOCUMENT_ATTENTION``: None where no mask is needed, else HF's SDPA mask.
+
+    Takes ``sdpa_mask``'s keywords (``q_length``, ``kv_length``, ``q_offset``, ``kv_offset``,
+    ``attention_mask``, ``mask_function``, ``allow_is_causal_skip``, ...) and hands them on.
+    """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    whole = attention_mask is None and q_length == kv_length and not q_offset and not kv_offset
-    if whole and (_LENGTHS_GIVEN.get() or (mask_function is causal_mask_function and allow_is_causal_skip)):
-        return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
-                     **({"mask_function": mask_function} if mask_function is not None else {}), **kwargs)
+    whole = (kwargs.get("attention_mask") is None and kwargs["q_length"] == kwargs["kv_length"]
+             and not kwargs.get("q_offset") and not kwargs.get("kv_offset"))
+    skippable = (kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+                 and kwargs.get("allow_is_causal_skip", True))
+    return None if whole and (_LENGTHS_GIVEN.get() or skippable) else sdpa_mask(**kwargs)
 
 
 def _rows(lengths, batch: int, tokens: int) -> list[list[int]]:
