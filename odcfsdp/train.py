@@ -216,7 +216,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         lr = sched.get_last_lr()[0]
         out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)
         my_sizes = minibatch.my_sizes()
-        table = gather_stats([out["loss"], out["compute_s"], model.protocol.last_wait_s, len(minibatch.mine),
+        table = gather_stats([out["loss"], out["compute_s"], model.sync_wait_s, len(minibatch.mine),
                               sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
                               float(terminate.raised)],
                              model.mesh.device, model.mesh.everyone.group)  # the termination flag rides along: no extra meeting

@@ -334,6 +334,11 @@ class ODCShard(nn.Module):
         self.protocol.reshard_all()
 
     @property
+    def sync_wait_s(self) -> float:
+        """Seconds the last minibatch's sync (the first ``.grad`` read) waited for the other ranks."""
+        return self.protocol.last_wait_s
+
+    @property
     def pending_pushes(self) -> int:
         """Gradient pushes of this rank whose minibatch has not finished (0 between minibatches)."""
         return self.protocol.pending_pushes
