@@ -16,7 +16,7 @@ def test_readme_transport_table_is_the_generated_one():
 
 def test_comm_choices_come_from_the_registry():
     assert COMM_CHOICES == ("auto", *TRANSPORTS)
-    assert all(t.devices and t.where and t.how for t in TRANSPORTS.values())
+    assert all(t.caps.devices and t.caps.where and t.caps.how for t in TRANSPORTS.values())
 
 
 def test_device_checks_come_from_the_registry():

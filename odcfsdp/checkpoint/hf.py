@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 
 from ..models.llama import Llama, LlamaConfig
 from ..sharding.shard import ODCShard
-from ..sharding.state_dict import gather_full
 from .manifest import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -102,7 +101,7 @@ def _lora_layers(model: ODCShard) -> list[tuple[str, nn.Module]]:
 
 def _adapters_full(model: ODCShard) -> dict[str, torch.Tensor]:
     """Full values of the trained parameters (the adapters, for a LoRA model): small; collective."""
-    return gather_full([g for g in model.groups if g.layout.requires_grad], model.mesh, {})
+    return model.shard_state.full_state_dict(trained_only=True)
 
 
 def _adapter_merges(model: ODCShard) -> dict[str, torch.Tensor]:
@@ -196,18 +195,17 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
             written.append(out_dir / files[next_shard])
             next_shard += 1
 
-    for g in model.groups:
-        full = g.layout.unpack(model.mesh.all_gather_rows(g.read_master()))  # collective, every rank
+    for g, values in model.shard_state.full_values():  # collective, every rank: one group at a time
         if writer:
-            kept = [(i, sl) for i, sl in enumerate(g.layout.slots) if sl.name in shard_of]
-            for i, sl in kept:
-                value = g.layout.param_view(full, i)
-                if sl.name in merge:
-                    value = value + merge[sl.name]
-                pending[sl.name] = value.to(dtype or g.layout.dtype).cpu().clone()
+            kept = [name for name in values if name in shard_of]
+            for name in kept:
+                value = values[name]
+                if name in merge:
+                    value = value + merge[name]
+                pending[name] = value.to(dtype or g.layout.dtype).cpu().clone()
             if kept:
-                flush(min(shard_of[sl.name] for _, sl in kept))  # shards wholly before this group are done
-        del full
+                flush(min(shard_of[name] for name in kept))  # shards wholly before this group are done
+        del values
     if writer:
         flush(len(shards))
         if len(files) > 1:
@@ -274,29 +272,25 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
     # One file open at a time: a file's pages this rank touched stay mapped (and resident) while it is open,
     # and parameters mostly come in file order.
     handles: dict[Path, object] = {}
-    with model.protocol.rows_changing(), torch.no_grad():
-        for g in model.groups:
-            master = g.read_master()
-            for s in g.layout.slots:
-                key = name_map(s.name)
-                if key is None:  # not a base weight (LoRA adapters): left as they are
-                    continue
-                if key not in where:
-                    raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
-                file = where[key]
-                if file not in handles:
-                    handles.clear()
-                    handles[file] = safe_open(str(file), framework="pt")
-                sl = handles[file].get_slice(key)
-                if tuple(sl.get_shape()) != s.shape:
-                    raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
-                                          f"{s.name!r} has {s.shape}")
-                lo, hi = s.local_range(model.rank)
-                dest = master[s.offset : s.offset + s.seg]
-                dest.zero_()
-                if hi > lo:  # this rank's shard is whole dim-0 rows: read just those
-                    rows = sl[lo // s.row_numel : hi // s.row_numel]
-                    dest[: hi - lo].copy_(rows.reshape(-1))
+    state = model.shard_state
+    with state.changing(), torch.no_grad():
+        # Parameters that are no base weight (LoRA adapters: name_map gives None) are left as they are.
+        for sp, lo, hi, dest in state.write_targets(lambda name: name_map(name) is not None):
+            s = sp.slot
+            key = name_map(s.name)
+            if key not in where:
+                raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
+            file = where[key]
+            if file not in handles:
+                handles.clear()
+                handles[file] = safe_open(str(file), framework="pt")
+            sl = handles[file].get_slice(key)
+            if tuple(sl.get_shape()) != s.shape:
+                raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
+                                      f"{s.name!r} has {s.shape}")
+            if hi > lo:  # this rank's shard is whole dim-0 rows: read just those
+                rows = sl[lo // s.row_numel : hi // s.row_numel]
+                dest.copy_(rows.reshape(-1))
         for name, buf in model.persistent_buffers().items():  # replicated: every rank reads them whole
             key = name_map(name)
             if key is not None and key in where:

@@ -44,6 +44,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
 from ..sharding.shard import ODCShard
 from .files import crc32_of, fsync_path, write_json_durably
@@ -51,12 +52,6 @@ from .manifest import FORMAT, MANIFEST, READABLE_VERSIONS, VERSION, CheckpointEr
 
 _COMPLETE = re.compile(r"^step_(\d{8})$")
 _ASIDE = re.compile(r"^step_(\d{8})\.old-[0-9a-f]+$")  # the previous copy of a step saved twice
-
-
-def _segment(numel: int, seg: int, rank: int) -> tuple[int, int]:
-    """Elements [lo, hi) of a flattened parameter that writer ``rank`` holds (hi <= lo when none)."""
-    lo = rank * seg
-    return lo, min(lo + seg, numel)
 
 
 def _model_slots(model: ODCShard) -> dict:
@@ -82,8 +77,8 @@ def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
     for group in optimizer.param_groups:
         sps = []
         for p in group["params"]:
-            sp = getattr(p, "_odc", None)
-            if sp is None or sp.protocol is not model.protocol:
+            sp = model.shard_state.param_of(p)
+            if sp is None:
                 raise CheckpointError("the optimizer holds a parameter that is not one of the model's shards; build it "
                                       "from the ODCShard model's parameters (e.g. odcfsdp.param_groups(model))")
             sps.append(sp)
@@ -203,12 +198,9 @@ def save_checkpoint(
     everyone.barrier()
 
     tensors: dict[str, torch.Tensor] = {}
-    for g in (model.groups if mesh.replica == 0 else ()):
-        master = g.read_master()
-        for s in g.layout.slots:
-            lo, hi = s.local_range(rank)
-            if hi > lo:
-                tensors[f"{s.name}/master"] = master[s.offset : s.offset + hi - lo].detach().cpu()
+    for sp, shard in (model.shard_state.shards() if mesh.replica == 0 else ()):
+        if shard.numel():
+            tensors[f"{sp.name}/master"] = shard.detach().cpu()
     tensors.update({k: v for k, v in opt_tensors.items() if v.numel()})
     if first:  # persistent buffers are replicated: one copy, read back by every rank
         for name, buf in model.persistent_buffers().items():
@@ -306,14 +298,10 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
     files = _Files(path, manifest, verify)
     rank = model.rank
 
-    with model.protocol.rows_changing():
-        for g in model.groups:
-            master = g.read_master()
-            for s in g.layout.slots:
-                lo, hi = s.local_range(rank)
-                dest = master[s.offset : s.offset + s.seg]
-                dest.zero_()  # padding past the shard stays zero
-                _read_slices(files, old_world, old_seg[s.name], s.numel, f"{s.name}/master", lo, hi, dest[: hi - lo])
+    state = model.shard_state
+    with state.changing():
+        for sp, lo, hi, dest in state.write_targets():
+            _read_slices(files, old_world, old_seg[sp.name], sp.slot.numel, f"{sp.name}/master", lo, hi, dest)
         buffers = model.persistent_buffers()
         if buffers:
             f0 = files.get(0)
@@ -335,11 +323,9 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
 def _read_slices(files: "_Files", old_world: int, seg: int, numel: int, key: str, lo: int, hi: int,
                  out: torch.Tensor) -> None:
     """``out`` = elements ``[lo, hi)`` of the flattened tensor ``key``, from the writers that hold them."""
-    for q in range(lo // seg, min(old_world, -(-hi // seg))) if hi > lo else ():
-        qlo, qhi = _segment(numel, seg, q)
-        a, b = max(lo, qlo), min(hi, qhi)
-        if a < b:
-            out[a - lo : b - lo].copy_(files.read(q, key, a - qlo, b - qlo))
+    for q, a, b in overlapping_shards(lo, hi, numel, seg, old_world):
+        qlo = shard_range(numel, seg, q)[0]
+        out[a - lo : b - lo].copy_(files.read(q, key, a - qlo, b - qlo))
 
 
 def _load_optimizer(path: Path, manifest: dict, files: "_Files", model: ODCShard, optimizer, old_world: int,

@@ -1,5 +1,21 @@
 """One flat parameter group: its rows, unsharded buffer and gradient buffer, its state and its parameters.
 
+A group's life, in numbered steps (its states are ``GroupState``):
+
+1. built: the transport allocated its row and accumulator; the master row is filled
+   from the model's values and published to the row; SHARDED (modules hold shards);
+2. a site needs it: ``to_unsharded`` resizes the unsharded storage back and gathers
+   every rank's row into it (ahead of use on a side stream, [streams]); UNSHARDED
+   (modules hold the unsharded parameters, [params]);
+3. in backward: ``prepare_grad`` gives the trained parameters a zeroed gradient
+   buffer ([grad-buffers]); after the group's last site, ``push_grad`` adds it into
+   the owners' accumulator rows; ``to_sharded`` frees the storage: SHARDED again;
+4. at the minibatch's meetings (the step protocol, [step-protocol]): ``attach_grads``
+   shows the accumulator as the shards' ``.grad``; the optimizer updates the master
+   in place; ``publish`` copies the master into the row, ``zero_accumulator`` and
+   ``detach_grads`` start the next minibatch;
+5. ``release`` drops rows and buffers when the wrapper closes.
+
 Design note [storage-resize]
 ----------------------------
 Each unsharded parameter is, for its whole life, a view into the group's
@@ -31,30 +47,21 @@ Each group keeps an fp32 master row (wider for wider parameters), the local tens
 of its parameters' shards: optimizers update it in place. The communicated row in
 ``param_dtype`` is published from it (``publish``: a cast, rounding to nearest
 even) when a minibatch ends ([step-protocol]); with ``param_dtype`` equal to the
-master's dtype the row *is* the master and publishing is nothing. (Up to 44e14f3
-a bf16 row and 16 low bits stood in for the fp32 master, 2 bytes per parameter / N
-less, but no torch optimizer can update such a pair in place.)
+master's dtype the row *is* the master and publishing is nothing. (A bf16 row plus
+16 low bits would save 2 bytes per parameter / N, but no torch optimizer can update
+such a pair in place.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 
 import torch
 import torch.nn as nn
 
 from .layout import GroupLayout
-from .param import ShardedParam
-from .transport import Transport
-
-
-def _after_current(stream: torch.cuda.Stream | None):
-    """Context running on ``stream`` after the work queued so far on the current stream (None: stay)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    return torch.cuda.stream(stream)
+from .param import GradEvents, ShardedParam
+from .streams import CommStreams
 
 
 class GroupState(enum.Enum):
@@ -79,18 +86,21 @@ class FlatGroup:
         params: the model's parameters of the group, in slot order. Their current
             values become this rank's master row.
         registrations: for each, every (module, attribute) it is registered under.
-        transport: allocated this group's row and accumulator; moves them.
+        comm: moves rows (its transport allocated this group's row and accumulator), on
+            side streams where there are some ([streams]).
         master_dtype: dtype of the master row (fp32 or wider).
-        protocol: the step protocol the parameters' ``.grad`` goes through.
+        events: where the parameters' ``.grad`` reads and writes go (the step protocol).
         device_mesh: the DTensor mesh of the shards (None in a single process).
         first_position: the model-order position of the group's first parameter.
     """
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter], registrations: list[list[tuple[nn.Module, str]]],
-                 transport: Transport, master_dtype: torch.dtype, protocol, device_mesh, first_position: int = 0):
+                 comm: CommStreams, master_dtype: torch.dtype, events: GradEvents, device_mesh,
+                 first_position: int = 0):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
+        transport = comm.transport
         self.layout = layout
-        self.transport = transport
+        self.comm = comm
         self.index = layout.index
         self.rank = transport.rank
         self.row = transport.rows[self.index]
@@ -99,12 +109,13 @@ class FlatGroup:
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.row.dtype, device=self.row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
-        self._ready: torch.cuda.Event | None = None  # set while a prefetch may still be writing
+        self._ready: torch.cuda.Event | None = None  # set while a gather queued ahead may still be writing
         self.sites = 0  # hook sites that use this group (set once the hooks are registered)
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
-        self.params = [ShardedParam(self, i, p, regs, protocol, device_mesh, first_position + i)
+        self.params = [ShardedParam(layout, i, self.unsharded, self.master, self.accumulator, self.rank, p, regs,
+                                    events, device_mesh, first_position + i)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
         self._trained = [sp for sp in self.params if sp.trained]
         self._published_version = self._versions()
@@ -163,12 +174,12 @@ class FlatGroup:
         return self.backward_uses_left <= 0
 
     # -- state transitions -----------------------------------------------------
-    def to_unsharded(self, stream: torch.cuda.Stream | None = None) -> None:
+    def to_unsharded(self, ahead: bool = False) -> None:
         """Materialise the full values (gather from all ranks) and register them; no-op if already there.
 
-        With ``stream`` (a prefetch) the buffer is filled on that stream, after the
-        work queued so far on the current stream; ``wait_ready`` must run before the
-        current stream uses it (``to_sharded`` runs it, so a freed buffer is never
+        ``ahead`` (a prefetch) fills the buffer on the gather stream, after the work
+        queued so far on the current stream ([streams]); ``wait_ready`` must run before
+        the current stream uses it (``to_sharded`` runs it, so a freed buffer is never
         reused while the gather may still write it).
         """
         if self.state is GroupState.UNSHARDED:
@@ -180,20 +191,15 @@ class FlatGroup:
             # (when the block's previous user is done), which is the site before the one it serves:
             # the gather still overlaps the current site's compute.
             self.unsharded.untyped_storage().resize_(self._unsharded_nbytes)
-            with _after_current(stream):
-                self.transport.gather(self.index, self.unsharded)
-                if stream is not None:
-                    self._ready = torch.cuda.Event()
-                    self._ready.record(stream)
+            self._ready = self.comm.gather(self.index, self.unsharded, ahead)
         for sp in self.params:
             sp.to_unsharded()
         self.state = GroupState.UNSHARDED
 
     def wait_ready(self) -> None:
         """Make the current stream wait for a pending prefetch of this group."""
-        if self._ready is not None:
-            torch.cuda.current_stream(self.unsharded.device).wait_event(self._ready)
-            self._ready = None
+        self.comm.wait(self._ready)
+        self._ready = None
 
     def to_sharded(self) -> None:
         """Free the full values; the modules hold the shards again."""
@@ -237,18 +243,16 @@ class FlatGroup:
                 found = True
         return found
 
-    def push_grad(self, stream: torch.cuda.Stream | None = None) -> bool:
+    def push_grad(self) -> bool:
         """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed.
 
-        With ``stream`` the push runs there, after everything queued so far on the
-        current stream (which wrote the gradient), overlapping what comes next.
+        On CUDA the push runs on the push stream, after everything queued so far on
+        the current stream (which wrote the gradient), overlapping what comes next.
         """
         if self.grad_buffer is None:
             return False
-        with torch.no_grad(), _after_current(stream):
-            self.transport.scatter_accumulate(self.index, self.grad_buffer)
-        if stream is not None:
-            self.grad_buffer.record_stream(stream)  # freed only once the push has read it
+        with torch.no_grad():
+            self.comm.push(self.index, self.grad_buffer)
         self.grad_buffer = None
         for sp in self._trained:
             sp.unsharded.grad = None
@@ -261,9 +265,11 @@ class FlatGroup:
             sp.attach_grad()
 
     def detach_grads(self) -> None:
+        """Drop every trained parameter's shard ``.grad``."""
         for sp in self._trained:
             sp.detach_grad()
 
     def zero_accumulator(self) -> None:
+        """Zero this rank's accumulator row (a new minibatch starts)."""
         if self.accumulator is not None:
             self.accumulator.zero_()

@@ -97,19 +97,17 @@ class HookDriver:
         protocol: counts and issues pushes; its ``before_forward`` runs first in every root forward.
         prefetch: the site order and how far ahead to gather.
         reshard_after_forward: free a group after its last forward use.
-        gather_stream: the side stream prefetches run on (CUDA), or None.
         units: module classes hooked as a whole.
         checks: run at the start of every root forward, before anything else (may raise).
     """
 
     def __init__(self, root: nn.Module, groups: list[FlatGroup], group_of: dict[nn.Parameter, FlatGroup],
                  protocol: StepProtocol, prefetch: PrefetchSchedule, reshard_after_forward: bool,
-                 gather_stream: torch.cuda.Stream | None, units: tuple[type[nn.Module], ...], checks=lambda: None):
+                 units: tuple[type[nn.Module], ...], checks=lambda: None):
         self.groups = groups
         self.protocol = protocol
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        self.gather_stream = gather_stream
         self.checks = checks
         self.phase = TrainingPhase.IDLE
         # The hooks hold this object; tensor hooks live in C++, where Python's garbage collector
@@ -170,7 +168,7 @@ class HookDriver:
                 g.prepare_grad()
         self.prefetch.record(site)
         for g in self.prefetch.targets(site, backward):
-            g.to_unsharded(self.gather_stream)  # on CPU (no stream) a plain gather ahead of use
+            g.to_unsharded(ahead=True)  # on CPU (no side stream) a plain gather ahead of use
 
     @torch.compiler.disable
     def _pre_forward(self, site: Site, args, kwargs) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -66,6 +66,26 @@ def shard_sizes(shape: Sequence[int], world_size: int, dtypes: Sequence[torch.dt
     shard = rows * math.prod(shape[1:])
     align = max(align_elems(d) for d in dtypes)
     return shard, _round_up(max(1, shard), align)
+
+
+def shard_range(numel: int, shard: int, rank: int) -> tuple[int, int]:
+    """Flattened elements ``[lo, hi)`` of a parameter of ``numel`` elements that ``rank`` holds when each rank
+    holds ``shard`` of them (step 1 of [layout]; ``lo == hi``: none)."""
+    lo = min(rank * shard, numel)
+    return lo, min(lo + shard, numel)
+
+
+def overlapping_shards(lo: int, hi: int, numel: int, shard: int, world_size: int) -> Iterator[tuple[int, int, int]]:
+    """Where elements ``[lo, hi)`` of a parameter lie under another plan (``shard`` elements on each of
+    ``world_size`` ranks): ``(rank q, a, b)`` for every rank holding some, ``[a, b)`` being the elements it holds
+    of them; ``a - shard_range(numel, shard, q)[0]`` is where they start in q's shard. For resharding loads."""
+    if hi <= lo:
+        return
+    for q in range(lo // shard, min(world_size, -(-hi // shard))):
+        qlo, qhi = shard_range(numel, shard, q)
+        a, b = max(lo, qlo), min(hi, qhi)
+        if a < b:
+            yield q, a, b
 
 
 @dataclass(frozen=True)
@@ -98,8 +118,7 @@ class ParamSlot:
 
     def local_range(self, rank: int) -> tuple[int, int]:
         """Flattened elements ``[lo, hi)`` of the parameter that ``rank`` holds (``lo == hi``: none)."""
-        lo = min(rank * self.shard, self.numel)
-        return lo, min(lo + self.shard, self.numel)
+        return shard_range(self.numel, self.shard, rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s shard: the parameter's shape with fewer dim-0 rows (maybe none)."""
@@ -163,6 +182,11 @@ class GroupLayout:
         s = self.slots[i]
         lo, hi = s.local_range(rank)
         return row[s.offset : s.offset + hi - lo].view(s.local_shape(rank))
+
+    def segment(self, row: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s whole segment of a row (its shard, then zero padding up to ``c_i``)."""
+        s = self.slots[i]
+        return row[s.offset : s.offset + s.seg]
 
     def unpack(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rank-major rows ``(N, C)`` -> parameter-major buffer (the gather copy-out)."""

@@ -19,7 +19,9 @@ and code outside sees shards.
 
 The sharded parameter's ``.grad`` is a property: this rank's fp32 accumulator rows,
 as a DTensor of the same placement, made complete and attached when first read
-after the minibatch's backward passes ([grad-protocol] in ``protocol.py``).
+after the minibatch's backward passes ([grad-protocol] in ``protocol.py``). This
+tier knows nothing of that protocol: reads and writes of ``.grad`` are *events* it
+hands to the ``GradEvents`` sink it was given, which decides what they mean.
 A sharded parameter that receives a gradient through autograd (it was used in a
 computation outside its module's forward) raises: that gradient would bypass the
 accumulators.
@@ -28,7 +30,7 @@ accumulators.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -37,31 +39,39 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
 
-if TYPE_CHECKING:
-    from .group import FlatGroup
-    from .protocol import StepProtocol
+from .layout import GroupLayout
 
 _tensor_grad = torch._C.TensorBase.grad  # the C-level .grad the property below wraps
 
 
-class _ProtocolGrad:
-    """``.grad`` read and written through the owning model's step protocol (see [grad-protocol])."""
+class GradEvents(Protocol):
+    """Where the ``.grad`` reads and writes of sharded parameters go (the step protocol, [grad-protocol])."""
+
+    def grad_read(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp.sharded.grad`` was read: return what the read gives."""
+
+    def grad_written(self, sp: ShardedParam, value: torch.Tensor | None) -> None:
+        """``sp.sharded.grad`` was assigned ``value`` (None: cleared, as ``zero_grad`` does)."""
+
+
+class _EventGrad:
+    """``.grad`` read and written as events of the owning model's step protocol (see [grad-protocol])."""
 
     @property
     def grad(self):
         """This rank's fully reduced gradient shard (reading it may be where ranks meet)."""
-        return self._odc.read_grad()
+        return self._odc.events.grad_read(self._odc)
 
     @grad.setter
     def grad(self, value):
-        self._odc.write_grad(value)
+        self._odc.events.grad_written(self._odc, value)
 
     @grad.deleter
     def grad(self):
-        self._odc.write_grad(None)
+        self._odc.events.grad_written(self._odc, None)
 
 
-class ODCParameter(_ProtocolGrad, DTensor):
+class ODCParameter(_EventGrad, DTensor):
     """A parameter of an ``ODCShard`` model outside forward: this rank's dim-0 shard as a DTensor.
 
     Its local tensor is a view of the group's master row; ``.grad`` is this rank's
@@ -69,7 +79,7 @@ class ODCParameter(_ProtocolGrad, DTensor):
     """
 
 
-class ODCLocalParameter(_ProtocolGrad, nn.Parameter):
+class ODCLocalParameter(_EventGrad, nn.Parameter):
     """An ``ODCShard`` parameter outside forward in a single process without torch.distributed (see [params])."""
 
 
@@ -107,27 +117,30 @@ class ShardedParam:
     """One parameter of a flat group (FSDP2's ``FSDPParam`` tier): its two forms and its registrations.
 
     Args:
-        group: the group it belongs to (its buffers and master row exist).
-        index: its slot in the group's layout.
+        layout: its group's layout; ``index``: its slot there.
+        buffer: the group's parameter-major unsharded buffer (``param_dtype``).
+        master: this rank's master row of the group (the shard is a view of it).
+        accumulator: this rank's gradient accumulator row (None for a frozen group).
+        rank: this rank (which shard it holds).
         original: the model's parameter object. It becomes the unsharded parameter (a
             view of the group's unsharded buffer), unless it is on the meta device, which
             cannot be re-pointed: then a new parameter replaces it.
         registrations: every (module, attribute name) it is registered under.
-        protocol: the step protocol ``.grad`` reads and writes go through.
+        events: where ``.grad`` reads and writes go (the model's step protocol).
         device_mesh: the mesh of the DTensor shards (None: one process, plain tensors).
         position: its place in the model's parameter order (``.grad`` passes are told apart by it).
     """
 
-    def __init__(self, group: FlatGroup, index: int, original: nn.Parameter,
-                 registrations: list[tuple[nn.Module, str]], protocol: StepProtocol, device_mesh, position: int):
-        layout = group.layout
+    def __init__(self, layout: GroupLayout, index: int, buffer: torch.Tensor, master: torch.Tensor,
+                 accumulator: torch.Tensor | None, rank: int, original: nn.Parameter,
+                 registrations: list[tuple[nn.Module, str]], events: GradEvents, device_mesh, position: int):
         slot = layout.slots[index]
         self.name = slot.name
         self.position = position
         self.trained = original.requires_grad
         self.registrations = registrations
-        self.protocol = protocol
-        view = layout.param_view(group.unsharded, index)
+        self.events = events
+        view = layout.param_view(buffer, index)
         unsharded = original
         if original.is_meta:
             # Not nn.Parameter(view): that would share the buffer's version counter (see
@@ -137,7 +150,7 @@ class ShardedParam:
         self.unsharded: nn.Parameter = unsharded
         self.slot = slot
         self.shape = slot.shape
-        self.local = local = layout.local_view(group.master, index, group.rank)
+        self.local = local = layout.local_view(master, index, rank)
         if device_mesh is None:
             sharded = ODCLocalParameter(local, requires_grad=self.trained)
         else:
@@ -145,8 +158,10 @@ class ShardedParam:
             sharded._is_param = True  # isinstance(sharded, nn.Parameter), as nn.Parameter(dtensor) marks it
         sharded._odc = self
         self.sharded = sharded
-        self.grad_view = (as_global(layout.local_view(group.accumulator, index, group.rank), slot.shape, device_mesh)
+        self.grad_view = (as_global(layout.local_view(accumulator, index, rank), slot.shape, device_mesh)
                           if self.trained else None)
+        if self.trained:  # an optimizer over the parameters as they were before wrapping is refused (protocol.py)
+            unsharded._odc_unsharded = True
         # The hook lives in C++, where the garbage collector cannot see a cycle through it: it holds the name only.
         self._hook = (sharded.register_post_accumulate_grad_hook(functools.partial(_used_while_sharded, self.name))
                       if self.trained else None)
@@ -186,13 +201,12 @@ class ShardedParam:
         _tensor_grad.__set__(self.sharded, self.grad_view)
 
     def detach_grad(self) -> None:
+        """Drop the sharded parameter's ``.grad`` (no event)."""
         _tensor_grad.__set__(self.sharded, None)
 
-    def read_grad(self) -> torch.Tensor | None:
-        return self.protocol.read_grad(self)
-
-    def write_grad(self, value) -> None:
-        self.protocol.write_grad(self, value)
+    def assign_grad(self, value: torch.Tensor) -> None:
+        """Store ``value`` as the sharded parameter's ``.grad`` (no event), as plain PyTorch keeps an assigned one."""
+        _tensor_grad.__set__(self.sharded, value)
 
     def release(self) -> None:
         """The wrapper is closing and its rows are about to be freed: drop the hook and the gradient, point the shard
@@ -202,6 +216,7 @@ class ShardedParam:
             self._hook.remove()
             self._hook = None
         self.detach_grad()
+        self.unsharded.__dict__.pop("_odc_unsharded", None)
         empty = torch.empty(0, dtype=self.local.dtype, device=self.local.device)
         if isinstance(self.sharded, DTensor):
             self.sharded._local_tensor = empty

@@ -34,6 +34,32 @@ Every meeting is one small all-gather of (kind, minibatch number, pushes): if ra
 meet at different points (one finishing while another syncs), every rank raises the
 same error instead of mixing two minibatches.
 
+The protocol is one state machine, owned by ``StepProtocol``: the other tiers only
+report events (the hooks: a root forward, the end of backward; a sharded parameter:
+a ``.grad`` read or write; an optimizer: a step over some of its parameters) and
+never call its transitions. Its states are ``GradState`` ([grad-protocol]); its
+transitions are this table, which is ``TRANSITIONS`` verbatim (a test holds them
+equal). An event missing from the table changes nothing.
+
+==============  ===========  ==================================================  ======================
+state           event        what happens                                        next state
+==============  ===========  ==================================================  ======================
+ACCUMULATING    READ         sync (1)                                            READY, or EMPTY
+ACCUMULATING    STEP         finish (3): the step may have changed masters       ACCUMULATING
+EMPTY           READ         sync (1) again                                      READY, or EMPTY
+EMPTY           STEP         finish (3)                                          ACCUMULATING
+EMPTY           FORWARD      gradients start accumulating                        ACCUMULATING
+READY           CONSUMED     note the parameters; finish (3) after the last one  READY, or ACCUMULATING
+READY           FORWARD      drop the gradients read, or raise ([grad-protocol]) ACCUMULATING
+==============  ===========  ==================================================  ======================
+
+Events: READ, a ``.grad`` read that starts a pass ([grad-protocol]) outside forward
+and backward; STEP, an optimizer step over this model's trained parameters while no
+gradient is attached; CONSUMED, such a step, or ``.grad = None``, while gradients
+are attached; FORWARD, a root forward in grad mode. Every root forward first checks
+that no gradient was half consumed and no row is stale; ``rows_changing`` works
+from any state and ends in ACCUMULATING.
+
 Design note [grad-protocol]
 ---------------------------
 A rank without micro-batches reads ``.grad`` at the same points as the others (its
@@ -76,25 +102,15 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-import weakref
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .group import FlatGroup
 from .mesh import ShardMesh
-from .transport import Transport
-
-if TYPE_CHECKING:
-    from .group import FlatGroup
-    from .param import ShardedParam
-
-
-_DEAD_HOOKS: dict = {}  # handles of global optimizer hooks whose model was freed
-
-
-def _remove_dead_hooks() -> None:
-    while _DEAD_HOOKS:
-        _DEAD_HOOKS.popitem()[1].remove()
+from .param import ShardedParam
+from .streams import CommStreams
 
 
 class GradState(enum.Enum):
@@ -106,6 +122,31 @@ class GradState(enum.Enum):
     """Synced, and no rank had pushed anything: no ``.grad`` (as in plain PyTorch before a backward)."""
     READY = enum.auto()
     """Every rank's pushes are in; ``.grad`` are the accumulator shards until consumed."""
+
+
+class StepEvent(enum.Enum):
+    """What the other tiers report to the step protocol (see the table in [step-protocol])."""
+
+    READ = enum.auto()
+    """A ``.grad`` read that starts a pass, outside forward and backward."""
+    STEP = enum.auto()
+    """An optimizer step over trained parameters of the model while no gradient is attached."""
+    CONSUMED = enum.auto()
+    """Trained parameters' gradients were stepped on or set to None while attached."""
+    FORWARD = enum.auto()
+    """A root forward in grad mode."""
+
+
+#: (state, event) -> the transition's method: the table of [step-protocol].
+TRANSITIONS: dict[tuple[GradState, StepEvent], str] = {
+    (GradState.ACCUMULATING, StepEvent.READ): "_sync",
+    (GradState.ACCUMULATING, StepEvent.STEP): "_finish",
+    (GradState.EMPTY, StepEvent.READ): "_sync",
+    (GradState.EMPTY, StepEvent.STEP): "_finish",
+    (GradState.EMPTY, StepEvent.FORWARD): "_accumulate",
+    (GradState.READY, StepEvent.CONSUMED): "_consume",
+    (GradState.READY, StepEvent.FORWARD): "_forward_after_read",
+}
 
 
 class _Meeting(enum.IntEnum):
@@ -127,72 +168,54 @@ def _disagreement(who: str, table: torch.Tensor) -> str | None:
 
 
 class StepProtocol:
-    """Counts gradient pushes and runs the minibatch's meetings (see [step-protocol]).
+    """The minibatch's state machine: counts gradient pushes and runs the meetings (see [step-protocol]).
 
     Args:
-        transport: moves the groups' rows.
+        comm: moves the groups' rows, on side streams where there are some ([streams]).
         mesh: the ranks that meet.
-        gather_stream: the prefetch stream (CUDA), which must see updated rows.
-        push_stream: the stream pushes run on (CUDA), which must be done before a step.
         busy: returns True while a forward or backward pass is in flight.
     """
 
-    def __init__(self, transport: Transport, mesh: ShardMesh, gather_stream: torch.cuda.Stream | None = None,
-                 push_stream: torch.cuda.Stream | None = None, busy=lambda: False):
+    def __init__(self, comm: CommStreams, mesh: ShardMesh, busy=lambda: False):
         self.groups: list[FlatGroup] = []
-        self.transport = transport
+        self.comm = comm
+        self.transport = comm.transport
         self.mesh = mesh
-        self.gather_stream = gather_stream
-        self.push_stream = push_stream
         self.busy = busy
+        #: ranks may push different numbers of times per minibatch (the transport's capability, read once here).
+        self.uneven_micro_batches = self.transport.caps.uneven_micro_batches
         self.state = GradState.ACCUMULATING
+        self.closed = False
         self.pushes = 0  # gradient pushes of this rank since the last finish
         self.minibatch = 0  # finished minibatches (every rank counts the same)
         self.synced_pushes = 0  # every rank's pushes, as of the last sync
         self.last_wait_s = 0.0  # time the last sync waited for the other ranks
         self._pass_position: int | None = None  # model position of the last .grad read of the current pass
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
+        self._trained: list[FlatGroup] = []
         self._trained_params: list[ShardedParam] = []
-        self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> (param-list signature, ours, stale)
-        self._hooks: list = []
 
     def attach(self, groups: Sequence[FlatGroup]) -> None:
-        """Take the model's groups and watch every optimizer's steps (global hooks, removed by ``close``).
-
-        The hooks hold this object weakly: a model that is dropped without ``close()``
-        is still freed; its hooks then do nothing and are removed at the next ``attach``
-        (removing them from inside a hook would change the hook table while torch
-        iterates over it).
-        """
-        _remove_dead_hooks()
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
+        """Take the model's groups; optimizers' steps reach it through the parameters ([optimizer-events])."""
+        _install_optimizer_hooks()
         self.groups = list(groups)
         self._trained = [g for g in self.groups if g.layout.requires_grad]
         self._trained_params = [sp for g in self._trained for sp in g.params if sp.trained]
-        for register, method in ((register_optimizer_step_pre_hook, self._before_step),
-                                 (register_optimizer_step_post_hook, self._after_step)):
-            ref, box = weakref.WeakMethod(method), []
-
-            def hook(optimizer, args, kwargs, ref=ref, box=box):
-                bound = ref()
-                if bound is None:  # the model is gone: its hook goes at the next attach
-                    _DEAD_HOOKS[box[0].id] = box[0]
-                else:
-                    bound(optimizer)
-
-            box.append(register(hook))
-            self._hooks.append(box[0])
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """The model is closing: later events (an optimizer that still holds its shards) change nothing."""
+        self.closed = True
+
+    def _fire(self, event: StepEvent, params: Sequence[ShardedParam] = ()) -> None:
+        """Run the transition ``TRANSITIONS`` names for (state, ``event``), if any; ``params``: whose event it is."""
+        action = TRANSITIONS.get((self.state, event))
+        if action is not None:
+            getattr(self, action)(params)
 
     # -- pushes ------------------------------------------------------------------------------------
     def push(self, group: FlatGroup) -> None:
         """Push ``group``'s pending gradient (if any) and count it."""
-        self.pushes += group.push_grad(self.push_stream)
+        self.pushes += group.push_grad()
 
     @property
     def pending_pushes(self) -> int:
@@ -203,12 +226,6 @@ class StepProtocol:
         """Free every group's unsharded buffer (the modules hold shards)."""
         for g in self.groups:
             g.to_sharded()
-
-    def wait_pushes(self) -> None:
-        """Make this rank's pushes complete and visible to their owners."""
-        if self.push_stream is not None:
-            torch.cuda.current_stream(self.push_stream.device).wait_stream(self.push_stream)
-        self.transport.quiesce()
 
     # -- meetings ------------------------------------------------------------------------------------
     def _meet(self, kind: _Meeting) -> int:
@@ -221,7 +238,7 @@ class StepProtocol:
         mine = torch.tensor([int(kind), self.minibatch, self.pushes], dtype=torch.int64, device=self.mesh.device)
         table = self.mesh.all_gather_rows(mine).cpu()
         problem = _disagreement("rank", table)
-        if problem is None and kind is _Meeting.SYNC and not self.transport.one_sided and \
+        if problem is None and kind is _Meeting.SYNC and not self.uneven_micro_batches and \
                 (table[:, 2] != table[0, 2]).any():
             problem = (f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks "
                        f"pushed {table[:, 2].tolist()} gradients: balance with lb_micro, or use a one-sided transport")
@@ -239,10 +256,25 @@ class StepProtocol:
             raise RuntimeError(problem)
         return pushes
 
-    def sync(self) -> None:
+    def declare_minibatch(self, micro_batches: int, tokens: int | None) -> int | None:
+        """``ODCShard.begin_minibatch``: one small all-gather (none if one-sided without tokens); see there."""
+        everyone = self.mesh.everyone  # with HSDP the tokens of every replica count
+        if everyone.world_size == 1 or (self.uneven_micro_batches and tokens is None):
+            return tokens
+        local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.mesh.device)
+        table = everyone.all_gather_rows(local).cpu()
+        group = table if everyone is self.mesh else table[[self.mesh.global_rank(r) for r in range(self.mesh.world_size)]]
+        counts = group[:, 0].tolist()  # this shard group's
+        if not self.uneven_micro_batches and len(set(counts)) > 1:
+            raise RuntimeError(
+                f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, got {counts} "
+                "by rank; balance with lb_micro, or use a one-sided transport (comm='shm' on CPU, 'nvshmem' on CUDA)")
+        return int(table[:, 1].sum()) if tokens is not None else None
+
+    def _sync(self, _params=()) -> None:
         """Meeting 1 of [step-protocol]: every rank's pushes are in; attach the gradient shards."""
         t0 = time.perf_counter()
-        self.wait_pushes()
+        self.comm.pushes_done()
         self.synced_pushes = self._meet(_Meeting.SYNC)  # with HSDP, over every replica
         self.last_wait_s = time.perf_counter() - t0
         if self.mesh.replicas > 1 and self.synced_pushes:  # [hsdp]: the replicas' one exchange of gradients
@@ -256,7 +288,7 @@ class StepProtocol:
         else:  # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
             self.state = GradState.EMPTY
 
-    def finish(self) -> None:
+    def _finish(self, _params=()) -> None:
         """Meeting 3 of [step-protocol]: publish the updated rows, zero the accumulators, start a minibatch."""
         self.reshard_all()
         self._settle([g for g in self.groups if g.layout.requires_grad or g.master_changed], _Meeting.FINISH)
@@ -267,9 +299,7 @@ class StepProtocol:
         for g in self._trained:
             g.zero_accumulator()
             g.detach_grads()
-        self.transport.quiesce()
-        if self.gather_stream is not None:  # later prefetches (side stream) must see the new rows
-            self.gather_stream.wait_stream(torch.cuda.current_stream(self.gather_stream.device))
+        self.comm.rows_published()
         self._meet(kind)
         self.pushes = 0
         self.minibatch += 1
@@ -281,12 +311,34 @@ class StepProtocol:
     def rows_changing(self) -> Iterator[None]:
         """Context in which master rows may change (collective; pending gradients are dropped)."""
         self.reshard_all()
-        self.wait_pushes()
+        self.comm.pushes_done()
         self._meet(_Meeting.CHANGE)
         yield
         self._settle(self.groups, _Meeting.CHANGE)
 
-    # -- the standard loop's events ----------------------------------------------------------------
+    # -- transitions that meet nobody ----------------------------------------------------------------
+    def _accumulate(self, _params=()) -> None:
+        self.state = GradState.ACCUMULATING
+
+    def _consume(self, params: Sequence[ShardedParam]) -> None:
+        self._consumed.update(sp for sp in params if sp.trained)
+        if len(self._consumed) == len(self._trained_params):
+            self._finish()
+
+    def _forward_after_read(self, _params=()) -> None:
+        """READY + FORWARD: gradients were read but none consumed (a half-consumed set raised before)."""
+        if (self.uneven_micro_batches and self.mesh.world_size > 1) or self.mesh.replicas > 1:
+            raise RuntimeError(
+                "a forward pass after gradients were read (.grad, clip_grad_norm_) but neither stepped on nor "
+                "cleared: with a one-sided transport on several ranks, or with HSDP replicas (summed at that read), "
+                "reading .grad ends the minibatch (it is where ranks meet, and ranks may run different numbers of "
+                "micro-batches). Read gradients only "
+                "after the minibatch's last backward, then opt.step() and/or opt.zero_grad()")
+        for g in self._trained:
+            g.detach_grads()
+        self.state = GradState.ACCUMULATING
+
+    # -- events from the hooks -------------------------------------------------------------------------
     def before_forward(self) -> None:
         """The root forward starts (see [grad-protocol]): a new pass; stale rows and half-consumed gradients raise."""
         self._pass_position = None
@@ -303,76 +355,71 @@ class StepProtocol:
                 f"parameters were changed in place outside an optimizer step (one of {names[:4]}"
                 f"{' ...' if len(names) > 4 else ''}), so the rows other ranks gather are stale: change them inside "
                 "`with model.changing_parameters():` (collective), or with model.load_state_dict()")
-        if not torch.is_grad_enabled():
-            return
-        if self.state is GradState.EMPTY:
-            self.state = GradState.ACCUMULATING
-        elif self.state is GradState.READY:
-            if (self.transport.one_sided and self.mesh.world_size > 1) or self.mesh.replicas > 1:
-                raise RuntimeError(
-                    "a forward pass after gradients were read (.grad, clip_grad_norm_) but neither stepped on nor "
-                    "cleared: with a one-sided transport on several ranks, or with HSDP replicas (summed at that read), "
-                    "reading .grad ends the minibatch (it is where ranks meet, and ranks may run different numbers of "
-                    "micro-batches). Read gradients only "
-                    "after the minibatch's last backward, then opt.step() and/or opt.zero_grad()")
-            for g in self._trained:
-                g.detach_grads()
-            self.state = GradState.ACCUMULATING
+        if torch.is_grad_enabled():
+            self._fire(StepEvent.FORWARD)
 
     def after_backward(self) -> None:
         """Backward is over: the next ``.grad`` read starts a pass."""
         self._pass_position = None
 
-    def read_grad(self, sp: ShardedParam) -> torch.Tensor | None:
+    # -- events from the parameters (GradEvents) ---------------------------------------------------------
+    def grad_read(self, sp: ShardedParam) -> torch.Tensor | None:
         """The ``.grad`` property of a sharded parameter (see [grad-protocol])."""
         if not sp.trained or self.busy() or self.state is GradState.READY:
             return sp.attached
         new_pass = self._pass_position is None or sp.position <= self._pass_position
         self._pass_position = sp.position
         if new_pass:
-            self.sync()
+            self._fire(StepEvent.READ)
         return sp.attached
 
-    def write_grad(self, sp: ShardedParam, value) -> None:
+    def grad_written(self, sp: ShardedParam, value) -> None:
         """Setting ``.grad``: None consumes it (``zero_grad``); a tensor is kept for the next optimizer step."""
         if value is not None:
-            torch._C.TensorBase.grad.__set__(sp.sharded, value)
+            sp.assign_grad(value)
             return
         sp.detach_grad()
-        if self.state is GradState.READY and sp.trained:
-            self._consumed.add(sp)
-            self._finish_if_consumed()
+        if sp.trained:
+            self._fire(StepEvent.CONSUMED, (sp,))
 
-    def _finish_if_consumed(self) -> None:
-        if len(self._consumed) == len(self._trained_params):
-            self.finish()
-
-    def _ours(self, optimizer) -> tuple[list, bool]:
-        """(this model's trained shards among the optimizer's parameters, whether it holds unsharded ones), cached."""
-        signature = tuple(id(g["params"]) for g in optimizer.param_groups) + tuple(
-            len(g["params"]) for g in optimizer.param_groups)
-        cached = self._optimizers.get(optimizer)
-        if cached is None or cached[0] != signature:
-            unsharded = {id(sp.unsharded) for sp in self._trained_params}
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            ours = [sp for p in params if (sp := getattr(p, "_odc", None)) is not None and sp.protocol is self]
-            cached = (signature, ours, any(id(p) in unsharded for p in params))
-            self._optimizers[optimizer] = cached
-        return cached[1], cached[2]
-
-    def _before_step(self, optimizer) -> None:
-        if self._ours(optimizer)[1]:
-            raise RuntimeError(
-                "this optimizer holds the model's parameters as they were before ODCShard wrapped it; build the "
-                "optimizer after wrapping, from the wrapped model's parameters (as with FSDP2)")
-
-    def _after_step(self, optimizer) -> None:
-        """An optimizer stepped: its parameters' gradients are consumed; the last consumer finishes the minibatch."""
-        ours = self._ours(optimizer)[0]
-        if not ours:
+    # -- events from optimizers -------------------------------------------------------------------------
+    def optimizer_stepped(self, sps: list[ShardedParam]) -> None:
+        """An optimizer stepped over ``sps`` (this model's): their gradients are consumed ([optimizer-events])."""
+        if self.closed:
             return
-        if self.state is GradState.READY:
-            self._consumed.update(sp for sp in ours if sp.trained)
-            self._finish_if_consumed()
-        else:  # no gradient anywhere, but the step may have changed masters (weight decay, assigned gradients)
-            self.finish()
+        self._fire(StepEvent.CONSUMED if self.state is GradState.READY else StepEvent.STEP, sps)
+
+
+# Design note [optimizer-events]
+# ------------------------------
+# Optimizers are built by the user after wrapping, so the protocol learns of their steps through torch's global
+# optimizer step hooks: one pair for the process, installed with the first model and never removed, that keeps
+# no list of models. Each sharded parameter points to its model's protocol (``sp.events``), so the post-step hook
+# hands each model the parameters of its own that the optimizer holds; a model that is gone has no parameter in
+# any live optimizer. The pre-step hook refuses an optimizer built from the parameters as they were before wrapping.
+_hooks: tuple | None = None
+
+
+def _install_optimizer_hooks() -> None:
+    global _hooks
+    if _hooks is None:
+        _hooks = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                  register_optimizer_step_post_hook(_after_optimizer_step))
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    if any(getattr(p, "_odc_unsharded", False) for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError(
+            "this optimizer holds the model's parameters as they were before ODCShard wrapped it; build the "
+            "optimizer after wrapping, from the wrapped model's parameters (as with FSDP2)")
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    mine: dict[int, tuple[StepProtocol, list[ShardedParam]]] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            sp = getattr(p, "_odc", None)
+            if sp is not None:
+                mine.setdefault(id(sp.events), (sp.events, []))[1].append(sp)
+    for protocol, sps in mine.values():
+        protocol.optimizer_stepped(sps)

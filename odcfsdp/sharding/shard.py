@@ -4,12 +4,15 @@ It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
 
 * ``ShardMesh`` ([mesh]): the ranks and the collectives they meet with;
 * ``Transport`` ([transport]): where rows live and how they move;
+* ``CommStreams`` ([streams]): the side streams gathers and pushes run on;
 * ``FlatGroup`` ([layout], [storage-resize], [grad-buffers], [masters]): one group's
   rows, buffers, state and use counts;
 * ``ShardedParam`` ([params]): one parameter's sharded and unsharded forms;
 * ``HookDriver`` ([hooks]) with its ``PrefetchSchedule`` ([prefetch]): what runs when;
-* ``StepProtocol`` ([step-protocol], [grad-protocol]): when ranks meet, and every
-  change of rows.
+* ``StepProtocol`` ([step-protocol], [grad-protocol], [optimizer-events]): the
+  minibatch's state machine: when ranks meet, and every change of rows;
+* ``ShardState`` ([shard-state]): the one way into the sharded values (checkpoints,
+  Hugging Face files, state dicts).
 
 Design note [transparent-wrapper]
 ---------------------------------
@@ -34,15 +37,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .arguments import check_params, compute_dtype, intact_problem, registrations, shard_device
 from .group import FlatGroup
 from .hooks import HookDriver, TrainingPhase
 from .layout import GroupLayout, plan_groups
 from .materialize import materialize_buffers
 from .mesh import ShardMesh
-from .param import ShardedParam
 from .prefetch import PrefetchSchedule
 from .protocol import StepProtocol
-from .state_dict import gather_full, load_full, load_sharded, persistent_buffers
+from .shard_state import ShardState, persistent_buffers
+from .streams import CommStreams
 from .transport import Transport, make_transport
 
 __all__ = ["ODCShard", "TrainingPhase"]
@@ -61,52 +65,6 @@ def _refuse_save_pretrained(*args, **kwargs):
     raise RuntimeError("save_pretrained of a wrapped model would write this rank's shards: export the full weights "
                        "with odcfsdp.checkpoint.export_hf(wrapped, out_dir) (collective: config.json, "
                        "generation_config.json, safetensors), or train with run.export_hf=true")
-
-
-def _check_params(named: list[tuple[str, nn.Parameter]]) -> None:
-    devices = {p.device for _, p in named}
-    if len(devices) > 1:
-        raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
-    for name, p in named:
-        if not p.dtype.is_floating_point:
-            raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
-
-
-def _shard_device(named: list[tuple[str, nn.Parameter]], device) -> torch.device:
-    on_meta = named[0][1].is_meta
-    if on_meta and device is None:
-        raise ValueError("the model is on the meta device: pass device= (where its shards should live)")
-    if device is not None and not on_meta and torch.device(device) != named[0][1].device:
-        raise ValueError(f"device={device} differs from the parameters' device {named[0][1].device}; "
-                         "move the model first (or build it on the meta device)")
-    device = torch.device(device) if device is not None else named[0][1].device
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _compute_dtype(named: list[tuple[str, nn.Parameter]], device: torch.device, param_dtype) -> torch.dtype:
-    if param_dtype is None:
-        dtypes = {p.dtype for _, p in named}
-        if device.type != "cuda" and len(dtypes) > 1:
-            raise ValueError(
-                f"parameters have mixed dtypes {sorted(map(str, dtypes))}; pass param_dtype= to "
-                "compute them all in one dtype"
-            )
-        param_dtype = torch.bfloat16 if device.type == "cuda" else named[0][1].dtype
-    if not param_dtype.is_floating_point:
-        raise ValueError(f"param_dtype must be a floating dtype, got {param_dtype}")
-    return param_dtype
-
-
-def _registrations(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Every (module, attribute) each parameter object is registered under, by the parameter's id."""
-    regs: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in module.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                regs.setdefault(id(p), []).append((mod, attr))
-    return regs
 
 
 class ODCShard(nn.Module):
@@ -185,10 +143,10 @@ class ODCShard(nn.Module):
         named = list(module.named_parameters())
         if not named:
             raise ValueError("the module has no parameters to shard")
-        _check_params(named)
+        check_params(named)
         on_meta = named[0][1].is_meta
-        device = _shard_device(named, device)
-        param_dtype = _compute_dtype(named, device, param_dtype)
+        device = shard_device(named, device)
+        param_dtype = compute_dtype(named, device, param_dtype)
         units = tuple(units)
         if not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
             raise TypeError(f"units must be nn.Module subclasses, got {units!r}")
@@ -210,12 +168,9 @@ class ODCShard(nn.Module):
         master_dtypes = [torch.promote_types(lay.dtype, accum_dtype) for lay in self.layouts]
         self.transport: Transport = make_transport(comm, self.mesh)
         self.transport.setup(self.layouts, param_dtype, master_dtypes)
-        cuda = device.type == "cuda"
-        gather_stream = torch.cuda.Stream(device) if cuda and prefetch else None
-        push_stream = torch.cuda.Stream(device) if cuda and overlap_push else None
-        self.protocol = StepProtocol(self.transport, self.mesh, gather_stream, push_stream,
-                                     busy=lambda: self._driver.busy)
-        by_name, regs = dict(named), _registrations(module)
+        self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
+        self.protocol = StepProtocol(self.comm, self.mesh, busy=lambda: self._driver.busy)
+        by_name, regs = dict(named), registrations(module)
         # Every name a parameter is reachable by (tied parameters have several).
         canonical = {id(p): name for name, p in named}
         self.aliases = {name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
@@ -225,17 +180,17 @@ class ODCShard(nn.Module):
         starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.transport, dtype, self.protocol, device_mesh, start)
+                      self.comm, dtype, self.protocol, device_mesh, start)
             for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
         self.protocol.attach(self.groups)
         if on_meta:
             materialize_buffers(module, device)
         self.mesh.barrier()  # every row written before anyone may read it
-        self._params = [sp for g in self.groups for sp in g.params]
+        self.shard_state = ShardState(self.groups, self.protocol, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
         self._driver = HookDriver(module, self.groups, group_of, self.protocol, PrefetchSchedule(prefetch),
-                                  reshard_after_forward, gather_stream, units, checks=self._check_intact)
+                                  reshard_after_forward, units, checks=self._check_intact)
         for mod in module.modules():
             mod._apply = types.MethodType(_refuse_apply, mod)
             if callable(getattr(mod, "save_pretrained", None)):
@@ -279,18 +234,9 @@ class ODCShard(nn.Module):
     def _check_intact(self) -> None:
         """Run before every forward: the model must still hold the parameters ODCShard planned."""
         self._check_open()
-        entries = sum(p is not None for m in self.module.modules() for p in m._parameters.values())
-        if entries != self._param_entries:
-            raise RuntimeError(
-                f"the wrapped model now has {entries} parameter entries, ODCShard planned {self._param_entries}: "
-                "parameters must not be added or removed after wrapping"
-            )
-        for sp in self._params:
-            problem = sp.problem(self.param_dtype)
-            if problem:
-                raise RuntimeError(f"parameter {sp.name!r} {problem}"
-                                   + ("; change parameters before wrapping (or load values with load_state_dict)"
-                                      if "replaced" in problem else ""))
+        problem = intact_problem(self.module, self.shard_state.params, self._param_entries, self.param_dtype)
+        if problem:
+            raise RuntimeError(problem)
 
     # -- minibatch protocol --------------------------------------------------------
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
@@ -309,19 +255,7 @@ class ODCShard(nn.Module):
         """
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 0:
             raise ValueError(f"micro_batches must be an int >= 0, got {micro_batches!r}")
-        everyone = self.mesh.everyone  # with HSDP the tokens of every replica count
-        if everyone.world_size == 1 or (self.transport.one_sided and tokens is None):
-            return tokens
-        local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.mesh.device)
-        table = everyone.all_gather_rows(local).cpu()
-        group = table if everyone is self.mesh else table[[self.mesh.global_rank(r) for r in range(self.world_size)]]
-        counts = group[:, 0].tolist()  # this shard group's
-        if not self.transport.one_sided and len(set(counts)) > 1:
-            raise RuntimeError(
-                f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, got {counts} "
-                "by rank; balance with lb_micro, or use a one-sided transport (comm='shm' on CPU, 'nvshmem' on CUDA)"
-            )
-        return int(table[:, 1].sum()) if tokens is not None else None
+        return self.protocol.declare_minibatch(micro_batches, tokens)
 
     # -- whole-model access -----------------------------------------------------------
     @property
@@ -373,7 +307,7 @@ class ODCShard(nn.Module):
                     p.normal_(0, 0.02)
         """
         self._check_open()
-        with self.protocol.rows_changing():
+        with self.shard_state.changing():
             yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -383,12 +317,12 @@ class ODCShard(nn.Module):
         dtypes; tied parameters appear under each of their names.
         """
         self._check_open()
-        return gather_full(self.groups, self.mesh, self.aliases)
+        return self.shard_state.full_state_dict()
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every parameter from full values (collective: all ranks call it with the same values)."""
         self._check_open()
-        load_full(self.groups, self.protocol, self.aliases, state)
+        self.shard_state.load_full_state_dict(state)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
         """The wrapped model's state dict under its own names: parameters are this rank's shards (DTensors
@@ -411,8 +345,7 @@ class ODCShard(nn.Module):
             raise ValueError("ODCShard.load_state_dict cannot assign tensors (assign=True): values are copied into "
                              "the shards")
         self._check_open()
-        return _IncompatibleKeys(*load_sharded(self.groups, self.protocol, self.aliases, self.module, state_dict,
-                                               strict))
+        return _IncompatibleKeys(*self.shard_state.load_state_dict(self.module, state_dict, strict))
 
     def _apply(self, fn, recurse=True):
         raise RuntimeError(_MOVE_ERROR)

@@ -1,9 +1,10 @@
 """Transports: where rows live and how they move between ranks (see [transport]).
 
-The registry ``TRANSPORTS`` is the one list of transports: config choices
-(``COMM_CHOICES``), what ``comm="auto"`` picks, device checks, the rule that
-collective transports need equal micro-batch counts, and the README's transport
-table all derive from the classes' facts.
+The registry ``TRANSPORTS`` is the one list of transports, and ``capabilities`` the
+one place their facts (``TransportCaps``) are read from outside a transport: config
+choices (``COMM_CHOICES``), what ``comm="auto"`` picks, device checks, the rule that
+some transports need equal micro-batch counts, whether a shard group may span hosts,
+and the README's transport table.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import ShardMesh
-from .base import Transport
+from .base import Transport, TransportCaps
 from .collective import CollectiveTransport
 from .nvshmem import NvshmemTransport
 from .one_sided import OneSidedTransport
@@ -29,11 +30,11 @@ def transport_class(comm: str, device_type: str | None = None) -> type[Transport
     if comm == "auto":
         if device_type is None:
             raise ValueError("comm='auto' needs the device type to choose a transport")
-        return next(t for t in TRANSPORTS.values() if t.one_sided and device_type in t.devices)
+        return next(t for t in TRANSPORTS.values() if t.caps.uneven_micro_batches and device_type in t.caps.devices)
     cls = TRANSPORTS[comm]
-    if device_type is not None and device_type not in cls.devices:
-        fits = [t.name for t in TRANSPORTS.values() if device_type in t.devices]
-        raise ValueError(f"comm={comm!r} moves {' or '.join(cls.devices)} tensors, the model is on {device_type}; "
+    if device_type is not None and device_type not in cls.caps.devices:
+        fits = [t.name for t in TRANSPORTS.values() if device_type in t.caps.devices]
+        raise ValueError(f"comm={comm!r} moves {' or '.join(cls.caps.devices)} tensors, the model is on {device_type}; "
                          f"use comm='auto' or one of {fits}")
     return cls
 
@@ -48,9 +49,17 @@ def make_transport(comm: str, mesh: ShardMesh) -> Transport:
     return transport_class(comm, mesh.device.type)(mesh)
 
 
+def capabilities(comm: str, device_type: str | None = None) -> TransportCaps:
+    """What the transport ``comm`` names can do (``auto``: the one it picks for ``device_type``, or, without a
+    device type, the facts every ``auto`` choice shares: uneven micro-batch counts, one host)."""
+    if comm == "auto" and device_type is None:
+        device_type = "cpu"  # auto picks a one-sided, single-host transport on every device type: their facts agree
+    return transport_class(comm, device_type).caps
+
+
 def is_one_sided(comm: str) -> bool:
     """Whether ``comm`` lets ranks run different numbers of micro-batches (``auto`` always picks such one)."""
-    return comm == "auto" or transport_class(comm).one_sided
+    return capabilities(comm).uneven_micro_batches
 
 
 def transport_table() -> str:
@@ -59,11 +68,14 @@ def transport_table() -> str:
     rows = ["| `comm` | where | how | micro-batches per rank |", "|---|---|---|---|",
             f"| `\"auto\"` (default) | | {auto} | |"]
     for t in TRANSPORTS.values():
-        rows.append(f"| `\"{t.name}\"` | {t.where} | {t.how} | {'any, zero included' if t.one_sided else 'equal on every rank'} |")
+        c = t.caps
+        rows.append(f"| `\"{t.name}\"` | {c.where} | {c.how} | "
+                    f"{'any, zero included' if c.uneven_micro_batches else 'equal on every rank'} |")
     return "\n".join(rows)
 
 
 __all__ = [
     "COMM_CHOICES", "CollectiveTransport", "NvshmemTransport", "OneSidedTransport", "ShmTransport", "TRANSPORTS",
-    "Transport", "is_one_sided", "make_transport", "resolve_comm", "transport_class", "transport_table",
+    "Transport", "TransportCaps", "capabilities", "is_one_sided", "make_transport", "resolve_comm", "transport_class",
+    "transport_table",
 ]

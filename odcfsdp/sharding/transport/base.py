@@ -12,19 +12,22 @@ gradients into). It moves data in exactly two shapes:
   gradient buffer ``grad`` into that owner's accumulator row.
 
 Collective transports need every rank to call these in the same order, so ranks
-must run equal numbers of micro-batches; one-sided transports (``one_sided``) do
-not, and then the step protocol ([step-protocol]) is the only meeting point per
-minibatch. Meetings themselves go through the ``ShardMesh`` ([mesh]), never through
-a transport.
+must run equal numbers of micro-batches; one-sided transports do not
+(``TransportCaps.uneven_micro_batches``), and then the step protocol
+([step-protocol]) is the only meeting point per minibatch. Meetings themselves go
+through the ``ShardMesh`` ([mesh]), never through a transport.
 
-A transport class states its facts as class attributes (``name``, ``one_sided``,
-``devices``, ``where``, ``how``); the registry in ``transport/__init__.py`` derives
-the config choices, the ``auto`` choice, device checks and the README table from them.
+A transport class states what it can do as data, its ``caps`` (``TransportCaps``),
+and nothing else branches on which transport it is: the registry in
+``transport/__init__.py`` derives the config choices, the ``auto`` choice, device
+checks and the README table from them, the step protocol its rule on micro-batch
+counts, and the HSDP policy whether a shard group may span hosts.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -33,18 +36,34 @@ from ..layout import GroupLayout
 from ..mesh import ShardMesh
 
 
+@dataclass(frozen=True)
+class TransportCaps:
+    """What a transport can do (see [transport]); read by the registry, the step protocol and the HSDP policy.
+
+    Attributes:
+        devices: device types whose tensors it moves.
+        uneven_micro_batches: ranks may run different numbers of gathers and pushes per
+            minibatch (one-sided: nobody waits for a peer's call).
+        spans_hosts: a shard group may span hosts (the one-sided transports reach one
+            host's memory or NVLink peers only).
+        where: where it works (one line, for the docs).
+        how: how it moves data (one line, for the docs).
+    """
+
+    devices: tuple[str, ...]
+    uneven_micro_batches: bool
+    spans_hosts: bool
+    where: str
+    how: str
+
+
 class Transport(ABC):
     """Storage for rows/accumulators plus the two data movements of a group."""
 
     #: short name used in configs and error messages.
     name: str = "abstract"
-    #: True if ranks may run different numbers of gathers/pushes per minibatch.
-    one_sided: bool = False
-    #: device types whose tensors it moves, in the order ``auto`` prefers it for them.
-    devices: tuple[str, ...] = ()
-    #: where it works, and how it moves data (one line each, for the docs).
-    where: str = ""
-    how: str = ""
+    #: what it can do; ``auto`` prefers, for each device type, the first registered one with uneven micro-batches.
+    caps: TransportCaps
 
     def __init__(self, mesh: ShardMesh):
         self.mesh = mesh

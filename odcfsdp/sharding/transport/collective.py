@@ -11,17 +11,16 @@ import torch
 
 from ..layout import GroupLayout
 from ..mesh import all_gather_tensor, reduce_scatter_tensor
-from .base import Transport
+from .base import Transport, TransportCaps
 
 
 class CollectiveTransport(Transport):
     """Rows in private memory; gather = all-gather + copy-out, push = copy-in + reduce-scatter."""
 
     name = "collective"
-    one_sided = False
-    devices = ("cuda", "cpu")
-    where = "any torch.distributed backend (NCCL, gloo)"
-    how = "all-gather + copy-out / copy-in + fp32 reduce-scatter"
+    caps = TransportCaps(devices=("cuda", "cpu"), uneven_micro_batches=False, spans_hosts=True,
+                         where="any torch.distributed backend (NCCL, gloo)",
+                         how="all-gather + copy-out / copy-in + fp32 reduce-scatter")
 
     def _allocate(self, layouts: list[GroupLayout]):
         rows = [torch.zeros(lay.row_len, dtype=self.comm_dtype, device=self.device) for lay in layouts]

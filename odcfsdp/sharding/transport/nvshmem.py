@@ -37,6 +37,7 @@ from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from ..mesh import ShardMesh
 from .heap import SymmetricHeap
+from .base import TransportCaps
 from .one_sided import OneSidedTransport
 
 HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
@@ -178,11 +179,11 @@ class NvshmemTransport(OneSidedTransport):
     """One-sided transport over the NVSHMEM symmetric heap (CUDA, NVLink peers)."""
 
     name = "nvshmem"
-    devices = ("cuda",)
-    where = "GPUs of one NVLink node"
-    how = ("rows and fp32 accumulators on the NVSHMEM symmetric heap (size computed from the plan); one Triton "
-           "kernel per group reads every rank's row through peer pointers and unpacks it (gather), or atomically "
-           "adds each owner's segments into its accumulator (scatter-accumulate)")
+    caps = TransportCaps(
+        devices=("cuda",), uneven_micro_batches=True, spans_hosts=False, where="GPUs of one NVLink node",
+        how=("rows and fp32 accumulators on the NVSHMEM symmetric heap (size computed from the plan); one Triton "
+             "kernel per group reads every rank's row through peer pointers and unpacks it (gather), or atomically "
+             "adds each owner's segments into its accumulator (scatter-accumulate)"))
 
     def __init__(self, mesh: ShardMesh):
         super().__init__(mesh)

@@ -21,8 +21,6 @@ class OneSidedTransport(Transport):
     or change meeting, then the finish), so gathers need no synchronisation; pushes are atomic adds (or locked adds), so neither do they.
     """
 
-    one_sided = True
-
     def __init__(self, mesh: ShardMesh):
         super().__init__(mesh)
         self.heap: SymmetricHeap | None = None

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..mesh import ShardMesh
+from .base import TransportCaps
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport
 
@@ -118,10 +119,10 @@ class ShmTransport(OneSidedTransport):
     """One-sided transport over shared-memory files (CPU, one host)."""
 
     name = "shm"
-    devices = ("cpu",)
-    where = "CPU processes of one host"
-    how = ("each rank's heap is a `/dev/shm` file mapped by all ranks (unlinked right after set-up, so nothing is "
-           "left behind even on a crash); locked adds")
+    caps = TransportCaps(
+        devices=("cpu",), uneven_micro_batches=True, spans_hosts=False, where="CPU processes of one host",
+        how=("each rank's heap is a `/dev/shm` file mapped by all ranks (unlinked right after set-up, so nothing is "
+             "left behind even on a crash); locked adds"))
 
     def _make_heap(self, nbytes: int) -> ShmHeap:
         return ShmHeap(nbytes, self.mesh)

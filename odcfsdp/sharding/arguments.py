@@ -1,0 +1,73 @@
+"""Checks of what ``ODCShard`` is given: the model's parameters, the device, the compute dtype.
+
+Each check raises an error that names the supported way, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def check_params(named: list[tuple[str, nn.Parameter]]) -> None:
+    """All parameters on one device, all floating point."""
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+    for name, p in named:
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
+
+
+def shard_device(named: list[tuple[str, nn.Parameter]], device) -> torch.device:
+    """Where rows live: ``device`` (needed for a meta model, else the parameters' own), a CUDA index filled in."""
+    on_meta = named[0][1].is_meta
+    if on_meta and device is None:
+        raise ValueError("the model is on the meta device: pass device= (where its shards should live)")
+    if device is not None and not on_meta and torch.device(device) != named[0][1].device:
+        raise ValueError(f"device={device} differs from the parameters' device {named[0][1].device}; "
+                         "move the model first (or build it on the meta device)")
+    device = torch.device(device) if device is not None else named[0][1].device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def compute_dtype(named: list[tuple[str, nn.Parameter]], device: torch.device, param_dtype) -> torch.dtype:
+    """``param_dtype``, or bf16 on CUDA / the parameters' one dtype elsewhere."""
+    if param_dtype is None:
+        dtypes = {p.dtype for _, p in named}
+        if device.type != "cuda" and len(dtypes) > 1:
+            raise ValueError(
+                f"parameters have mixed dtypes {sorted(map(str, dtypes))}; pass param_dtype= to "
+                "compute them all in one dtype"
+            )
+        param_dtype = torch.bfloat16 if device.type == "cuda" else named[0][1].dtype
+    if not param_dtype.is_floating_point:
+        raise ValueError(f"param_dtype must be a floating dtype, got {param_dtype}")
+    return param_dtype
+
+
+def registrations(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) each parameter object is registered under, by the parameter's id."""
+    regs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                regs.setdefault(id(p), []).append((mod, attr))
+    return regs
+
+
+def intact_problem(module: nn.Module, params, param_entries: int, param_dtype: torch.dtype) -> str | None:
+    """What the user changed about a wrapped model's parameters since wrapping (None: intact)."""
+    entries = sum(p is not None for m in module.modules() for p in m._parameters.values())
+    if entries != param_entries:
+        return (f"the wrapped model now has {entries} parameter entries, ODCShard planned {param_entries}: "
+                "parameters must not be added or removed after wrapping")
+    for sp in params:
+        problem = sp.problem(param_dtype)
+        if problem:
+            return (f"parameter {sp.name!r} {problem}"
+                    + ("; change parameters before wrapping (or load values with load_state_dict)"
+                       if "replaced" in problem else ""))
+    return None

@@ -1,0 +1,96 @@
+"""Where a group's gathers and pushes run relative to compute: the side streams and their events.
+
+Design note [streams]
+---------------------
+On CUDA a prefetch gathers on a side stream while the current site computes, and
+pushes run on another side stream while backward goes on (FSDP2's comm context
+holds the same two streams). Everything about streams and events lives here, so the
+groups, the hooks and the step protocol only say *what* to move and *when it must be
+done*:
+
+1. ``gather(g, out, ahead=True)`` queues the gather on the gather stream after the
+   work queued so far on the current stream (the block ``out`` reuses is free once
+   that work is done), and returns an event; ``wait(event)`` makes the current stream
+   wait for it before ``out`` is used or freed. Without a side stream (CPU, or
+   ``prefetch=0``) the gather runs in place and there is no event.
+2. ``push(g, grad)`` queues the scatter-accumulate on the push stream after the
+   current stream's work (which wrote ``grad``); ``grad`` is freed only once the push
+   has read it.
+3. ``pushes_done()`` (before a meeting): the current stream waits for the pushes,
+   and the transport makes them complete and visible to their owners.
+4. ``rows_published()`` (after a finish or a change): the transport makes the new
+   rows visible, and later prefetches (side stream) start after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .transport import Transport
+
+
+def _current(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    return torch.cuda.current_stream(stream.device)
+
+
+class CommStreams:
+    """The side streams (CUDA) gathers and pushes run on, and the events that order them (see [streams]).
+
+    Args:
+        transport: moves the rows.
+        device: where the rows live (side streams on CUDA only).
+        gather_ahead: give prefetches a side stream.
+        push_aside: give pushes a side stream.
+    """
+
+    def __init__(self, transport: Transport, device: torch.device, gather_ahead: bool, push_aside: bool):
+        self.transport = transport
+        self.device = device
+        cuda = device.type == "cuda"
+        self.gather_stream = torch.cuda.Stream(device) if cuda and gather_ahead else None
+        self.push_stream = torch.cuda.Stream(device) if cuda and push_aside else None
+
+    @staticmethod
+    def _after_current(stream: torch.cuda.Stream | None):
+        """Context running on ``stream`` after the work queued so far on the current stream (None: stay)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(_current(stream))
+        return torch.cuda.stream(stream)
+
+    def gather(self, g: int, out: torch.Tensor, ahead: bool = False) -> torch.cuda.Event | None:
+        """Fill ``out`` with group ``g``'s full values; ahead of use on the side stream, returning its event (1)."""
+        stream = self.gather_stream if ahead else None
+        with self._after_current(stream):
+            self.transport.gather(g, out)
+            if stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Make the current stream wait for a gather queued ahead (nothing for None)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def push(self, g: int, grad: torch.Tensor) -> None:
+        """Add ``grad`` into the owners' accumulator rows of group ``g``, on the push stream if there is one (2)."""
+        with self._after_current(self.push_stream):
+            self.transport.scatter_accumulate(g, grad)
+        if self.push_stream is not None:
+            grad.record_stream(self.push_stream)  # freed only once the push has read it
+
+    def pushes_done(self) -> None:
+        """This rank's pushes are complete and visible to their owners (3)."""
+        if self.push_stream is not None:
+            _current(self.push_stream).wait_stream(self.push_stream)
+        self.transport.quiesce()
+
+    def rows_published(self) -> None:
+        """Rows written since the last meeting are visible to peers, and to later prefetches (4)."""
+        self.transport.quiesce()
+        if self.gather_stream is not None:
+            self.gather_stream.wait_stream(_current(self.gather_stream))
