@@ -105,10 +105,10 @@ import time
 from typing import Iterator, Sequence
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .group import FlatGroup
 from .mesh import ShardMesh
+from .optimizer_events import install_optimizer_hooks
 from .param import ShardedParam
 from .streams import CommStreams
 
@@ -197,7 +197,7 @@ class StepProtocol:
 
     def attach(self, groups: Sequence[FlatGroup]) -> None:
         """Take the model's groups; optimizers' steps reach it through the parameters ([optimizer-events])."""
-        _install_optimizer_hooks()
+        install_optimizer_hooks()
         self.groups = list(groups)
         self._trained = [g for g in self.groups if g.layout.requires_grad]
         self._trained_params = [sp for g in self._trained for sp in g.params if sp.trained]
@@ -388,38 +388,3 @@ class StepProtocol:
         if self.closed:
             return
         self._fire(StepEvent.CONSUMED if self.state is GradState.READY else StepEvent.STEP, sps)
-
-
-# Design note [optimizer-events]
-# ------------------------------
-# Optimizers are built by the user after wrapping, so the protocol learns of their steps through torch's global
-# optimizer step hooks: one pair for the process, installed with the first model and never removed, that keeps
-# no list of models. Each sharded parameter points to its model's protocol (``sp.events``), so the post-step hook
-# hands each model the parameters of its own that the optimizer holds; a model that is gone has no parameter in
-# any live optimizer. The pre-step hook refuses an optimizer built from the parameters as they were before wrapping.
-_hooks: tuple | None = None
-
-
-def _install_optimizer_hooks() -> None:
-    global _hooks
-    if _hooks is None:
-        _hooks = (register_optimizer_step_pre_hook(_before_optimizer_step),
-                  register_optimizer_step_post_hook(_after_optimizer_step))
-
-
-def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    if any(getattr(p, "_odc_unsharded", False) for g in optimizer.param_groups for p in g["params"]):
-        raise RuntimeError(
-            "this optimizer holds the model's parameters as they were before ODCShard wrapped it; build the "
-            "optimizer after wrapping, from the wrapped model's parameters (as with FSDP2)")
-
-
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    mine: dict[int, tuple[StepProtocol, list[ShardedParam]]] = {}
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            sp = getattr(p, "_odc", None)
-            if sp is not None:
-                mine.setdefault(id(sp.events), (sp.events, []))[1].append(sp)
-    for protocol, sps in mine.values():
-        protocol.optimizer_stepped(sps)

@@ -1,0 +1,46 @@
+"""How optimizer steps reach the models whose parameters they update.
+
+Design note [optimizer-events]
+------------------------------
+Optimizers are built by the user after wrapping, so a model learns of their steps
+through torch's global optimizer step hooks: one pair for the process, installed with
+the first model and never removed, which keeps no list of models. Each sharded
+parameter points to its model's step protocol (``sp.events``, [params]), so the
+post-step hook hands every model the parameters of its own that the optimizer holds
+(``optimizer_stepped``, an event of [step-protocol]); a model that is gone has no
+parameter in any live optimizer, and a closed one ignores the event. The pre-step
+hook refuses an optimizer built from the parameters as they were before wrapping
+(marked ``_odc_unsharded`` by [params]).
+"""
+
+from __future__ import annotations
+
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+_hooks: tuple | None = None  # the process's one pair of handles
+
+
+def install_optimizer_hooks() -> None:
+    """Register the process's pair of optimizer step hooks, once."""
+    global _hooks
+    if _hooks is None:
+        _hooks = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                  register_optimizer_step_post_hook(_after_optimizer_step))
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    if any(getattr(p, "_odc_unsharded", False) for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError(
+            "this optimizer holds the model's parameters as they were before ODCShard wrapped it; build the "
+            "optimizer after wrapping, from the wrapped model's parameters (as with FSDP2)")
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    by_model: dict[int, tuple] = {}  # id(protocol) -> (protocol, its parameters in this optimizer)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            sp = getattr(p, "_odc", None)
+            if sp is not None:
+                by_model.setdefault(id(sp.events), (sp.events, []))[1].append(sp)
+    for protocol, sps in by_model.values():
+        protocol.optimizer_stepped(sps)
