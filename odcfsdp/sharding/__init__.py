@@ -5,10 +5,12 @@ from .hooks import TrainingPhase
 from .layout import GroupLayout, ParamSlot, plan_groups
 from .mesh import ShardMesh
 from .param import ODCLocalParameter, ODCParameter, ShardedParam
-from .protocol import GradState, StepProtocol
+from .protocol import GradState, StepEvent, StepProtocol
 from .shard import ODCShard
+from .shard_state import ShardState
 
 __all__ = [
     "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCParameter", "ODCShard",
-    "ParamSlot", "ShardMesh", "ShardedParam", "StepProtocol", "TrainingPhase", "plan_groups",
+    "ParamSlot", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepProtocol", "TrainingPhase",
+    "plan_groups",
 ]
