@@ -230,7 +230,7 @@ def step_profiler():
 
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
     ("odc gather", ("gather_rows", "gather_get")), ("odc scatter-accumulate", ("scatter_accumulate",)),
-    ("odc fused adamw", ("_adamw_kernel",)), ("nccl", ("nccl",)),
+    ("nccl", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")), ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
     ("memcpy / memset", ("Memcpy", "Memset")),
 )

@@ -28,7 +28,7 @@ section_cmd() {  # section, gpus in lane, port, dir
   local run="torchrun --nproc-per-node=$n --master-port=$port"
   case $s in
     tests)
-      echo "ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py tests/test_fused_adamw.py" \
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py" \
            "tests/test_standard_loop.py" \
            "tests/test_gpu.py -q -p no:cacheprovider --junitxml=$dir/gpu_tests.xml $extra" ;;
     comm) echo "$run benchmarks/comm_bench.py --iters 20 --out $dir --commit $COMMIT $extra" ;;

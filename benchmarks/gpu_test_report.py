@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 COMMAND = (
-    "ODC_RESULTS=$OUT/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py tests/test_fused_adamw.py "
+    "ODC_RESULTS=$OUT/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py "
     "tests/test_standard_loop.py tests/test_gpu.py --junitxml=$OUT/gpu_tests.xml"
 )
 

@@ -1,7 +1,7 @@
-"""One rank's optimizer step at real shard sizes: torch's AdamW vs odcfsdp's fused kernel, against HBM bandwidth.
+"""One rank's optimizer step at real shard sizes: FSDP2's and odcfsdp's, against HBM bandwidth.
 
     python benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
-    TRITON_INTERPRET=1 python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1   # CPU smoke run (Triton interpreter)
+    python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1   # CPU smoke run
 
 The optimizer step touches only the rank's own rows, so one GPU measures it exactly: the shard
 shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of every parameter,
@@ -14,10 +14,7 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` after
   of every gradient) and ``torch.optim.AdamW(fused=True)`` over one fp32 tensor per parameter;
 * ``fsdp2_dtensor``: the same on DTensor parameters (a 1-rank mesh): FSDP2's dispatch overhead;
 * ``odc_torch``: ``fsdp2_dtensor`` plus what ODCShard adds after a torch optimizer's step:
-  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators;
-* ``odc_fused``: odcfsdp's fused kernel: norm, then one pass per group that clips, updates the
-  fp32 master and moments, writes the bf16 row and zeroes the accumulator;
-* ``odc_fused_unaligned``: the fused kernel without the alignment hint (its state at 44e14f3).
+  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators.
 
 "bytes/param" counts the minimum traffic of each variant (every tensor read or written once per
 pass); GB/s = bytes moved / time, set against a device-to-device copy measured in the same call.
@@ -35,18 +32,14 @@ from pathlib import Path
 
 import torch
 
-from odcfsdp.kernels.adamw import decay_runs, fused_adamw_
 from odcfsdp.models.llama import Llama, llama_config
 
-BLOCK = 2048
 ALIGN = 8  # elements: ODCShard's segments start and end on 16 bytes of bf16 (and 32 of fp32)
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, bf16 row, int16 low bits)
+BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, bf16 row)
     "fsdp2": 4 + 8 + 16 + 12,  # norm reads g; clip reads and writes g; AdamW reads p g m v, writes p m v
     "fsdp2_dtensor": 4 + 8 + 16 + 12,
     "odc_torch": 4 + 8 + 16 + 12 + 6 + 4,  # + publish (read p, write row) + zero the accumulator
-    "odc_fused": 4 + 16 + 18,  # norm; one pass reads p g m v, writes p m v row, zeroes g
-    "odc_fused_unaligned": 4 + 16 + 18,
 }
 
 
@@ -122,17 +115,10 @@ def run_size(size: str, args, device) -> dict:
     total = sum(row_len)
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def flat(dtype, fill="zero"):
-        t = torch.empty(total, dtype=dtype, device=device)
-        if fill == "normal":
-            t.normal_(0, 0.02, generator=gen)
-        elif fill == "small":
-            t.uniform_(0, 1e-4, generator=gen)
-        else:
-            t.zero_()
-        return t
+    def normal():
+        return torch.empty(total, dtype=torch.float32, device=device).normal_(0, 0.02, generator=gen)
 
-    master, grad_src = flat(torch.float32, "normal"), flat(torch.float32, "normal")
+    master, grad_src = normal(), normal()
     acc = grad_src.clone()
     rows = master.to(torch.bfloat16)
     starts = [sum(row_len[:k]) for k in range(len(groups))]
@@ -196,33 +182,6 @@ def run_size(size: str, args, device) -> dict:
             results[name] = torch_variant(name, dtensor)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-
-    # -- odcfsdp's fused kernel ---------------------------------------------------------------------
-    m, v = flat(torch.float32), flat(torch.float32, "small")
-    runs = []
-    for g, n in zip(groups, row_len):
-        ranges = [(off, off + seg) for (name, off, seg) in g if len(shape_of[name]) > 1]
-        runs.append(decay_runs(n, ranges, BLOCK, device))
-    views = [group_views(t) for t in (master, acc, m, v, rows)]
-
-    def fused_variant(align: int):
-        step_no = [0]
-
-        def step():
-            refill_grads()
-            step_no[0] += 1
-            accs = views[1]
-            norm = torch.stack(torch._foreach_norm(accs)).square().sum().sqrt()
-            coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
-            for k in range(len(groups)):
-                p, g, mm, vv, row = (vs[k] for vs in views)
-                fused_adamw_(p, mm, vv, g, row, runs[k], coef, **HP, step=step_no[0], block=BLOCK, align=align)
-
-        return timed(step, args.iters, args.warmup, device)
-
-    for name, align in (("odc_fused", ALIGN), ("odc_fused_unaligned", 1)):
-        if name in args.variants:
-            results[name] = fused_variant(align)
 
     out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups),
            "refill_ms": refill_ms, "variants": {}}

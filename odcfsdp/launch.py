@@ -112,7 +112,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(threads)
-    from .sharding.mesh import set_fatal_handler
+    from .sharding.watchdog import set_fatal_handler
 
     def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
         results.put((rank, False, f"RuntimeError: {message}"))
@@ -157,7 +157,7 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context(backend)
     results = ctx.Queue()
-    # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/mesh.py)
+    # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port

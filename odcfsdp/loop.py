@@ -36,7 +36,7 @@ import torch.nn as nn
 from .data.balance import CostModel, plan_minibatch
 from .data.packing import Sample, empty_micro_batch, pack
 from .models.llama import causal_lm_loss
-from .sharding.mesh import all_gather_tensor
+from .sharding.collectives import all_gather_tensor
 
 
 @dataclass

@@ -2,5 +2,5 @@
 
 ``rows``: one-sided gather and scatter-accumulate over load/store-reachable rows;
 ``nvshmem_get``: the gather through NVSHMEM get calls; ``chunks``: how both split a
-group into programs; ``adamw``: a fused AdamW over rows (a benchmark candidate).
+group into programs.
 """
