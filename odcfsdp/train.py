@@ -45,7 +45,7 @@ from .optim import param_groups
 from .preflight import preflight
 from .schedule import warmup_cosine
 from .sharding import ODCShard
-from .sharding.mesh import hybrid_mesh
+from .sharding.hsdp import hybrid_mesh
 from .sharding.transport import is_one_sided
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"

@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP, [hsdp] in odcfsdp/sharding/mesh.py) on CPU: a 2-D (replicate, shard) mesh, shm within
+"""Hybrid sharding (HSDP, [hsdp] in odcfsdp/sharding/hsdp.py) on CPU: a 2-D (replicate, shard) mesh, shm within
 each shard group and gloo across replicas, against one plain process on the union of the data; where replicas meet;
 checkpoints across mesh shapes."""
 

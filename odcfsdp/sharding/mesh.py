@@ -18,10 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# all_gather_tensor, reduce_scatter_tensor and hybrid_mesh are re-exported: transport/collective.py and train.py
-# import them from here.
-from .collectives import RankGroup, all_gather_tensor, reduce_scatter_tensor  # noqa: F401
-from .hsdp import hybrid_mesh, mesh_groups  # noqa: F401
+from .collectives import RankGroup
+from .hsdp import mesh_groups
 from .watchdog import Watchdog
 
 

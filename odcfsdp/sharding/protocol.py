@@ -11,7 +11,7 @@ PyTorch loop already needs every rank's gradients, without any call of odcfsdp's
    step): this rank's pushes are made complete and visible (its push stream, the
    transport's ``quiesce``), then one meeting; afterwards every rank's pushes are in,
    so each rank's accumulator rows hold its fully reduced gradient shard (with HSDP
-   after a sum over the replicas, [hsdp] in ``mesh.py``), and they are attached as
+   after a sum over the replicas, [hsdp] in ``hsdp.py``), and they are attached as
    the shards' ``.grad`` ([params]);
 2. the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
    update the fp32 masters in place;

@@ -115,10 +115,10 @@ class ODCShard(nn.Module):
         mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D to shard over its ranks, or
             2-D ``("replicate", "shard")`` for hybrid sharding (HSDP): sharded within each
             shard group, replicated across them, gradients combined once per minibatch at
-            the first ``.grad`` read (see [hsdp] in ``mesh.py``).
+            the first ``.grad`` read (see [hsdp] in ``hsdp.py``).
         timeout: seconds a rank waits at a meeting for the others before raising an error that
             names the ranks that did not come; a rank silent (stopped) this long ends the
-            others' processes with one line naming it (see [watchdog] in ``mesh.py``).
+            others' processes with one line naming it (see [watchdog] in ``watchdog.py``).
     """
 
     def __init__(

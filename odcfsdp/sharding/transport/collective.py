@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import GroupLayout
-from ..mesh import all_gather_tensor, reduce_scatter_tensor
+from ..collectives import all_gather_tensor, reduce_scatter_tensor
 from .base import Transport, TransportCaps
 
 
