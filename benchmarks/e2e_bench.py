@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from e2e_report import busy_ms, chart, kernel_summary, report, step_profiler  # noqa: E402  (benchmarks/ on sys.path)
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution
@@ -218,137 +219,6 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             wrapped.close()
     del wrapped, model, opt
     return result
-
-
-def step_profiler():
-    """A torch profiler for one extra step of the methods named by ``--profile`` (kernel time by kind)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if torch.cuda.is_available()
-                   else [ProfilerActivity.CPU])
-
-
-KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("odc gather", ("gather_rows", "gather_get")), ("odc scatter-accumulate", ("scatter_accumulate",)),
-    ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha", "attention", "sdpa")), ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
-    ("memcpy / memset", ("Memcpy", "Memset")),
-)
-
-
-def kernel_summary(prof, top: int = 12) -> dict:
-    """Device time of one profiled step by kind of kernel, the time any kernel ran, and the top kernels (this rank)."""
-    def device_us(e) -> float:
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-
-    # "nccl:..." entries are annotations spanning NCCL's kernels, which are listed themselves.
-    events = [e for e in prof.key_averages()
-              if str(e.device_type).endswith("CUDA") and device_us(e) > 0 and not e.key.startswith("nccl:")]
-    by_kind: dict[str, float] = {}
-    for e in events:
-        kind = next((k for k, keys in KERNEL_KINDS if any(x in e.key for x in keys)), "other")
-        by_kind[kind] = by_kind.get(kind, 0.0) + device_us(e) / 1e3
-    events.sort(key=lambda e: -device_us(e))
-    # Where the host's time goes: operators (and launch calls) by their own CPU time, and how many
-    # kernels the step launched (each costs host time, however small the kernel).
-    host = sorted((e for e in prof.key_averages() if not str(e.device_type).endswith("CUDA")),
-                  key=lambda e: -e.self_cpu_time_total)
-    launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                                     "cuLaunchKernelEx", "cudaLaunchKernelExC"))
-    return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "busy_ms": busy_ms(prof), "kernel_launches": launches,
-            "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]],
-            "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
-                             for e in host[:2 * top]]}
-
-
-def busy_ms(prof) -> float:
-    """Milliseconds in which at least one kernel ran on this rank's device (the union over streams)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
-                   and not e.name.startswith("nccl:"))
-    total, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e3
-
-
-def report(results: list[dict], meta: dict) -> str:
-    lines = [
-        "# End-to-end training: odcfsdp vs PyTorch FSDP2 vs DDP", "",
-        f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
-        f"- command: `{meta['command']}`",
-        f"- model: Llama {meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} measured steps after "
-        f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch; balanced: "
-        f"{meta['args'].get('balanced_micro_samples', 1)} sample(s) of {meta['args'].get('seq')} tokens per micro-batch; "
-        f"PYTORCH_CUDA_ALLOC_CONF={meta['args'].get('alloc_conf') or '(default)'}",
-        "- memory: torch's peak allocated / reserved per rank during training (reset after wrapping; building "
-        "the full fp32 model first is the same for every method and not counted); odc adds its NVSHMEM heap "
-        "(rows + fp32 accumulators), which lives outside torch's allocator",
-        "- DDP keeps fp32 parameters and computes under bf16 autocast; odc and FSDP2 compute with bf16 "
-        "parameters and reduce gradients in fp32",
-        f"- attention kernels (every method): {meta['args'].get('attention', 'flash')}; "
-        f"decoder layers compiled (every method): {meta['args'].get('compile') or 'no'}; activation checkpointing "
-        f"(every method): {'yes' if meta['args'].get('activation_checkpointing') else 'no'}; odc hooks whole decoder "
-        "layers (`units`) unless the run is `odc-module_hooks`",
-        "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
-        "the mean, over the measured steps (1.00 = perfectly balanced); compute s per rank: forward/backward time "
-        "summed over the measured steps; host-issue s: the part of it until the host had queued the last kernel "
-        "(close to compute s: the host, not the GPU, sets the pace); optimizer-step s: the step including the wait "
-        "for the other ranks",
-        "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc GiB (+heap) | step s (min-max) | "
-        "rank cost max/mean | compute s per rank | host-issue s per rank | optimizer-step s per rank | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] == "fsdp2"}
-    for r in results:
-        ratio = f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base else "-"
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        mem = "-" if r["peak_alloc_gib"] is None else f"{r['peak_alloc_gib']:.1f} (+{r['nvshmem_heap_gib']:.1f})"
-        lines.append(
-            f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {mem} | "
-            f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | {r['rank_cost_max_over_mean']:.3f} | "
-            f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | "
-            f"{', '.join(f'{x:.1f}' for x in r.get('rank_host_s', []))} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
-            f"{r['losses'][-1]:.4f} |")
-    for f in meta.get("failed", []):
-        lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
-    profiled = [r for r in results if (r.get("profile") or {}).get("device_ms_by_kind")]  # GPU kernels only
-    if profiled:
-        kinds = sorted({k for r in profiled for k in r["profile"]["device_ms_by_kind"]})
-        lines += ["", "## Where the device time goes (rank 0, one profiled step, ms of kernel time)", "",
-                  "busy s: time in which any kernel ran (union over streams); for the rest of the profiled step the "
-                  "GPU idled (waiting for the host to launch work, or for another rank). The profiler slows the host, "
-                  "so the profiled step is longer than the measured ones.", "",
-                  "| workload | method | balance | profiled step s | busy s | " + " | ".join(kinds) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(kinds)]
-        for r in profiled:
-            by = r["profile"]["device_ms_by_kind"]
-            busy = r["profile"].get("busy_ms")
-            lines.append(f"| {r['workload']} | {r['method']} | {r['balance']} | {r['profile']['step_s']:.2f} | "
-                         f"{'-' if busy is None else f'{busy / 1e3:.2f}'} | " + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def chart(results: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    workloads = sorted({r["workload"] for r in results})
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
-    for ax, w in zip(axes[0], workloads):
-        rows = [r for r in results if r["workload"] == w]
-        ax.bar([f"{r['method']}\n{r['balance']}" for r in rows], [r["tokens_per_s"] for r in rows])
-        ax.set_title(f"{w}: tokens/s (higher is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main_worker(args) -> list[dict] | None:

@@ -12,7 +12,7 @@ from odcfsdp import ODCShard
 from odcfsdp.launch import spawn
 from odcfsdp.sharding.hsdp import hybrid_mesh
 from parity import ParityModel, Run, causal_lm_loss, sharded_run
-from test_checkpoint import assert_same_state, build, full_state, train_steps
+from checkpoint_state import assert_same_state, build, full_state, train_steps
 from test_parity import check_against_reference
 from test_protocol import counting
 
