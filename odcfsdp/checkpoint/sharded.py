@@ -26,7 +26,7 @@ overlapping slices of the writers' shards (safetensors reads slices without read
 whole tensors), so any world size and any ``group_bytes`` can resume any checkpoint;
 optimizer state is rebuilt the same way and handed to the optimizer's own
 ``load_state_dict``. Files are checked against the manifest's sizes and checksums
-first. Version 1 checkpoints (odcfsdp's own AdamW, until 44e14f3) load into
+first. Version 1 checkpoints (written with odcfsdp's former own AdamW) load into
 ``torch.optim.AdamW``.
 """
 
