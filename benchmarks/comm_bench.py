@@ -1,6 +1,7 @@
 """Communication microbenchmark: ODC gather / scatter-accumulate vs NCCL, in one run on the same GPUs.
 
     torchrun --nproc-per-node=2 benchmarks/comm_bench.py --out results/comm --commit <sha>
+    python benchmarks/comm_bench.py --cpu-ranks 2 --sizes-mib 1 --iters 3   # CPU smoke run: shm vs gloo
 
 For each group size (bf16 bytes of the unsharded group, shaped like a Llama block:
 q, k, v, o, gate, up, down) it times, per rank, with CUDA events (median of
@@ -13,10 +14,14 @@ q, k, v, o, gate, up, down) it times, per rank, with CUDA events (median of
   for several settings vs ``CollectiveTransport.scatter_accumulate`` (copy-in to fp32
   rank-major + NCCL reduce_scatter_tensor in fp32 + add into the accumulator).
 
-Every variant's result is checked against the NCCL path first. Bandwidth is given
-as *bus* GB/s, the bytes that cross the interconnect per rank ((N-1)/N x group
-bytes, the NCCL-tests convention) and as *algorithm* GB/s (group bytes / time).
-Writes ``comm_bench.json`` and ``comm_bench.md`` under ``--out`` (rank 0).
+Every variant's result is checked against the collective path first: gathered
+parameters equal to the bit (only the parameters' elements: the unsharded buffer's
+unused tails between parameters are written by neither), accumulators within fp32
+rounding. On CPU (``--cpu-ranks``) the same harness compares the ``shm`` transport
+with ``collective`` over gloo, timed with the wall clock. Bandwidth is given as
+*bus* GB/s, the bytes that cross the interconnect per rank ((N-1)/N x group bytes,
+the NCCL-tests convention) and as *algorithm* GB/s (group bytes / time). Writes
+``comm_bench.json`` and ``comm_bench.md`` under ``--out`` (rank 0).
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ import datetime
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from odcfsdp.launch import init_torchrun
+from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.sharding.layout import plan_groups
 from odcfsdp.sharding.mesh import ShardMesh
+from odcfsdp.sharding.transport import make_transport
 from odcfsdp.sharding.transport.collective import CollectiveTransport
-from odcfsdp.sharding.transport.nvshmem import NvshmemTransport
 
 BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
 GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -53,20 +59,32 @@ def block_layout(group_bytes: int, world: int):
     return layout
 
 
+def _elapsed_us(fn, launches: int = 1) -> float:
+    """Microseconds ``launches`` calls of ``fn`` take: CUDA events on GPUs, the wall clock on CPU."""
+    if dist.get_backend() != "nccl":
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            fn()
+        return (time.perf_counter() - t0) * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def time_op(fn, iters: int, warmup: int = 3) -> list[float]:
-    """Per-launch times in microseconds (CUDA events), ranks aligned by a barrier before each."""
+    """Per-launch times in microseconds, ranks aligned by a barrier before each."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(_elapsed_us(fn))
     return times
 
 
@@ -75,13 +93,7 @@ def time_pipelined(fn, launches: int = 10, repeats: int = 5) -> float:
     per = []
     for _ in range(repeats):
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(launches):
-            fn()
-        end.record()
-        end.synchronize()
-        per.append(start.elapsed_time(end) * 1e3 / launches)
+        per.append(_elapsed_us(fn, launches) / launches)
     return statistics.median(per)
 
 
@@ -99,18 +111,23 @@ def measure(fn, iters: int, group_bytes: int, world: int) -> dict:
     }
 
 
+def same_params(layout, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two parameter-major buffers hold the same parameters (the unused tails between them are ignored)."""
+    return all(torch.equal(layout.param_view(got, i), layout.param_view(want, i)) for i in range(len(layout.slots)))
+
+
 def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, iters: int) -> dict:
     layout = block_layout(group_bytes, world)
     mesh = ShardMesh(device)
-    odc = NvshmemTransport(mesh)
+    odc = make_transport("auto", mesh)  # nvshmem on GPUs, shm on CPU
     nccl = CollectiveTransport(mesh)
     for t in (odc, nccl):
-        t.setup([layout], torch.bfloat16, torch.float32)
+        t.setup([layout], torch.bfloat16, [torch.float32])
     gen = torch.Generator(device=device).manual_seed(rank)
     row = torch.randn(layout.row_len, device=device, generator=gen).to(torch.bfloat16)
     odc.rows[0].copy_(row)
     nccl.rows[0].copy_(row)
-    torch.cuda.synchronize()
+    _sync(device)
     dist.barrier()
     out = {"group_bytes": group_bytes, "row_len": layout.row_len, "gather": {}, "scatter": {}}
 
@@ -119,21 +136,25 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
     nccl.gather(0, want)
     got = torch.full_like(want, float("nan"))
     out["gather"]["nccl_allgather+copyout"] = measure(lambda: nccl.gather(0, got), iters, group_bytes, world)
-    for block, warps in GATHER_VARIANTS:
-        odc.tune(block, warps, odc.scatter_block, odc.scatter_warps)
+    tunable = hasattr(odc, "tune")  # nvshmem's Triton kernels
+    for block, warps in GATHER_VARIANTS if tunable else [(None, None)]:
+        name = f"odc_b{block}_w{warps}" if tunable else f"odc_{odc.name}"
+        if tunable:
+            odc.tune(block, warps, odc.scatter_block, odc.scatter_warps)
         got.fill_(float("nan"))
         odc.gather(0, got)
-        torch.cuda.synchronize()
-        if not torch.equal(got, want):
-            raise AssertionError(f"ODC gather (block={block}, warps={warps}) differs from NCCL at {group_bytes} bytes")
-        out["gather"][f"odc_b{block}_w{warps}"] = measure(lambda: odc.gather(0, got), iters, group_bytes, world)
-    odc.gather_mode = "copy_engine"
-    got.fill_(float("nan"))
-    odc.gather(0, got)
-    torch.cuda.synchronize()
-    if not torch.equal(got, want):
-        raise AssertionError(f"ODC copy-engine gather differs from NCCL at {group_bytes} bytes")
-    out["gather"]["odc_copy_engine"] = measure(lambda: odc.gather(0, got), iters, group_bytes, world)
+        _sync(device)
+        if not same_params(layout, got, want):
+            raise AssertionError(f"ODC gather ({name}) differs from NCCL at {group_bytes} bytes")
+        out["gather"][name] = measure(lambda: odc.gather(0, got), iters, group_bytes, world)
+    if tunable:
+        odc.gather_mode = "copy_engine"
+        got.fill_(float("nan"))
+        odc.gather(0, got)
+        _sync(device)
+        if not same_params(layout, got, want):
+            raise AssertionError(f"ODC copy-engine gather differs from NCCL at {group_bytes} bytes")
+        out["gather"]["odc_copy_engine"] = measure(lambda: odc.gather(0, got), iters, group_bytes, world)
 
     # -- scatter-accumulate --------------------------------------------------------------
     grad = torch.randn(layout.unsharded_numel, device=device, generator=gen).to(torch.bfloat16)
@@ -142,20 +163,35 @@ def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, it
     want_acc = nccl.accumulators[0].clone()
     out["scatter"]["nccl_copyin+reducescatter"] = measure(
         lambda: nccl.scatter_accumulate(0, grad), iters, group_bytes, world)
-    for block, warps in SCATTER_VARIANTS:
-        odc.tune(odc.gather_block, odc.gather_warps, block, warps)
+    for block, warps in SCATTER_VARIANTS if tunable else [(None, None)]:
+        name = f"odc_b{block}_w{warps}" if tunable else f"odc_{odc.name}"
+        if tunable:
+            odc.tune(odc.gather_block, odc.gather_warps, block, warps)
         scatter = lambda: odc.scatter_accumulate(0, grad)  # noqa: E731
-        odc.barrier()  # peers' earlier timed launches may still be adding into our accumulator
+        settle(odc, device)  # peers' earlier timed launches may still be adding into our accumulator
         odc.accumulators[0].zero_()
-        odc.barrier()
+        settle(odc, device)
         scatter()
-        odc.barrier()
+        settle(odc, device)
         if not torch.allclose(odc.accumulators[0], want_acc, rtol=1e-6, atol=1e-6):
-            raise AssertionError(f"ODC scatter (block={block}, warps={warps}) differs at {group_bytes} bytes")
-        out["scatter"][f"odc_b{block}_w{warps}"] = measure(scatter, iters, group_bytes, world)
+            raise AssertionError(f"ODC scatter ({name}) differs at {group_bytes} bytes")
+        dist.barrier()  # the timed pushes below add into peers' accumulators: only once every rank has checked
+        out["scatter"][name] = measure(scatter, iters, group_bytes, world)
     odc.close()
     nccl.close()
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def settle(transport, device: torch.device) -> None:
+    """Every rank's pushes so far are complete and visible (the step protocol's quiesce + a barrier)."""
+    _sync(device)
+    transport.quiesce()
+    dist.barrier()
 
 
 def best(entries: dict, prefix: str, key: str = "bus_gbps") -> tuple[str, dict]:
@@ -204,15 +240,24 @@ def report(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="results/comm")
     parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
-    args = parser.parse_args()
+    parser.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU (shm vs gloo)")
+    args = parser.parse_args(argv)
+    if args.cpu_ranks:
+        spawn(worker, args.cpu_ranks, args, None, timeout=600)
+        return
+    worker(args, init_torchrun(use_cuda=True))
+    dist.destroy_process_group()
 
-    device = init_torchrun(use_cuda=True)
+
+def worker(args, device: torch.device | None) -> None:
+    """One rank's part of the benchmark (``device`` None: a CPU rank that ``spawn`` started)."""
+    device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(3 * max(args.sizes_mib) << 20))
     results = []
@@ -225,13 +270,18 @@ def main() -> None:
                   f" | scatter odc {s['bus_gbps']:6.0f} nccl {res['scatter']['nccl_copyin+reducescatter']['bus_gbps']:6.0f} GB/s",
                   flush=True)
     if rank == 0:
-        import triton
-
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = "-"
+        cpu = device.type == "cpu"
         meta = {
-            "device": torch.cuda.get_device_name(device), "world_size": world, "iters": args.iters,
+            "device": "cpu" if cpu else torch.cuda.get_device_name(device), "world_size": world, "iters": args.iters,
             "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "command": f"torchrun --nproc-per-node={world} benchmarks/comm_bench.py --iters {args.iters}",
-            "torch": torch.__version__, "triton": triton.__version__,
+            "command": (f"python benchmarks/comm_bench.py --cpu-ranks {world}" if cpu else
+                        f"torchrun --nproc-per-node={world} benchmarks/comm_bench.py") + f" --iters {args.iters}",
+            "torch": torch.__version__, "triton": triton_version,
         }
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -239,7 +289,6 @@ def main() -> None:
         (out / "comm_bench.md").write_text(report(results, meta))
         print(report(results, meta))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
