@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from .data.balance import BALANCERS
 from .data.lengths import KINDS as LENGTH_KINDS
@@ -153,6 +154,11 @@ class TrainConfig:
 def register() -> None:
     """Register the config tree with Hydra (idempotent)."""
     ConfigStore.instance().store(name="train", node=TrainConfig)
+
+
+def config_from(overrides: dict) -> TrainConfig:
+    """A ``TrainConfig`` from nested override values (the defaults elsewhere)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
 
 
 def _choice(key: str, value, allowed) -> None:
