@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import load_hf
 from .config import TrainConfig
 from .data.balance import CostModel
 from .data.jsonl import JsonlSource
 from .data.lengths import LengthDistribution
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
-from .models.llama import Llama, llama_config
+from .models.specs import BuiltModel, model_spec
 from .optim import param_groups
 from .schedule import warmup_cosine
 from .sharding import ODCShard
@@ -39,81 +38,57 @@ def vocab_size(cfg: TrainConfig) -> int:
 
 
 def tokenizer_path(cfg: TrainConfig) -> str | None:
-    """``data.tokenizer_path``, or the pretrained model's own directory (``model.path``), or None (bytes)."""
-    return cfg.data.tokenizer_path or (cfg.model.path if cfg.model.name == "hf" else None)
+    """``data.tokenizer_path``, or the model's own tokenizer (a pretrained HF model's ``model.path``), or None (bytes)."""
+    return cfg.data.tokenizer_path or model_spec(cfg.model.name).tokenizer_path(cfg)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> tuple[torch.nn.Module, CostModel, CostModel]:
-    """The unwrapped model, its training FLOPs per sequence (for MFU) and the balancers' cost model.
+def cost_models(cfg: TrainConfig, built: BuiltModel) -> tuple[CostModel, CostModel]:
+    """The model's training FLOPs per sequence (for MFU) and the balancers' cost model.
 
     Both are ``a * s**2 + b * s``; the balancers' one weighs attention by
     ``balance.attention_cost_factor`` unless ``balance.cost_a`` / ``cost_b`` set it.
-    A pretrained Hugging Face model (``model.path``) is built wherever the caller's
-    device context says (the meta device in ``train``); its weights are loaded after wrapping.
     """
-    if cfg.model.name == "hf":
-        from .models.hf import HFCausalLM
-
-        model = HFCausalLM(cfg.model.path or cfg.model.hf_config, None if cfg.model.path else vocab_size)
-        if cfg.model.path and vocab_size > model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {vocab_size} tokens but {cfg.model.path} has a vocabulary of "
-                             f"{model.config.vocab_size}: use the checkpoint's own tokenizer (data.tokenizer_path)")
-        if cfg.model.activation_checkpointing:
-            model.enable_activation_checkpointing()
-        lora = cfg.model.lora
-        if lora.r:
-            model.add_lora(lora.r, lora.alpha, lora.dropout, lora.target_modules)
-        c = model.config
-        dim, layers = c.hidden_size, c.num_hidden_layers
-        matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
-    else:
-        lcfg = llama_config(cfg.model.size, vocab_size, **{
-            "activation_checkpointing": cfg.model.activation_checkpointing, "compile": cfg.model.compile,
-            **cfg.model.overrides})
-        model = Llama(lcfg)
-        dim, layers, matmul = lcfg.dim, lcfg.n_layers, lcfg.matmul_params()
-    flops = CostModel.for_transformer(layers, dim, matmul)
+    flops = CostModel.for_transformer(built.layers, built.dim, built.matmul_params)
     b = cfg.balance
-    timed = CostModel.for_transformer(layers, dim, matmul, b.attention_cost_factor)
-    return model, flops, CostModel(b.cost_a if b.cost_a is not None else timed.a,
-                                   b.cost_b if b.cost_b is not None else timed.b)
+    timed = CostModel.for_transformer(built.layers, built.dim, built.matmul_params, b.attention_cost_factor)
+    return flops, CostModel(b.cost_a if b.cost_a is not None else timed.a,
+                            b.cost_b if b.cost_b is not None else timed.b)
 
 
 def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, weights: bool = True):
-    """``build_model`` wrapped in ``ODCShard`` as ``cfg.shard`` says, with the pretrained weights if any.
+    """``model.name``'s model wrapped in ``ODCShard`` as ``cfg.shard`` says; with its FLOPs and cost models.
 
-    A pretrained Hugging Face model (``model.path``) is built on the meta device, so no
-    rank holds the full model, and each rank reads only its slices of the files
+    The model comes from its spec ([model-specs] in ``odcfsdp/models/specs``). A pretrained
+    one (a Hugging Face ``model.path``) is built on the meta device, so no rank holds the full
+    model, and the spec's ``finish`` has each rank read only its slices of the files
     (``weights=False`` skips that read, for a checkpoint load that follows).
     """
+    spec = model_spec(cfg.model.name)
     torch.manual_seed(cfg.run.seed)  # every rank builds the same initial model
-    pretrained = cfg.model.name == "hf" and bool(cfg.model.path)
+    pretrained = spec.pretrained(cfg)
     with torch.device("meta" if pretrained else device):
-        model, flops, cost = build_model(cfg, vocab)
+        built = spec.build(cfg, vocab)
+    flops, cost = cost_models(cfg, built)
     s = cfg.shard
-    units = unit_classes(model, s.units)
-    model = ODCShard(model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
+    units = unit_classes(built.model, s.units, built.default_units)
+    model = ODCShard(built.model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
                      param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
                      overlap_push=s.overlap_push, units=units, device=device if pretrained else None,
                      timeout=cfg.run.timeout_s, mesh=hybrid_mesh(s.replicas, device.type, is_one_sided(s.comm)))
-    if pretrained and weights:
-        load_hf(model, cfg.model.path)  # base weights; LoRA adapters are in no file: start them as PEFT does
-        if cfg.model.lora.r:
-            model.load_state_dict(model.module.initial_adapters(cfg.run.seed), strict=False)
-    if cfg.model.compile and cfg.model.name == "hf":  # our Llama compiles its layers' dense parts itself
-        if not units:
-            raise ValueError("model.compile=true needs decoder-layer units (shard.units): none were found")
-        for layer in (m for m in model.module.modules() if isinstance(m, units)):
-            layer.compile()
+    if spec.finish is not None:
+        spec.finish(model, cfg, weights=weights)
     return model, flops, cost
 
 
-def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
+def unit_classes(model: torch.nn.Module, names, default: tuple[type, ...] | None = None) -> tuple[type, ...]:
     """The module classes named by ``shard.units``, looked up among the model's own modules.
 
-    With no names, a Hugging Face model's decoder layers (its ``_no_split_modules``).
+    With no names, ``default`` (the model spec's default units) or, without one, a Hugging
+    Face model's decoder layers (its ``_no_split_modules``).
     """
     if not names:
+        if default is not None:
+            return tuple(default)
         layers = getattr(model, "decoder_layer_classes", None)
         return layers() if layers is not None else ()
     by_name = {type(m).__name__: type(m) for m in model.modules()}
