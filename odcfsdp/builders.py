@@ -17,6 +17,7 @@ from .data.tokenizer import load_tokenizer
 from .models.specs import BuiltModel, model_spec
 from .optim import param_groups
 from .schedule import warmup_cosine
+from .shard_config import shard_arguments
 from .sharding import ODCShard
 from .sharding.mesh import hybrid_mesh
 from .sharding.transport import is_one_sided
@@ -69,34 +70,12 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     with torch.device("meta" if pretrained else device):
         built = spec.build(cfg, vocab)
     flops, cost = cost_models(cfg, built)
-    s = cfg.shard
-    units = unit_classes(built.model, s.units, built.default_units)
-    model = ODCShard(built.model, s.group_bytes, comm=s.comm, reshard_after_forward=s.reshard_after_forward,
-                     param_dtype=getattr(torch, s.param_dtype) if s.param_dtype else None, prefetch=s.prefetch,
-                     overlap_push=s.overlap_push, units=units, device=device if pretrained else None,
+    s = cfg.shard  # every key but replicas is an ODCShard argument ([derived-shard-config]); the rest is runtime
+    model = ODCShard(built.model, **shard_arguments(s, built), device=device if pretrained else None,
                      timeout=cfg.run.timeout_s, mesh=hybrid_mesh(s.replicas, device.type, is_one_sided(s.comm)))
     if spec.finish is not None:
         spec.finish(model, cfg, weights=weights)
     return model, flops, cost
-
-
-def unit_classes(model: torch.nn.Module, names, default: tuple[type, ...] | None = None) -> tuple[type, ...]:
-    """The module classes named by ``shard.units``, looked up among the model's own modules.
-
-    With no names, ``default`` (the model spec's default units) or, without one, a Hugging
-    Face model's decoder layers (its ``_no_split_modules``).
-    """
-    if not names:
-        if default is not None:
-            return tuple(default)
-        layers = getattr(model, "decoder_layer_classes", None)
-        return layers() if layers is not None else ()
-    by_name = {type(m).__name__: type(m) for m in model.modules()}
-    missing = sorted(set(names) - set(by_name))
-    if missing:
-        raise ValueError(f"shard.units names {missing}, which the model has no module of; its classes: "
-                         f"{sorted(by_name)}")
-    return tuple(by_name[n] for n in names)
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):

@@ -22,6 +22,7 @@ from .data.balance import BALANCERS
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
 from .models.specs import model_specs
+from .shard_config import ShardConfig
 from .sharding.transport import COMM_CHOICES, is_one_sided
 
 
@@ -90,22 +91,6 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])
     fused: bool | None = None  # torch's fused AdamW kernels; None: on CUDA
-
-
-@dataclass
-class ShardConfig:
-    """Arguments of ``ODCShard``."""
-
-    group_bytes: int = 32 << 20
-    comm: str = "auto"  # auto | nvshmem | shm | collective
-    reshard_after_forward: bool = True
-    param_dtype: str | None = None  # float32 | bfloat16 | float16; None: bf16 on CUDA, fp32 on CPU
-    prefetch: int = 1
-    overlap_push: bool = True  # CUDA: push gradients on a side stream during backward
-    units: list[str] = field(default_factory=list)  # class names hooked as a whole, e.g. [DecoderLayer]
-    # HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch;
-    # 1: full sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1
-    replicas: int | None = None
 
 
 @dataclass

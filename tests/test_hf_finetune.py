@@ -162,7 +162,7 @@ def test_meta_built_hf_model_rebuilds_rotary_buffers_and_loads_weights(tmp_path)
 
 def test_decoder_layers_are_the_default_units(tmp_path):
     from odcfsdp.models.hf import HFCausalLM
-    from odcfsdp.builders import unit_classes
+    from odcfsdp.shard_config import unit_classes
 
     model_dir = save_pretrained_model(tmp_path / "qwen", "qwen2")
     with torch.device("meta"):

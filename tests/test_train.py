@@ -135,7 +135,7 @@ def test_compiled_whole_layer_run_matches_the_golden_losses(tmp_path):
 
 def test_unknown_unit_class_is_named():
     from odcfsdp.models import Llama, LlamaConfig
-    from odcfsdp.builders import unit_classes
+    from odcfsdp.shard_config import unit_classes
 
     with pytest.raises(ValueError, match=r"shard.units names \['DecoderLayr'\].*'DecoderLayer'"):
         unit_classes(Llama(LlamaConfig()), ["DecoderLayr"])
