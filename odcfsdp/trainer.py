@@ -77,27 +77,13 @@ def train(cfg: TrainConfig) -> list[dict]:
                               sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
                               float(terminate.raised)],
                              model.mesh.device, model.mesh.everyone.group)  # the termination flag rides along: no extra meeting
-        step_wall = table[:, 6].max().item()
-        tokens = int(table[:, 4].sum())
-        alloc, reserved = _peak_memory_gib(device)
-        row = {
-            "step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": out["grad_norm"], "lr": lr,
-            "tokens": tokens, "target_tokens": minibatch.global_targets, "step_s": step_wall,
-            "tokens_per_s": tokens / step_wall, "mfu": mfu(table[:, 5].sum().item(), step_wall, peak, world),
-            "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
-            "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
-            "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
-        }
+        row = _step_row(step, out, table, minibatch.global_targets, lr, peak, world, device)
         in_a_row = 0 if out["finite"] else in_a_row + 1
         if not out["finite"]:
             row["nonfinite"] = True
             nonfinite.append(step + 1)
             if cfg.run.on_nonfinite == "stop" or in_a_row >= cfg.run.max_skipped:
-                stopped = (f"step {step + 1}: non-finite loss or gradient norm (loss {row['loss']}, grad norm "
-                           f"{out['grad_norm']}); the update was not applied and the run stops"
-                           + (f" after {in_a_row} such minibatches in a row (run.max_skipped)"
-                              if cfg.run.on_nonfinite == "skip" else
-                              " (run.on_nonfinite=skip skips such minibatches instead)"))
+                stopped = _nonfinite_message(cfg, row, in_a_row)
         if held_out is not None and not stopped and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
             row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.everyone.group)
         metrics.append(row)
@@ -123,12 +109,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     if writer and metrics:
         bar.close()
         writer.close()
-        summary = {**summarize(metrics, cfg.run.warmup_steps), "nonfinite_steps": nonfinite, "stopped": stopped,
-                   "preempted_after_step": preempted}
-        (writer.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False))
-        print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
-              f"{summary['tokens_per_s']:.0f} tokens/s after warm-up"
-              + (f", {len(nonfinite)} non-finite minibatch(es) skipped" if nonfinite else ""), file=sys.stderr)
+        _write_summary(writer, metrics, cfg.run.warmup_steps, nonfinite, stopped, preempted)
     model.close()
     if stopped:
         raise NonFiniteError(stopped)
@@ -137,6 +118,42 @@ def train(cfg: TrainConfig) -> list[dict]:
             ck.dir or ck.interval) else "no checkpoint (set checkpoint.dir to save one on SIGTERM)"
         print(f"terminated (SIGTERM) after step {preempted}: {saved}", file=sys.stderr)
     return metrics
+
+
+def _step_row(step: int, out: dict, table: torch.Tensor, targets: int, lr: float, peak: float | None, world: int,
+              device: torch.device) -> dict:
+    """The metrics of one step from ``train_step``'s output and every rank's gathered statistics (``table``)."""
+    step_wall = table[:, 6].max().item()
+    tokens = int(table[:, 4].sum())
+    alloc, reserved = _peak_memory_gib(device)
+    return {
+        "step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": out["grad_norm"], "lr": lr,
+        "tokens": tokens, "target_tokens": targets, "step_s": step_wall,
+        "tokens_per_s": tokens / step_wall, "mfu": mfu(table[:, 5].sum().item(), step_wall, peak, world),
+        "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
+        "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
+        "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
+    }
+
+
+def _nonfinite_message(cfg: TrainConfig, row: dict, in_a_row: int) -> str:
+    """The one line a run that stops at a non-finite step ends with (``NonFiniteError``, the summary's ``stopped``)."""
+    return (f"step {row['step']}: non-finite loss or gradient norm (loss {row['loss']}, grad norm "
+            f"{row['grad_norm']}); the update was not applied and the run stops"
+            + (f" after {in_a_row} such minibatches in a row (run.max_skipped)"
+               if cfg.run.on_nonfinite == "skip" else
+               " (run.on_nonfinite=skip skips such minibatches instead)"))
+
+
+def _write_summary(writer: MetricsWriter, metrics: list[dict], warmup: int, nonfinite: list[int], stopped: str | None,
+                   preempted: int | None) -> None:
+    """Rank 0 at the end: ``summary.json`` next to the metrics, and one line saying what the run did."""
+    summary = {**summarize(metrics, warmup), "nonfinite_steps": nonfinite, "stopped": stopped,
+               "preempted_after_step": preempted}
+    (writer.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False))
+    print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
+          f"{summary['tokens_per_s']:.0f} tokens/s after warm-up"
+          + (f", {len(nonfinite)} non-finite minibatch(es) skipped" if nonfinite else ""), file=sys.stderr)
 
 
 def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt, sched) -> int:
