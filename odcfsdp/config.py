@@ -6,6 +6,10 @@ overridden on the command line (``balance.kind=lb_micro model.size=1b``) and swe
 with ``--multirun``. Experiment presets live as YAML in the repository's
 ``configs/`` folder (``+experiment=<name>``). ``validate`` checks the values Hydra
 cannot (choices, ranges, combinations) and names the key and the allowed values.
+
+The ``shard`` group is derived from ``ODCShard``'s arguments ([derived-shard-config] in
+``shard_config.py``); ``model.name``'s values and the checks of the keys each model reads
+come from the model specs ([model-specs] in ``odcfsdp/models/specs``).
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def _derive_shard_config() -> type:
         unknown = sorted(set(table) - set(params))
         if unknown:
             raise TypeError(f"odcfsdp/shard_config.py names {unknown}, which are not arguments of ODCShard")
-    helps = args_help(ODCShard.__doc__ or "")
+    helps = {**args_help(ODCShard.__doc__ or ""), **args_help(ODCShard.__init__.__doc__ or "")}  # class or __init__
     namespace = vars(sys.modules[ODCShard.__module__])
     fields = []
     for name, p in params.items():
