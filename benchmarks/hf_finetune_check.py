@@ -62,7 +62,8 @@ def first_minibatch_loss(model_dir: Path, overrides: dict) -> float:
     """transformers' loss of the pretrained model on the run's first minibatch (bf16, each sample alone)."""
     import transformers
 
-    from odcfsdp.train import build_source, config_from
+    from odcfsdp.builders import build_source
+    from odcfsdp.config import config_from
 
     cfg = config_from(overrides)
     source, _ = build_source(cfg)

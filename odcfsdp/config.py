@@ -6,6 +6,10 @@ overridden on the command line (``balance.kind=lb_micro model.size=1b``) and swe
 with ``--multirun``. Experiment presets live as YAML in the repository's
 ``configs/`` folder (``+experiment=<name>``). ``validate`` checks the values Hydra
 cannot (choices, ranges, combinations) and names the key and the allowed values.
+
+The ``shard`` group is derived from ``ODCShard``'s arguments ([derived-shard-config] in
+``shard_config.py``); ``model.name``'s values and the checks of the keys each model reads
+come from the model specs ([model-specs] in ``odcfsdp/models/specs``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
+from .checks import choice, positive
 from .data.balance import BALANCERS
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
-from .models.llama import LLAMA_SIZES
+from .models.specs import model_specs
+from .shard_config import ShardConfig
 from .sharding.transport import COMM_CHOICES, is_one_sided
 
 
@@ -38,7 +45,7 @@ class LoraSettings:
 class ModelConfig:
     """Which model: our Llama at a named size, or a Hugging Face causal LM from a local directory."""
 
-    name: str = "llama"  # llama | hf
+    name: str = "llama"  # llama | hf: a spec of odcfsdp/models/specs (see [model-specs])
     size: str = "tiny"  # llama: tiny | 150m | 1b | 3b | 8b
     overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
     path: str | None = None  # name=hf: a local pretrained checkpoint (config.json + safetensors) to fine-tune
@@ -91,22 +98,6 @@ class OptimConfig:
 
 
 @dataclass
-class ShardConfig:
-    """Arguments of ``ODCShard``."""
-
-    group_bytes: int = 32 << 20
-    comm: str = "auto"  # auto | nvshmem | shm | collective
-    reshard_after_forward: bool = True
-    param_dtype: str | None = None  # float32 | bfloat16 | float16; None: bf16 on CUDA, fp32 on CPU
-    prefetch: int = 1
-    overlap_push: bool = True  # CUDA: push gradients on a side stream during backward
-    units: list[str] = field(default_factory=list)  # class names hooked as a whole, e.g. [DecoderLayer]
-    # HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch;
-    # 1: full sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1
-    replicas: int | None = None
-
-
-@dataclass
 class CheckpointConfig:
     """Sharded checkpoints of the run (see odcfsdp/checkpoint)."""
 
@@ -155,69 +146,59 @@ def register() -> None:
     ConfigStore.instance().store(name="train", node=TrainConfig)
 
 
-def _choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; choose one of {tuple(allowed)}")
-
-
-def _positive(key: str, value, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+def config_from(overrides: dict) -> TrainConfig:
+    """A ``TrainConfig`` from nested override values (the defaults elsewhere)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` naming the key and the allowed values for anything invalid."""
-    _choice("model.name", cfg.model.name, ("llama", "hf"))
-    if cfg.model.name == "llama":
-        _choice("model.size", cfg.model.size, LLAMA_SIZES)
-    elif bool(cfg.model.path) == bool(cfg.model.hf_config):
-        raise ValueError("model.name=hf needs one of model.path=<local pretrained checkpoint directory> (fine-tune "
-                         "its weights) or model.hf_config=<local config.json> (random weights)")
-    _positive("model.lora.r", cfg.model.lora.r, allow_zero=True)
-    _choice("model.lora.export", cfg.model.lora.export, ("merged", "adapter"))
-    if cfg.model.lora.r and cfg.model.name != "hf":
-        raise ValueError("model.lora.r > 0 needs model.name=hf (adapters through PEFT)")
-    _choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
+    specs = model_specs()
+    choice("model.name", cfg.model.name, sorted(specs, key=lambda n: (n != ModelConfig.name, n)))  # default first
+    specs[cfg.model.name].validate(cfg)  # the keys this model reads (model.size, model.path, ...)
+    positive("model.lora.r", cfg.model.lora.r, allow_zero=True)
+    choice("model.lora.export", cfg.model.lora.export, ("merged", "adapter"))
+    if cfg.model.lora.r and not specs[cfg.model.name].lora:
+        raise ValueError(f"model.lora.r > 0 needs model.name={'|'.join(n for n, s in specs.items() if s.lora)} "
+                         "(adapters through PEFT)")
+    choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
-    _choice("data.lengths.kind", cfg.data.lengths.kind, LENGTH_KINDS)
-    _positive("data.batch_size", cfg.data.batch_size)
-    _positive("data.micro_batch_tokens", cfg.data.micro_batch_tokens)
-    _positive("data.vocab_size", cfg.data.vocab_size)
-    _choice("balance.kind", cfg.balance.kind, BALANCERS)
-    _choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
-    _positive("optim.lr", cfg.optim.lr, allow_zero=True)
+    choice("data.lengths.kind", cfg.data.lengths.kind, LENGTH_KINDS)
+    positive("data.batch_size", cfg.data.batch_size)
+    positive("data.micro_batch_tokens", cfg.data.micro_batch_tokens)
+    positive("data.vocab_size", cfg.data.vocab_size)
+    choice("balance.kind", cfg.balance.kind, BALANCERS)
+    choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
+    positive("optim.lr", cfg.optim.lr, allow_zero=True)
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas must hold two values, got {list(cfg.optim.betas)}")
-    _choice("shard.comm", cfg.shard.comm, COMM_CHOICES)
-    _choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
-    _positive("shard.group_bytes", cfg.shard.group_bytes)
-    _positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)
+    choice("shard.comm", cfg.shard.comm, COMM_CHOICES)
+    choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
+    positive("shard.group_bytes", cfg.shard.group_bytes)
+    positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)
     if cfg.shard.replicas is not None:
-        _positive("shard.replicas", cfg.shard.replicas)
+        positive("shard.replicas", cfg.shard.replicas)
         if "RANK" not in os.environ and cfg.run.world_size % cfg.shard.replicas:
             raise ValueError(f"shard.replicas={cfg.shard.replicas} must divide run.world_size={cfg.run.world_size} "
                              "(every replica shards over the same number of ranks)")
-    _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
-    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
+    positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
     if not cfg.checkpoint.resume:
         raise ValueError("checkpoint.resume must be none, auto or a checkpoint path")
-    _positive("run.steps", cfg.run.steps)
+    positive("run.steps", cfg.run.steps)
     if cfg.run.stop_after is not None:
-        _positive("run.stop_after", cfg.run.stop_after)
-    _positive("run.world_size", cfg.run.world_size)
-    _positive("run.eval_interval", cfg.run.eval_interval, allow_zero=True)
-    _choice("run.on_nonfinite", cfg.run.on_nonfinite, ("stop", "skip"))
-    _positive("run.timeout_s", cfg.run.timeout_s)
-    _positive("run.max_skipped", cfg.run.max_skipped)
+        positive("run.stop_after", cfg.run.stop_after)
+    positive("run.world_size", cfg.run.world_size)
+    positive("run.eval_interval", cfg.run.eval_interval, allow_zero=True)
+    choice("run.on_nonfinite", cfg.run.on_nonfinite, ("stop", "skip"))
+    positive("run.timeout_s", cfg.run.timeout_s)
+    positive("run.max_skipped", cfg.run.max_skipped)
     if cfg.run.eval_interval and not cfg.data.eval_path:
         raise ValueError("run.eval_interval needs data.eval_path=<held-out file.jsonl>")
     if cfg.data.eval_path and cfg.data.source != "jsonl":
         raise ValueError("data.eval_path needs data.source=jsonl (the held-out file is read with the same tokenizer)")
-    _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
-    if cfg.model.compile and cfg.model.name == "llama" and "DecoderLayer" not in cfg.shard.units:
-        raise ValueError("model.compile=true needs shard.units=[DecoderLayer] (compiled layers must find all their "
-                         "parameters gathered when they start)")
+    choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
     if not is_one_sided(cfg.shard.comm) and cfg.balance.kind != "lb_micro":
         raise ValueError(
             f"shard.comm={cfg.shard.comm} needs equal micro-batch counts per rank: use balance.kind=lb_micro, "

@@ -27,7 +27,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
 
     ``lora`` (merged | adapter) overrides the run's ``model.lora.export`` for a LoRA run.
     """
-    from .train import build_sharded_model, config_from, tokenizer_path, vocab_size
+    from .builders import build_sharded_model, tokenizer_path, vocab_size
+    from .config import config_from
 
     manifest = read_manifest(Path(checkpoint))
     if not manifest.get("config"):

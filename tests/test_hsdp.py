@@ -117,10 +117,10 @@ def _meshes_across_nodes() -> list:
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # as torchrun sets it for 2 nodes of 1 rank
     out = [tuple(hybrid_mesh(None, "cpu").shape)]  # default: one shard group per node
     try:
-        hybrid_mesh(1, "cpu", one_sided=True)
+        hybrid_mesh(1, "cpu", spans_hosts=False)
     except ValueError as e:
         out.append(str(e))
-    out.append(hybrid_mesh(1, "cpu", one_sided=False))  # the collective transport reaches every host
+    out.append(hybrid_mesh(1, "cpu", spans_hosts=True))  # the collective transport reaches every host
     return out
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from odcfsdp.config import TrainConfig, validate
+from odcfsdp.config import TrainConfig, config_from, validate
 from odcfsdp.launch import spawn
 from odcfsdp.plot import plot_run
-from odcfsdp.train import _train_worker, config_from
+from odcfsdp.train import _train_worker
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 GOLDEN_OVERRIDES = {
@@ -135,7 +135,7 @@ def test_compiled_whole_layer_run_matches_the_golden_losses(tmp_path):
 
 def test_unknown_unit_class_is_named():
     from odcfsdp.models import Llama, LlamaConfig
-    from odcfsdp.train import unit_classes
+    from odcfsdp.shard_config import unit_classes
 
     with pytest.raises(ValueError, match=r"shard.units names \['DecoderLayr'\].*'DecoderLayer'"):
         unit_classes(Llama(LlamaConfig()), ["DecoderLayr"])

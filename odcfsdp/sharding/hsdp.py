@@ -48,12 +48,13 @@ def mesh_groups(device_mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | Non
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got a {device_mesh.ndim}-D mesh")
 
 
-def hybrid_mesh(replicas: int | None, device_type: str, one_sided: bool = True):
+def hybrid_mesh(replicas: int | None, device_type: str, spans_hosts: bool = False):
     """The ``DeviceMesh`` for ``replicas`` copies of the model ([hsdp]); None for full sharding or one process.
 
     ``replicas=None`` puts one shard group on each node (torchrun's ``LOCAL_WORLD_SIZE``).
-    A shard group wider than a node needs a transport that reaches other hosts, which the
-    one-sided ones (``shm``: one host's memory, ``nvshmem``: peer pointers) do not yet.
+    A shard group wider than a node needs a transport that reaches other hosts
+    (``spans_hosts``, its ``TransportCaps``), which the one-sided ones (``shm``: one host's
+    memory, ``nvshmem``: peer pointers) do not yet.
     """
     if not dist.is_initialized():
         return None
@@ -63,7 +64,7 @@ def hybrid_mesh(replicas: int | None, device_type: str, one_sided: bool = True):
     if world % replicas:
         raise ValueError(f"shard.replicas={replicas} must divide the world size {world}")
     shard = world // replicas
-    if one_sided and shard > local:
+    if not spans_hosts and shard > local:
         raise ValueError(
             f"a shard group of {shard} ranks spans nodes of {local}, and the one-sided transports reach only their "
             f"own node: use shard.replicas={world // local} (HSDP, one shard group per node) or shard.comm=collective")

@@ -1,0 +1,100 @@
+"""The pieces of a training run, built from its config: data source, model, sharded model, optimizer, device.
+
+``odcfsdp.trainer.train`` calls these in order; ``odcfsdp.export`` rebuilds a run's
+sharded model with them, and tests build the same data and optimizer as a run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TrainConfig
+from .data.balance import CostModel
+from .data.jsonl import JsonlSource
+from .data.lengths import LengthDistribution
+from .data.synthetic import SyntheticSFT
+from .data.tokenizer import load_tokenizer
+from .models.specs import BuiltModel, model_spec
+from .optim import param_groups
+from .schedule import warmup_cosine
+from .shard_config import shard_arguments
+from .sharding import ODCShard
+from .sharding.hsdp import hybrid_mesh
+from .sharding.transport import capabilities
+
+
+def build_source(cfg: TrainConfig):
+    """The sample source and its vocabulary size."""
+    d = cfg.data
+    if d.source == "synthetic":
+        lengths = LengthDistribution(d.lengths, cfg.run.seed)
+        return SyntheticSFT(d.vocab_size, lengths, cfg.run.seed, d.pool_tokens, d.prompt_fraction), d.vocab_size
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    return JsonlSource(d.path, tokenizer, d.micro_batch_tokens + 1, cfg.run.seed), tokenizer.vocab_size
+
+
+def vocab_size(cfg: TrainConfig) -> int:
+    """The vocabulary the run's data uses (``build_source``'s, without reading the data)."""
+    return cfg.data.vocab_size if cfg.data.source == "synthetic" else load_tokenizer(tokenizer_path(cfg)).vocab_size
+
+
+def tokenizer_path(cfg: TrainConfig) -> str | None:
+    """``data.tokenizer_path``, or the model's own tokenizer (a pretrained HF model's ``model.path``), or None (bytes)."""
+    return cfg.data.tokenizer_path or model_spec(cfg.model.name).tokenizer_path(cfg)
+
+
+def cost_models(cfg: TrainConfig, built: BuiltModel) -> tuple[CostModel, CostModel]:
+    """The model's training FLOPs per sequence (for MFU) and the balancers' cost model.
+
+    Both are ``a * s**2 + b * s``; the balancers' one weighs attention by
+    ``balance.attention_cost_factor`` unless ``balance.cost_a`` / ``cost_b`` set it.
+    """
+    flops = CostModel.for_transformer(built.layers, built.dim, built.matmul_params)
+    b = cfg.balance
+    timed = CostModel.for_transformer(built.layers, built.dim, built.matmul_params, b.attention_cost_factor)
+    return flops, CostModel(b.cost_a if b.cost_a is not None else timed.a,
+                            b.cost_b if b.cost_b is not None else timed.b)
+
+
+def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, weights: bool = True):
+    """``model.name``'s model wrapped in ``ODCShard`` as ``cfg.shard`` says; with its FLOPs and cost models.
+
+    The model comes from its spec ([model-specs] in ``odcfsdp/models/specs``). A pretrained
+    one (a Hugging Face ``model.path``) is built on the meta device, so no rank holds the full
+    model, and the spec's ``finish`` has each rank read only its slices of the files
+    (``weights=False`` skips that read, for a checkpoint load that follows).
+    """
+    spec = model_spec(cfg.model.name)
+    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial model
+    pretrained = spec.pretrained(cfg)
+    with torch.device("meta" if pretrained else device):
+        built = spec.build(cfg, vocab)
+    flops, cost = cost_models(cfg, built)
+    s = cfg.shard  # every key but replicas is an ODCShard argument ([derived-shard-config]); the rest is runtime
+    model = ODCShard(built.model, **shard_arguments(s, built), device=device if pretrained else None,
+                     timeout=cfg.run.timeout_s,
+                     mesh=hybrid_mesh(s.replicas, device.type, capabilities(s.comm, device.type).spans_hosts))
+    if spec.finish is not None:
+        spec.finish(model, cfg, weights=weights)
+    return model, flops, cost
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):
+    """``torch.optim.AdamW`` over ``param_groups`` (no decay for ``optim.no_decay``) and its ``LambdaLR`` schedule."""
+    o = cfg.optim
+    fused = device.type == "cuda" if o.fused is None else o.fused
+    opt = torch.optim.AdamW(param_groups(model, no_decay=list(o.no_decay)), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
+    return opt, sched
+
+
+def pick_device(cfg: TrainConfig) -> torch.device:
+    """The device ``run.device`` names: this rank's current GPU (``auto`` where CUDA is available), else the CPU."""
+    want = cfg.run.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device=cuda but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

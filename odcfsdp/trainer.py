@@ -1,0 +1,222 @@
+"""The run loop: ``train(cfg)`` on the current process group, resuming, the run's summary.
+
+Each step is ``odcfsdp.loop``'s (the standard PyTorch loop: micro-batches, then
+``clip_grad_norm_``, ``torch.optim.AdamW``, the LR schedule, ``zero_grad``); per-rank
+compute and wait times, the loss and the throughput are gathered once afterwards and
+written by rank 0. The pieces come from ``odcfsdp.builders``; starting ranks and the
+command line are ``odcfsdp.train``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from .builders import build_optimizer, build_sharded_model, build_source, pick_device, tokenizer_path
+from .checkpoint import (
+    CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
+)
+from .config import TrainConfig, validate
+from .data.jsonl import JsonlSource
+from .data.tokenizer import load_tokenizer
+from .loop import evaluate, gather_stats, plan_step, train_step
+from .metrics import MetricsWriter, ProgressBar, json_safe
+from .mfu import mfu, peak_tflops
+from .sharding import ODCShard
+
+
+class NonFiniteError(RuntimeError):
+    """A run stopped at a non-finite loss or gradient norm (``run.on_nonfinite``)."""
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run ``cfg`` on the current process group; return the per-step metrics (on every rank)."""
+    validate(cfg)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = pick_device(cfg)
+    source, vocab = build_source(cfg)
+    model, flops, cost = build_sharded_model(cfg, vocab, device)
+    if model.mesh.replicas > 1 and rank == 0:
+        print(f"hybrid sharding: {model.mesh.replicas} replicas x {model.world_size} ranks "
+              f"(shard.replicas; comm={model.transport.name} within a replica)", file=sys.stderr)
+    held_out = None
+    if cfg.data.eval_path:
+        held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(tokenizer_path(cfg)), cfg.data.micro_batch_tokens + 1)
+    opt, sched = build_optimizer(cfg, model, device)
+    peak = peak_tflops(device, cfg.run.peak_tflops)
+    ck = cfg.checkpoint
+    ck_dir = Path(ck.dir or Path(cfg.run.out_dir) / "checkpoints")
+    start = resume(cfg, ck_dir, model, opt, sched)
+
+    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard, first_step=start + 1) if rank == 0 else None
+    if writer:
+        (writer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    bar = ProgressBar(cfg.run.steps, first_step=start + 1) if rank == 0 else None
+    cap, batch = cfg.data.micro_batch_tokens, cfg.data.batch_size
+    metrics = []
+    end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
+    nonfinite: list[int] = []  # steps whose update was not applied
+    in_a_row, stopped, preempted = 0, None, None
+    terminate = _TerminationFlag()  # SIGTERM: finish this step, checkpoint, exit cleanly (every rank alike)
+    for step in range(start, end):
+        minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
+        model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
+        lr = sched.get_last_lr()[0]
+        out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)
+        my_sizes = minibatch.my_sizes()
+        table = gather_stats([out["loss"], out["compute_s"], model.sync_wait_s, len(minibatch.mine),
+                              sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
+                              float(terminate.raised)],
+                             model.mesh.device, model.mesh.everyone.group)  # the termination flag rides along: no extra meeting
+        row = _step_row(step, out, table, minibatch.global_targets, lr, peak, world, device)
+        in_a_row = 0 if out["finite"] else in_a_row + 1
+        if not out["finite"]:
+            row["nonfinite"] = True
+            nonfinite.append(step + 1)
+            if cfg.run.on_nonfinite == "stop" or in_a_row >= cfg.run.max_skipped:
+                stopped = _nonfinite_message(cfg, row, in_a_row)
+        if held_out is not None and not stopped and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
+            row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.everyone.group)
+        metrics.append(row)
+        if writer:
+            writer.write(row)
+            bar.update(row)
+        if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
+            break
+        if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM: all stop after this step
+            preempted = step + 1
+        if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or (preempted and ck.dir):
+            save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
+                            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                            extra={"samples_consumed": (step + 1) * batch})
+        if preempted:
+            break
+    terminate.restore()
+    if cfg.run.export_hf and not stopped and not preempted:
+        out = Path(cfg.run.out_dir) / "hf"
+        export_pretrained(model, out, tokenizer_path=tokenizer_path(cfg), lora=cfg.model.lora.export)  # collective
+        if rank == 0:
+            print(f"exported the trained model to {out}", file=sys.stderr)
+    if writer and metrics:
+        bar.close()
+        writer.close()
+        _write_summary(writer, metrics, cfg.run.warmup_steps, nonfinite, stopped, preempted)
+    model.close()
+    if stopped:
+        raise NonFiniteError(stopped)
+    if preempted and rank == 0:
+        saved = f"checkpoint saved in {ck_dir}; continue with checkpoint.resume=auto" if (
+            ck.dir or ck.interval) else "no checkpoint (set checkpoint.dir to save one on SIGTERM)"
+        print(f"terminated (SIGTERM) after step {preempted}: {saved}", file=sys.stderr)
+    return metrics
+
+
+def _step_row(step: int, out: dict, table: torch.Tensor, targets: int, lr: float, peak: float | None, world: int,
+              device: torch.device) -> dict:
+    """The metrics of one step from ``train_step``'s output and every rank's gathered statistics (``table``)."""
+    step_wall = table[:, 6].max().item()
+    tokens = int(table[:, 4].sum())
+    alloc, reserved = _peak_memory_gib(device)
+    return {
+        "step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": out["grad_norm"], "lr": lr,
+        "tokens": tokens, "target_tokens": targets, "step_s": step_wall,
+        "tokens_per_s": tokens / step_wall, "mfu": mfu(table[:, 5].sum().item(), step_wall, peak, world),
+        "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
+        "rank_compute_s": table[:, 1].tolist(), "rank_wait_s": table[:, 2].tolist(),
+        "rank_micro_batches": [int(x) for x in table[:, 3].tolist()],
+    }
+
+
+def _nonfinite_message(cfg: TrainConfig, row: dict, in_a_row: int) -> str:
+    """The one line a run that stops at a non-finite step ends with (``NonFiniteError``, the summary's ``stopped``)."""
+    return (f"step {row['step']}: non-finite loss or gradient norm (loss {row['loss']}, grad norm "
+            f"{row['grad_norm']}); the update was not applied and the run stops"
+            + (f" after {in_a_row} such minibatches in a row (run.max_skipped)"
+               if cfg.run.on_nonfinite == "skip" else
+               " (run.on_nonfinite=skip skips such minibatches instead)"))
+
+
+def _write_summary(writer: MetricsWriter, metrics: list[dict], warmup: int, nonfinite: list[int], stopped: str | None,
+                   preempted: int | None) -> None:
+    """Rank 0 at the end: ``summary.json`` next to the metrics, and one line saying what the run did."""
+    summary = {**summarize(metrics, warmup), "nonfinite_steps": nonfinite, "stopped": stopped,
+               "preempted_after_step": preempted}
+    (writer.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False))
+    print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
+          f"{summary['tokens_per_s']:.0f} tokens/s after warm-up"
+          + (f", {len(nonfinite)} non-finite minibatch(es) skipped" if nonfinite else ""), file=sys.stderr)
+
+
+def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt, sched) -> int:
+    """Load the checkpoint ``checkpoint.resume`` asks for; return the step to continue from."""
+    spec = cfg.checkpoint.resume
+    if spec == "none":
+        return 0
+    path = latest_checkpoint(ck_dir) if spec == "auto" else Path(spec)
+    if path is None:
+        return 0  # auto with nothing saved yet: a fresh start
+    if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
+        raise CheckpointError(f"checkpoint.resume={spec} is a Hugging Face model directory, not a training checkpoint: "
+                              f"fine-tune it with model.name=hf model.path={spec}")
+    saved_schedule = read_manifest(path).get("scheduler") is not None
+    manifest = load_checkpoint(path, model, opt, scheduler=sched if saved_schedule else None)
+    if not saved_schedule:  # a version-1 checkpoint: the schedule is a function of the step, so set it there
+        sched.last_epoch = manifest["step"] - 1
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore")
+            sched.step()
+    expected = manifest["step"] * cfg.data.batch_size
+    if manifest.get("extra", {}).get("samples_consumed", expected) != expected:
+        raise CheckpointError(f"{path}: saved after {manifest['extra']['samples_consumed']} samples, but "
+                              f"data.batch_size={cfg.data.batch_size} puts step {manifest['step']} at {expected}")
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        print(f"resumed from {path} at step {manifest['step']}", file=sys.stderr)
+    return manifest["step"]
+
+
+def summarize(metrics: list[dict], warmup: int) -> dict:
+    """Throughput and timing of the steps after ``warmup``."""
+    rows = metrics[warmup:] or metrics
+    step_s = [r["step_s"] for r in rows]
+    return {
+        "steps": len(rows), "tokens_per_s": sum(r["tokens"] for r in rows) / sum(step_s),
+        "mfu": (sum(r["mfu"] * r["step_s"] for r in rows) / sum(step_s)) if rows[0]["mfu"] is not None else None,
+        "step_s_mean": sum(step_s) / len(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s),
+        "final_loss": metrics[-1]["loss"], "peak_alloc_gib": max(r["peak_alloc_gib"] for r in metrics),
+        "peak_reserved_gib": max(r["peak_reserved_gib"] for r in metrics),
+    }
+
+
+class _TerminationFlag:
+    """Records SIGTERM (what schedulers send before preempting) instead of dying at once (main thread only)."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, _sig, _frame) -> None:
+        self.raised = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _peak_memory_gib(device: torch.device) -> tuple[float, float]:
+    """Peak allocated and reserved memory (GiB) of ``device``; on CPUs the process's peak resident size, twice."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return rss, rss
