@@ -14,7 +14,7 @@ from .data.jsonl import JsonlSource
 from .data.lengths import LengthDistribution
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
-from .models.specs import BuiltModel, model_spec
+from .specs import BuiltModel, model_spec
 from .optim import param_groups
 from .schedule import warmup_cosine
 from .shard_config import shard_arguments
@@ -59,7 +59,7 @@ def cost_models(cfg: TrainConfig, built: BuiltModel) -> tuple[CostModel, CostMod
 def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, weights: bool = True):
     """``model.name``'s model wrapped in ``ODCShard`` as ``cfg.shard`` says; with its FLOPs and cost models.
 
-    The model comes from its spec ([model-specs] in ``odcfsdp/models/specs``). A pretrained
+    The model comes from its spec ([model-specs] in ``odcfsdp/specs``). A pretrained
     one (a Hugging Face ``model.path``) is built on the meta device, so no rank holds the full
     model, and the spec's ``finish`` has each rank read only its slices of the files
     (``weights=False`` skips that read, for a checkpoint load that follows).

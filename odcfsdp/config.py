@@ -9,7 +9,7 @@ cannot (choices, ranges, combinations) and names the key and the allowed values.
 
 The ``shard`` group is derived from ``ODCShard``'s arguments ([derived-shard-config] in
 ``shard_config.py``); ``model.name``'s values and the checks of the keys each model reads
-come from the model specs ([model-specs] in ``odcfsdp/models/specs``).
+come from the model specs ([model-specs] in ``odcfsdp/specs``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from .checks import choice, positive
 from .data.balance import BALANCERS
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
-from .models.specs import model_specs
+from .specs import model_specs
 from .shard_config import ShardConfig
-from .sharding.transport import COMM_CHOICES, is_one_sided
+from .sharding.transport import COMM_CHOICES, capabilities
 
 
 @dataclass
@@ -45,7 +45,7 @@ class LoraSettings:
 class ModelConfig:
     """Which model: our Llama at a named size, or a Hugging Face causal LM from a local directory."""
 
-    name: str = "llama"  # llama | hf: a spec of odcfsdp/models/specs (see [model-specs])
+    name: str = "llama"  # llama | hf: a spec of odcfsdp/specs (see [model-specs])
     size: str = "tiny"  # llama: tiny | 150m | 1b | 3b | 8b
     overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
     path: str | None = None  # name=hf: a local pretrained checkpoint (config.json + safetensors) to fine-tune
@@ -199,7 +199,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.data.eval_path and cfg.data.source != "jsonl":
         raise ValueError("data.eval_path needs data.source=jsonl (the held-out file is read with the same tokenizer)")
     choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
-    if not is_one_sided(cfg.shard.comm) and cfg.balance.kind != "lb_micro":
+    if not capabilities(cfg.shard.comm).uneven_micro_batches and cfg.balance.kind != "lb_micro":
         raise ValueError(
             f"shard.comm={cfg.shard.comm} needs equal micro-batch counts per rank: use balance.kind=lb_micro, "
             f"or a one-sided transport (shard.comm=auto) for balance.kind={cfg.balance.kind}"

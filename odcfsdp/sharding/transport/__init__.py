@@ -57,11 +57,6 @@ def capabilities(comm: str, device_type: str | None = None) -> TransportCaps:
     return transport_class(comm, device_type).caps
 
 
-def is_one_sided(comm: str) -> bool:
-    """Whether ``comm`` lets ranks run different numbers of micro-batches (``auto`` always picks such one)."""
-    return capabilities(comm).uneven_micro_batches
-
-
 def transport_table() -> str:
     """The README's table of transports (markdown), generated from the classes' facts."""
     auto = ", ".join(f"`{transport_class('auto', d).name}` on {d.upper()}" for d in ("cuda", "cpu"))
@@ -76,6 +71,6 @@ def transport_table() -> str:
 
 __all__ = [
     "COMM_CHOICES", "CollectiveTransport", "NvshmemTransport", "OneSidedTransport", "ShmTransport", "TRANSPORTS",
-    "Transport", "TransportCaps", "capabilities", "is_one_sided", "make_transport", "resolve_comm", "transport_class",
+    "Transport", "TransportCaps", "capabilities", "make_transport", "resolve_comm", "transport_class",
     "transport_table",
 ]
