@@ -78,10 +78,40 @@ def unit_classes(model: torch.nn.Module, names, default: tuple[type, ...] | None
     return tuple(by_name[n] for n in names)
 
 
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str | None):
+    return getattr(torch, name) if name else None
+
+
+@dataclasses.dataclass
+class MixedPrecisionConfig:
+    """``shard.mp_policy``: FSDP2's ``MixedPrecisionPolicy`` as config keys (dtype names; see [precision])."""
+
+    param_dtype: Optional[str] = None  # compute dtype (also shard.param_dtype; give one)
+    reduce_dtype: Optional[str] = None  # gradient accumulators' dtype: bfloat16 halves them; None: fp32
+    output_dtype: Optional[str] = None  # the model's floating outputs are cast to it
+    cast_forward_inputs: bool = True  # the model's floating inputs are cast to param_dtype (when set)
+
+
+def _policy(settings: MixedPrecisionConfig, built):
+    """A ``MixedPrecisionPolicy`` from ``shard.mp_policy`` (None when it sets no dtype)."""
+    dtypes = {k: _dtype(getattr(settings, k)) for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+    if not any(dtypes.values()):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(**dtypes, cast_forward_inputs=settings.cast_forward_inputs)
+
+
 CONVERSIONS: dict[str, Conversion] = {
     "param_dtype": Conversion(
-        Optional[str], lambda dtype: None if dtype is None else str(dtype).removeprefix("torch."),
-        lambda name, built: getattr(torch, name) if name else None, "(a dtype's name: float32 | bfloat16 | float16)"),
+        Optional[str], _dtype_name, lambda name, built: _dtype(name), "(a dtype's name: float32 | bfloat16 | float16)"),
+    "mp_policy": Conversion(
+        MixedPrecisionConfig, lambda policy: MixedPrecisionConfig(), _policy,
+        "(keys param_dtype, reduce_dtype, output_dtype: dtype names; cast_forward_inputs)"),
     "units": Conversion(
         List[str], lambda classes: [c.__name__ for c in classes],
         lambda names, built: unit_classes(built.model, names, built.default_units),
@@ -139,6 +169,8 @@ def _field(default, help_text: str) -> dataclasses.Field:
     if isinstance(default, (list, tuple, dict)):  # mutable: each config gets its own copy
         copy = dict if isinstance(default, dict) else list
         return dataclasses.field(default_factory=lambda: copy(default), metadata={"help": help_text})
+    if dataclasses.is_dataclass(default):  # a nested group of keys
+        return dataclasses.field(default_factory=lambda: dataclasses.replace(default), metadata={"help": help_text})
     return dataclasses.field(default=default, metadata={"help": help_text})
 
 

@@ -152,6 +152,7 @@ def sharded_run(
     units: tuple = (),
     compile_backend: str | None = None,
     replicas: int = 1,
+    mp_policy=None,
 ) -> dict:
     """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
@@ -164,7 +165,7 @@ def sharded_run(
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     model = ODCShard(
         ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
-        prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas),
+        prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas), mp_policy=mp_policy,
     )
     out = train_loop(run, model, lambda step: run.data[step][rank], compute=lambda t: t.to(dev))
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
@@ -191,13 +192,14 @@ def cast_into(compute: nn.Module, master: nn.Module) -> None:
         p.copy_(q)
 
 
-def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16) -> dict:
+def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16,
+                              reduce_dtype: torch.dtype = torch.float32) -> dict:
     """Plain PyTorch with FSDP2-style mixed precision, on one device, on the union of the data.
 
     A copy of the model with ``compute_dtype`` parameters runs forward/backward per
-    micro-batch; its gradients are summed in fp32 into the fp32 master parameters,
-    which the run's optimizer (after ``clip_grad_norm_``) updates and which are cast
-    back into the compute copy after every step.
+    micro-batch; its gradients are rounded to ``reduce_dtype`` and summed in it (fp32: the
+    default), then handed to the fp32 master parameters, which the run's optimizer (after
+    ``clip_grad_norm_``) updates and which are cast back into the compute copy after every step.
     """
     import copy
 
@@ -211,7 +213,7 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
     losses, norms = [], []
     for step in range(run.steps):
         norm_by = run.tokens(step)
-        accum = {n: torch.zeros_like(master.get_parameter(n)) for n in names}
+        accum = {n: torch.zeros_like(master.get_parameter(n), dtype=reduce_dtype) for n in names}
         step_losses = []
         for rank in range(run.world_size):
             for x, y in run.data[step][rank]:
@@ -219,11 +221,11 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
                 loss.backward()
                 step_losses.append(loss.item())
                 for n in names:
-                    accum[n] += compute.get_parameter(n).grad.float()
+                    accum[n].add_(compute.get_parameter(n).grad.to(reduce_dtype))
                 compute.zero_grad(set_to_none=True)
         losses.append(step_losses)
         for n in names:
-            master.get_parameter(n).grad = accum[n]
+            master.get_parameter(n).grad = accum[n].float()
         norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), run.max_norm).item())
         opt.step()
         if sched is not None:

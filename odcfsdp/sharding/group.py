@@ -109,6 +109,7 @@ class FlatGroup:
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.row.dtype, device=self.row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
+        self._grad_copy: torch.Tensor | None = None  # READY: the accumulator in the masters' dtype ([precision])
         self._ready: torch.cuda.Event | None = None  # set while a gather queued ahead may still be writing
         self.sites = 0  # hook sites that use this group (set once the hooks are registered)
         # Sites of this group still to run in the current forward / backward pass.
@@ -260,14 +261,21 @@ class FlatGroup:
 
     # -- the step protocol's per-group work ----------------------------------------------------
     def attach_grads(self) -> None:
-        """Every trained parameter's shard ``.grad`` is its view of the (complete) accumulator."""
+        """Every trained parameter's shard ``.grad`` is its view of the (complete) accumulator, or, when the
+        accumulator is narrower than the master (a ``reduce_dtype``, [precision]), of an upcast copy of it."""
+        if self.accumulator is not None and self.accumulator.dtype != self.master.dtype:
+            self._grad_copy = self.accumulator.to(self.master.dtype)
+            for sp in self._trained:
+                sp.attach_grad(self.layout, self._grad_copy, self.rank)
+            return
         for sp in self._trained:
             sp.attach_grad()
 
     def detach_grads(self) -> None:
-        """Drop every trained parameter's shard ``.grad``."""
+        """Drop every trained parameter's shard ``.grad`` (and the upcast copy, if any)."""
         for sp in self._trained:
             sp.detach_grad()
+        self._grad_copy = None
 
     def zero_accumulator(self) -> None:
         """Zero this rank's accumulator row (a new minibatch starts)."""

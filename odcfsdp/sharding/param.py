@@ -140,6 +140,8 @@ class ShardedParam:
         self.trained = original.requires_grad
         self.registrations = registrations
         self.events = events
+        self.index = index
+        self._device_mesh = device_mesh
         view = layout.param_view(buffer, index)
         unsharded = original
         if original.is_meta:
@@ -196,9 +198,12 @@ class ShardedParam:
         """The sharded parameter's ``.grad`` as stored (no protocol involved)."""
         return _tensor_grad.__get__(self.sharded)
 
-    def attach_grad(self) -> None:
-        """Point ``.grad`` at this rank's accumulator shard."""
-        _tensor_grad.__set__(self.sharded, self.grad_view)
+    def attach_grad(self, layout: GroupLayout | None = None, row: torch.Tensor | None = None, rank: int = 0) -> None:
+        """Point ``.grad`` at this rank's accumulator shard, or at its shard of ``row`` (a row-shaped copy of the
+        accumulator in the masters' dtype, with ``layout`` and ``rank``: see [precision])."""
+        grad = self.grad_view if row is None else as_global(layout.local_view(row, self.index, rank), self.shape,
+                                                            self._device_mesh)
+        _tensor_grad.__set__(self.sharded, grad)
 
     def detach_grad(self) -> None:
         """Drop the sharded parameter's ``.grad`` (no event)."""

@@ -43,6 +43,7 @@ from .hooks import HookDriver, TrainingPhase
 from .layout import GroupLayout, plan_groups
 from .materialize import materialize_buffers
 from .mesh import ShardMesh
+from .precision import policy_param_dtype, register_casts, resolve_precision
 from .prefetch import PrefetchSchedule
 from .protocol import StepProtocol
 from .shard_state import ShardState, persistent_buffers
@@ -119,6 +120,9 @@ class ODCShard(nn.Module):
         timeout: seconds a rank waits at a meeting for the others before raising an error that
             names the ranks that did not come; a rank silent (stopped) this long ends the
             others' processes with one line naming it (see [watchdog] in ``watchdog.py``).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` (as above), ``reduce_dtype``
+            (the gradient accumulators' dtype, e.g. bf16; fp32 by default), ``output_dtype`` and
+            ``cast_forward_inputs`` at the model's forward (see [precision] in ``precision.py``).
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class ODCShard(nn.Module):
         units: tuple[type[nn.Module], ...] | list[type[nn.Module]] = (),
         mesh=None,
         timeout: float = 300.0,
+        mp_policy=None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -146,7 +151,8 @@ class ODCShard(nn.Module):
         check_params(named)
         on_meta = named[0][1].is_meta
         device = shard_device(named, device)
-        param_dtype = compute_dtype(named, device, param_dtype)
+        param_dtype = compute_dtype(named, device, policy_param_dtype(mp_policy, param_dtype))
+        self.precision = resolve_precision(mp_policy, param_dtype)
         units = tuple(units)
         if not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
             raise TypeError(f"units must be nn.Module subclasses, got {units!r}")
@@ -163,11 +169,11 @@ class ODCShard(nn.Module):
         self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
-        accum_dtype = torch.promote_types(param_dtype, torch.float32)
+        at_least_fp32 = torch.promote_types(param_dtype, torch.float32)
         self.layouts: list[GroupLayout] = plan_groups(named, self.world_size, group_bytes, param_dtype)
-        master_dtypes = [torch.promote_types(lay.dtype, accum_dtype) for lay in self.layouts]
+        master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
         self.transport: Transport = make_transport(comm, self.mesh)
-        self.transport.setup(self.layouts, param_dtype, master_dtypes)
+        self.transport.setup(self.layouts, param_dtype, [self.precision.accumulator_dtype(d) for d in master_dtypes])
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
         self.protocol = StepProtocol(self.comm, self.mesh, busy=lambda: self._driver.busy)
         by_name, regs = dict(named), registrations(module)
@@ -191,6 +197,7 @@ class ODCShard(nn.Module):
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
         self._driver = HookDriver(module, self.groups, group_of, self.protocol, PrefetchSchedule(prefetch),
                                   reshard_after_forward, units, checks=self._check_intact)
+        self._cast_hooks = register_casts(module, self.precision)
         for mod in module.modules():
             mod._apply = types.MethodType(_refuse_apply, mod)
             if callable(getattr(mod, "save_pretrained", None)):
@@ -356,6 +363,8 @@ class ODCShard(nn.Module):
             self.reshard_all()
             self._closed = True
             self._driver.remove()
+            for handle in self._cast_hooks:
+                handle.remove()
             self.protocol.close()
             for g in self.groups:
                 g.release()

@@ -44,7 +44,7 @@ class CollectiveTransport(Transport):
         if acc is None:
             raise RuntimeError(f"group {g} holds frozen parameters and has no gradient accumulator")
         if self.world_size == 1:
-            acc.add_(grad)
+            acc.add_(grad.to(acc.dtype))  # rounded to the accumulator's dtype first, as every other push is
             return
         # Reduce in the accumulator dtype (fp32), as FSDP2's reduce_dtype=float32 does.
         staging = lay.pack(grad, out=torch.empty(lay.unsharded_numel, dtype=acc.dtype, device=acc.device))
