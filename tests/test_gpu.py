@@ -91,6 +91,23 @@ def test_bf16_plain_loop_with_torch_fused_adamw(world, micro_batches):
     compare(f"bf16_plain_loop_fused_adamw[{world}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 
+@pytest.mark.parametrize("world, micro_batches, replicas", [
+    (1, [2], 1), pytest.param(2, [1, 1], 1, marks=two_gpus), pytest.param(2, [0, 2], 1, marks=two_gpus),
+    pytest.param(2, [1, 1], 2, marks=two_gpus)])
+def test_bf16_reduce_policy_nvshmem(world, micro_batches, replicas):
+    """mp_policy=MixedPrecisionPolicy(bf16, reduce_dtype=bf16): bf16 accumulators on the heap (Triton bf16 atomics),
+    against the reference summing bf16 gradients in bf16; two pushes per element add alike in any order
+    (tests/test_precision.py says why three would not); replicas=2 is HSDP 2 x 1 (the replicas' all-reduce in bf16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    run = Run(world, micro_batches=micro_batches)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    results = spawn(sharded_run, world, run, torch.float32, 4096, True, "nvshmem", "cuda", 1, None, (), None,
+                    replicas, policy, backend="nccl")
+    compare(f"bf16_reduce_policy[{world},{micro_batches},replicas={replicas}]", run, results,
+            mixed_precision_reference(run, "cuda", reduce_dtype=torch.bfloat16), BF16_TOL)
+
+
 @two_gpus
 @pytest.mark.parametrize("micro_batches", [[1, 3], [0, 2]])
 def test_bf16_uneven_micro_batches_nvshmem(micro_batches):
