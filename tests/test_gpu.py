@@ -108,6 +108,17 @@ def test_bf16_reduce_policy_nvshmem(world, micro_batches, replicas):
             mixed_precision_reference(run, "cuda", reduce_dtype=torch.bfloat16), BF16_TOL)
 
 
+@pytest.mark.parametrize("world, micro_batches", [(1, [2]), pytest.param(2, [1, 2], marks=two_gpus)])
+def test_gather_masters_nvshmem(world, micro_batches):
+    """gather_masters=True: the Triton gather reads peers' fp32 masters and casts (round to nearest even) while
+    unpacking; against the same mixed-precision reference as the published-row default."""
+    run = Run(world, micro_batches=micro_batches)
+    results = spawn(sharded_run, world, run, torch.float32, 4096, True, "nvshmem", "cuda", 1, None, (), None, 1, None,
+                    True, backend="nccl")
+    assert all(r["row_dtypes"] == {"float32"} for r in results)
+    compare(f"gather_masters[{world},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
 @two_gpus
 @pytest.mark.parametrize("micro_batches", [[1, 3], [0, 2]])
 def test_bf16_uneven_micro_batches_nvshmem(micro_batches):

@@ -38,6 +38,23 @@ def test_gather_rows_matches_unpack(world_size, dtype, block):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gather_casts_fp32_rows_into_a_bf16_buffer(world_size):
+    """gather_masters=True: peers' fp32 masters are gathered into the bf16 buffer, rounded as publishing rounds (on
+    GPUs the kernel's cast is round-to-nearest-even, torch's: equal to the bit; Triton's CPU interpreter emulates the
+    cast with its own rounding, so there the test allows one bf16 unit in the last place)."""
+    layout, chunks = layout_for(world_size, torch.bfloat16)
+    rows = [torch.randn(layout.row_len, device=DEVICE) for _ in range(world_size)]
+    out = torch.full((layout.unsharded_numel,), float("nan"), device=DEVICE).to(torch.bfloat16)
+    gather_rows(rows[0], row_offsets(rows[0], rows), out, chunks(16), world_size)
+    want = layout.unpack(torch.stack([r.to(torch.bfloat16) for r in rows]))
+    for got_seg, want_seg in zip(layout.unsharded_segments(out), layout.unsharded_segments(want)):
+        if DEVICE == "cuda":
+            assert torch.equal(got_seg, want_seg)
+        else:
+            torch.testing.assert_close(got_seg.float(), want_seg.float(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_scatter_accumulate_matches_pack(world_size, grad_dtype):
     block = 32

@@ -68,7 +68,8 @@ def test_output_dtype_and_cast_forward_inputs():
     """Floating outputs are cast to output_dtype; floating inputs to param_dtype (a bf16 model takes fp32 inputs)."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
-    bf16 = ODCShard(_copy(plain), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float64))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float64)
+    bf16 = ODCShard(_copy(plain), mp_policy=policy)
     x = torch.randn(4, 6)
     out = bf16(x)
     assert out.dtype == torch.float64

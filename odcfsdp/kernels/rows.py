@@ -53,9 +53,9 @@ def _this_chunk(
 
 @triton.jit
 def _gather_rows_kernel(
-    base,  # *T: the caller's own row (any 16-byte aligned address of the heap works)
+    base,  # *R: the caller's own row (any 16-byte aligned address of the heap works)
     row_offsets,  # *int64 [N]: rank r's row starts at base + row_offsets[r] (elements, may be negative)
-    out,  # *T [N*C]: parameter-major unsharded buffer
+    out,  # *T [N*C]: parameter-major unsharded buffer (R wider than T: rows are cast, to nearest even)
     chunks,  # *int64 [num_chunks, 4]: (row_start, length, out_base, shard), see chunks.py
     world_size,  # N
     first,  # rank served by program 0: the caller's next rank, so remote reads start first
@@ -67,7 +67,8 @@ def _gather_rows_kernel(
     src = tl.multiple_of(tl.load(row_offsets + r) + row_start, ALIGN)
     offs = tl.arange(0, BLOCK)
     mask = offs < length
-    tl.store(out + dst + offs, tl.load(base + src + offs, mask=mask), mask=mask)
+    value = tl.load(base + src + offs, mask=mask)
+    tl.store(out + dst + offs, value.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit
@@ -139,15 +140,16 @@ def gather_rows(
 ) -> None:
     """Fill parameter-major ``out`` from the N rows at ``base + offsets[r]`` (see ``row_offsets``).
 
+    Rows wider than ``out`` (fp32 masters into a bf16 buffer) are cast as they are stored.
     ``rank`` (the caller's) only orders the work so that remote rows are fetched first.
     """
     _check(offsets, out, chunks, world_size)
-    if base.dtype != out.dtype or base.device != out.device:
-        raise ValueError(f"base row ({base.dtype}, {base.device}) and out ({out.dtype}, {out.device}) must match")
+    if base.dtype not in _TL_DTYPES or base.device != out.device:
+        raise ValueError(f"base row ({base.dtype}, {base.device}) does not fit out ({out.dtype}, {out.device})")
     if chunks.num_chunks:
         _gather_rows_kernel[(chunks.num_chunks * world_size,)](
             base, offsets, out, chunks.table, world_size, (rank + 1) % world_size,
-            ALIGN=_align(out.dtype), DST_ALIGN=chunks.dst_align(_align(out.dtype)), BLOCK=chunks.block,
+            ALIGN=_align(base.dtype), DST_ALIGN=chunks.dst_align(_align(out.dtype)), BLOCK=chunks.block,
             num_warps=num_warps,
         )
 

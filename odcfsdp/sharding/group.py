@@ -50,6 +50,21 @@ even) when a minibatch ends ([step-protocol]); with ``param_dtype`` equal to the
 master's dtype the row *is* the master and publishing is nothing. (A bf16 row plus
 16 low bits would save 2 bytes per parameter / N, but no torch optimizer can update
 such a pair in place.)
+
+Design note [gather-masters]
+----------------------------
+By default a rank keeps two copies of its rows: the fp32 master (optimizers update it)
+and a ``param_dtype`` row on the transport's heap (peers gather it), published from the
+master when a minibatch ends ([masters]). With ``gather_masters=True`` the master itself
+lives where peers read it, and gathers cast while they unpack (to nearest even, what
+publishing does), so the gathered values are the same to the bit and the resident
+``param_dtype`` row is gone: 2 bytes per parameter / N with bf16, the whole gap between
+odcfsdp's resident state (master 4 + row 2 + accumulator 4 + AdamW 8 = 18 P/N) and
+FSDP2's (16 P/N). The price is twice the bytes per gather (fp32 over NVLink), hidden
+behind compute when a layer's compute outlasts its gather. Masters change only between
+the minibatch's meetings, when nobody gathers ([step-protocol]), so peers never see a
+half-updated master. NVSHMEM get calls (peers without load/store) cannot cast, so that
+path refuses it.
 """
 
 from __future__ import annotations
@@ -92,13 +107,16 @@ class FlatGroup:
         events: where the parameters' ``.grad`` reads and writes go (the step protocol).
         device_mesh: the DTensor mesh of the shards (None in a single process).
         first_position: the model-order position of the group's first parameter.
+        compute_dtype: the unsharded parameters' dtype (default: the row's; wider rows are
+            masters that gathers cast, [gather-masters]).
     """
 
-    def __init__(self, layout: GroupLayout, params: list[nn.Parameter], registrations: list[list[tuple[nn.Module, str]]],
-                 comm: CommStreams, master_dtype: torch.dtype, events: GradEvents, device_mesh,
-                 first_position: int = 0):
+    def __init__(self, layout: GroupLayout, params: list[nn.Parameter],
+                 registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype, events: GradEvents, device_mesh,
+                 first_position: int = 0, compute_dtype: torch.dtype | None = None):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         transport = comm.transport
+        compute_dtype = compute_dtype or transport.rows[layout.index].dtype
         self.layout = layout
         self.comm = comm
         self.index = layout.index
@@ -106,7 +124,7 @@ class FlatGroup:
         self.row = transport.rows[self.index]
         self.accumulator = transport.accumulators[self.index]
         self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
-        self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.row.dtype, device=self.row.device)
+        self.unsharded = torch.empty(layout.unsharded_numel, dtype=compute_dtype, device=self.row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
         self._grad_copy: torch.Tensor | None = None  # READY: the accumulator in the masters' dtype ([precision])

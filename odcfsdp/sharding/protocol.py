@@ -251,7 +251,8 @@ class StepProtocol:
             if problem is None:
                 problem = _disagreement("replica", groups)
             if problem is None and groups[:, 3].any():
-                problem = f"replica(s) {groups[:, 3].nonzero().flatten().tolist()} stopped at this sync (see their error)"
+                stopped = groups[:, 3].nonzero().flatten().tolist()
+                problem = f"replica(s) {stopped} stopped at this sync (see their error)"
         if problem is not None:
             raise RuntimeError(problem)
         return pushes
@@ -263,7 +264,8 @@ class StepProtocol:
             return tokens
         local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.mesh.device)
         table = everyone.all_gather_rows(local).cpu()
-        group = table if everyone is self.mesh else table[[self.mesh.global_rank(r) for r in range(self.mesh.world_size)]]
+        mine = [self.mesh.global_rank(r) for r in range(self.mesh.world_size)]
+        group = table if everyone is self.mesh else table[mine]
         counts = group[:, 0].tolist()  # this shard group's
         if not self.uneven_micro_batches and len(set(counts)) > 1:
             raise RuntimeError(

@@ -24,6 +24,7 @@ parameters, buffers and state-dict keys carry the wrapped model's names (no
 the model from its shards is refused with an error that names the supported way:
 moving or casting it (``.to()``, ``.double()``: on the wrapper or any submodule),
 and wrapping it in ``DistributedDataParallel`` (which Accelerate does).
+
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ class ODCShard(nn.Module):
         timeout: seconds a rank waits at a meeting for the others before raising an error that
             names the ranks that did not come; a rank silent (stopped) this long ends the
             others' processes with one line naming it (see [watchdog] in ``watchdog.py``).
+        gather_masters: peers gather the fp32 master rows and cast them to ``param_dtype``
+            while unpacking, so no ``param_dtype`` copy of the rows is kept (2 bytes per
+            parameter / N less with bf16) for twice the gather bytes ([gather-masters] in
+            ``group.py``).
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` (as above), ``reduce_dtype``
             (the gradient accumulators' dtype, e.g. bf16; fp32 by default), ``output_dtype`` and
             ``cast_forward_inputs`` at the model's forward (see [precision] in ``precision.py``).
@@ -140,6 +145,7 @@ class ODCShard(nn.Module):
         units: tuple[type[nn.Module], ...] | list[type[nn.Module]] = (),
         mesh=None,
         timeout: float = 300.0,
+        gather_masters: bool = False,
         mp_policy=None,
     ):
         super().__init__()
@@ -173,7 +179,9 @@ class ODCShard(nn.Module):
         self.layouts: list[GroupLayout] = plan_groups(named, self.world_size, group_bytes, param_dtype)
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
         self.transport: Transport = make_transport(comm, self.mesh)
-        self.transport.setup(self.layouts, param_dtype, [self.precision.accumulator_dtype(d) for d in master_dtypes])
+        self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
+        self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
+                             [self.precision.accumulator_dtype(d) for d in master_dtypes])
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
         self.protocol = StepProtocol(self.comm, self.mesh, busy=lambda: self._driver.busy)
         by_name, regs = dict(named), registrations(module)
@@ -186,7 +194,7 @@ class ODCShard(nn.Module):
         starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.comm, dtype, self.protocol, device_mesh, start)
+                      self.comm, dtype, self.protocol, device_mesh, start, param_dtype)
             for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
         self.protocol.attach(self.groups)

@@ -2,12 +2,14 @@
 
 Design note [transport]
 -----------------------
-A transport owns, per group, this rank's *row* (``comm_dtype``, what peers read)
-and, for trained groups, this rank's *accumulator* row (fp32, what peers add
-gradients into). It moves data in exactly two shapes:
+A transport owns, per group, this rank's *row* (what peers read: in the compute
+dtype, or the fp32 master itself, [gather-masters] in ``group.py``) and, for trained
+groups, this rank's *accumulator* row (fp32 by default, what peers add gradients
+into). It moves data in exactly two shapes:
 
 * ``gather(g, out)``: fill the parameter-major unsharded buffer ``out`` from the N
-  rows of group ``g`` (see [layout] in ``layout.py``).
+  rows of group ``g`` (see [layout] in ``layout.py``), cast to ``out``'s dtype where
+  the rows are wider (rounding to nearest even, as publishing a row does).
 * ``scatter_accumulate(g, grad)``: add each owner's segments of the parameter-major
   gradient buffer ``grad`` into that owner's accumulator row.
 
@@ -75,11 +77,14 @@ class Transport(ABC):
         self.accumulators: list[torch.Tensor | None] = []
 
     def setup(
-        self, layouts: Sequence[GroupLayout], comm_dtype: torch.dtype, accum_dtypes: Sequence[torch.dtype]
+        self, layouts: Sequence[GroupLayout], row_dtypes: torch.dtype | Sequence[torch.dtype],
+        accum_dtypes: Sequence[torch.dtype]
     ) -> None:
-        """Allocate every group's row (and accumulator, in its ``accum_dtypes`` entry, if trained); zeroed."""
+        """Allocate every group's row (in its ``row_dtypes`` entry, or all in one dtype) and accumulator (in its
+        ``accum_dtypes`` entry, if trained); zeroed."""
         self.layouts = list(layouts)
-        self.comm_dtype = comm_dtype
+        self.row_dtypes = ([row_dtypes] * len(self.layouts) if isinstance(row_dtypes, torch.dtype)
+                           else list(row_dtypes))
         self.accum_dtypes = list(accum_dtypes)
         self.rows, self.accumulators = self._allocate(self.layouts)
 
@@ -89,7 +94,7 @@ class Transport(ABC):
 
     @abstractmethod
     def gather(self, g: int, out: torch.Tensor) -> None:
-        """Fill parameter-major ``out`` (length N*C, ``comm_dtype``) with group ``g``'s full values."""
+        """Fill parameter-major ``out`` (length N*C) with group ``g``'s full values, cast to ``out``'s dtype."""
 
     @abstractmethod
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:

@@ -23,7 +23,8 @@ class CollectiveTransport(Transport):
                          how="all-gather + copy-out / copy-in + fp32 reduce-scatter")
 
     def _allocate(self, layouts: list[GroupLayout]):
-        rows = [torch.zeros(lay.row_len, dtype=self.comm_dtype, device=self.device) for lay in layouts]
+        rows = [torch.zeros(lay.row_len, dtype=dtype, device=self.device)
+                for lay, dtype in zip(layouts, self.row_dtypes)]
         accs = [
             torch.zeros(lay.row_len, dtype=dtype, device=self.device) if lay.requires_grad else None
             for lay, dtype in zip(layouts, self.accum_dtypes)
@@ -35,6 +36,7 @@ class CollectiveTransport(Transport):
         if self.world_size == 1:
             out.copy_(row)  # with N = 1 the layouts coincide
             return
+        row = row.to(out.dtype)  # rows wider than the compute dtype (masters) cross the wire already cast
         staging = torch.empty(lay.unsharded_numel, dtype=row.dtype, device=row.device)
         all_gather_tensor(staging, row, group=self.mesh.group)
         lay.unpack(staging, out=out)

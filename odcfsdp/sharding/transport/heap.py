@@ -2,8 +2,8 @@
 
 Design note [heap]
 ------------------
-The one-sided transports place, for every group, this rank's row (comm dtype) and
-accumulator row (fp32) at the *same offset* of every rank's region, so "rank q's
+The one-sided transports place, for every group, this rank's row and accumulator row
+at the *same offset* of every rank's region, so "rank q's
 row of group g" is ``region(q)[row_offset[g] : ...]`` on every rank. The size is
 computed by the framework from the plan (``heap_plan``), never guessed by the user.
 """
@@ -34,15 +34,15 @@ class HeapPlan:
     nbytes: int
 
 
-def heap_plan(layouts: Sequence[GroupLayout], comm_dtype: torch.dtype,
+def heap_plan(layouts: Sequence[GroupLayout], row_dtypes: Sequence[torch.dtype],
               accum_dtypes: Sequence[torch.dtype]) -> HeapPlan:
-    """Lay out rows then accumulators (group g's in ``accum_dtypes[g]``); frozen groups get no accumulator."""
-    comm_size = torch.empty((), dtype=comm_dtype).element_size()
+    """Lay out rows (group g's in ``row_dtypes[g]``) then accumulators (in ``accum_dtypes[g]``); frozen groups get no
+    accumulator."""
     off = 0
     rows, accs = [], []
-    for lay in layouts:
+    for lay, dtype in zip(layouts, row_dtypes, strict=True):
         rows.append(off)
-        off = _round_up(off + lay.row_len * comm_size, HEAP_ALIGN)
+        off = _round_up(off + lay.row_len * torch.empty((), dtype=dtype).element_size(), HEAP_ALIGN)
     for lay, dtype in zip(layouts, accum_dtypes, strict=True):
         if lay.requires_grad:
             accs.append(off)

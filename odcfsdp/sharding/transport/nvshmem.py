@@ -237,6 +237,10 @@ class NvshmemTransport(OneSidedTransport):
             self._gather_copy_engine(g, out)
             return
         if self.gather_mode == "get":
+            if self.rows[g].dtype != out.dtype:
+                raise RuntimeError(
+                    "NVSHMEM get calls copy bytes and cannot cast the fp32 masters peers hold with gather_masters=True: "
+                    "use load/store peers (one NVLink node) or gather_masters=False")
             gather_rows_get(self.rows[g], out, self.gather_chunks[g], self.world_size, self.rank,
                             num_warps=self.gather_warps)
             return

@@ -31,11 +31,12 @@ class OneSidedTransport(Transport):
         """Create the heap (collective over the group)."""
 
     def _allocate(self, layouts: list[GroupLayout]):
-        plan = heap_plan(layouts, self.comm_dtype, self.accum_dtypes)
+        plan = heap_plan(layouts, self.row_dtypes, self.accum_dtypes)
         self.heap_bytes = plan.nbytes
         self.heap = self._make_heap(plan.nbytes)
         self.peer_rows = [
-            [self.heap.view(q, off, lay.row_len, self.comm_dtype) for off, lay in zip(plan.row_offsets, layouts)]
+            [self.heap.view(q, off, lay.row_len, dtype)
+             for off, lay, dtype in zip(plan.row_offsets, layouts, self.row_dtypes)]
             for q in range(self.world_size)
         ]
         self.peer_accs = [
