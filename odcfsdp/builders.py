@@ -73,7 +73,7 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     s = cfg.shard  # every key but replicas is an ODCShard argument ([derived-shard-config]); the rest is runtime
     model = ODCShard(built.model, **shard_arguments(s, built), device=device if pretrained else None,
                      timeout=cfg.run.timeout_s,
-                     mesh=hybrid_mesh(s.replicas, device.type, capabilities(s.comm, device.type).spans_hosts))
+                     mesh=hybrid_mesh(s.replicas, device.type, spans_hosts=capabilities(s.comm, device.type).spans_hosts))
     if spec.finish is not None:
         spec.finish(model, cfg, weights=weights)
     return model, flops, cost

@@ -183,6 +183,7 @@ def _derive_shard_config() -> type:
         if unknown:
             raise TypeError(f"odcfsdp/shard_config.py names {unknown}, which are not arguments of ODCShard")
     helps = {**args_help(ODCShard.__doc__ or ""), **args_help(ODCShard.__init__.__doc__ or "")}  # class or __init__
+    stripped = ODCShard.__doc__ is None  # python -OO strips docstrings: no help texts then, and no check
     namespace = vars(sys.modules[ODCShard.__module__])
     fields = []
     for name, p in params.items():
@@ -190,15 +191,15 @@ def _derive_shard_config() -> type:
             continue
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
             raise TypeError(f"ODCShard's argument {name} needs a default to be a config key (or a row in RUNTIME)")
-        if name not in helps:
+        if name not in helps and not stripped:
             raise TypeError(f"ODCShard's argument {name} has no entry in the Args: section of ODCShard's docstring "
                             "(it is the key's help text)")
         conversion = CONVERSIONS.get(name)
         if conversion is not None:
-            help_text = f"{helps[name]} {conversion.note}".strip()
+            help_text = f"{helps.get(name, '')} {conversion.note}".strip()
             fields.append((name, conversion.type, _field(conversion.to_config(p.default), help_text)))
         else:
-            fields.append((name, _config_type(name, p.annotation, namespace), _field(p.default, helps[name])))
+            fields.append((name, _config_type(name, p.annotation, namespace), _field(p.default, helps.get(name, ""))))
     for name, (typ, default, help_text) in EXTRA.items():
         if name in params:
             raise TypeError(f"EXTRA's key {name} is also an argument of ODCShard")

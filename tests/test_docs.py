@@ -26,3 +26,12 @@ def test_device_checks_come_from_the_registry():
         transport_class("shm", "cuda")
     with pytest.raises(ValueError, match="comm='nvshmem' moves cuda tensors, the model is on cpu"):
         transport_class("nvshmem", "cpu")
+
+
+def test_every_shard_key_has_its_help_from_odcshards_args():
+    """``shard.*`` keys are derived from ODCShard's signature; each takes its Args line as help ([derived-shard-config])."""
+    import dataclasses
+
+    from odcfsdp.shard_config import ShardConfig
+
+    assert all(f.metadata["help"] for f in dataclasses.fields(ShardConfig))

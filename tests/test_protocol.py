@@ -238,5 +238,5 @@ def test_the_design_notes_transition_table_is_the_protocols():
 
     from odcfsdp.sharding import protocol
 
-    rows = re.findall(r"^(ACCUMULATING|EMPTY|READY) +([A-Z]+) ", protocol.__doc__, re.M)
-    assert sorted(rows) == sorted((s.name, e.name) for s, e in protocol.TRANSITIONS)
+    rows = re.findall(r"^(ACCUMULATING|EMPTY|READY) +([A-Z]+) +(_\w+)", protocol.__doc__, re.M)
+    assert sorted(rows) == sorted((s.name, e.name, method) for (s, e), method in protocol.TRANSITIONS.items())

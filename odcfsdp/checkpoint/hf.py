@@ -272,22 +272,30 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
     # One file open at a time: a file's pages this rank touched stay mapped (and resident) while it is open,
     # and parameters mostly come in file order.
     handles: dict[Path, object] = {}
+
+    def open_slice(key: str):
+        file = where[key]
+        if file not in handles:
+            handles.clear()
+            handles[file] = safe_open(str(file), framework="pt")
+        return file, handles[file].get_slice(key)
+
     state = model.shard_state
+    for sp in state.params:  # every name and shape checked before any value changes
+        key = name_map(sp.name)
+        if key is None:
+            continue
+        if key not in where:
+            raise CheckpointError(f"{path}: no tensor {key!r} for parameter {sp.name!r}")
+        file, sl = open_slice(key)
+        if tuple(sl.get_shape()) != sp.shape:
+            raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
+                                  f"{sp.name!r} has {sp.shape}")
     with state.changing(), torch.no_grad():
         # Parameters that are no base weight (LoRA adapters: name_map gives None) are left as they are.
         for sp, lo, hi, dest in state.write_targets(lambda name: name_map(name) is not None):
             s = sp.slot
-            key = name_map(s.name)
-            if key not in where:
-                raise CheckpointError(f"{path}: no tensor {key!r} for parameter {s.name!r}")
-            file = where[key]
-            if file not in handles:
-                handles.clear()
-                handles[file] = safe_open(str(file), framework="pt")
-            sl = handles[file].get_slice(key)
-            if tuple(sl.get_shape()) != s.shape:
-                raise CheckpointError(f"{file}: {key!r} has shape {tuple(sl.get_shape())}, the model's "
-                                      f"{s.name!r} has {s.shape}")
+            _, sl = open_slice(name_map(s.name))
             if hi > lo:  # this rank's shard is whole dim-0 rows: read just those
                 rows = sl[lo // s.row_numel : hi // s.row_numel]
                 dest.copy_(rows.reshape(-1))

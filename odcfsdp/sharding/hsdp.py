@@ -48,7 +48,7 @@ def mesh_groups(device_mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | Non
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got a {device_mesh.ndim}-D mesh")
 
 
-def hybrid_mesh(replicas: int | None, device_type: str, spans_hosts: bool = False):
+def hybrid_mesh(replicas: int | None, device_type: str, *, spans_hosts: bool = False):
     """The ``DeviceMesh`` for ``replicas`` copies of the model ([hsdp]); None for full sharding or one process.
 
     ``replicas=None`` puts one shard group on each node (torchrun's ``LOCAL_WORLD_SIZE``).

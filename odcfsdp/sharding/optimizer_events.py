@@ -10,26 +10,39 @@ post-step hook hands every model the parameters of its own that the optimizer ho
 (``optimizer_stepped``, an event of [step-protocol]); a model that is gone has no
 parameter in any live optimizer, and a closed one ignores the event. The pre-step
 hook refuses an optimizer built from the parameters as they were before wrapping
-(marked ``_odc_unsharded`` by [params]).
+(``UNSHARDED``: by id, holding them weakly; not a ``WeakSet``, whose lookups compare
+tensors with ``==``, elementwise, on storages that may be freed; filled by [params]). Should something
+remove torch's hooks (a test fixture clearing the global tables), the next model puts
+the pair back.
 """
 
 from __future__ import annotations
 
+import weakref
+
+from torch.optim import optimizer as _optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+#: the trained parameters as they were before wrapping (now the unsharded forms): an optimizer over them is refused.
+UNSHARDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _hooks: tuple | None = None  # the process's one pair of handles
 
 
 def install_optimizer_hooks() -> None:
-    """Register the process's pair of optimizer step hooks, once."""
+    """Register the process's pair of optimizer step hooks, once (again if they were removed)."""
     global _hooks
-    if _hooks is None:
-        _hooks = (register_optimizer_step_pre_hook(_before_optimizer_step),
-                  register_optimizer_step_post_hook(_after_optimizer_step))
+    if _hooks is not None and _hooks[0].id in _optimizer._global_optimizer_pre_hooks and \
+            _hooks[1].id in _optimizer._global_optimizer_post_hooks:
+        return
+    if _hooks is not None:
+        for handle in _hooks:
+            handle.remove()
+    _hooks = (register_optimizer_step_pre_hook(_before_optimizer_step),
+              register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    if any(getattr(p, "_odc_unsharded", False) for g in optimizer.param_groups for p in g["params"]):
+    if any(UNSHARDED.get(id(p)) is p for g in optimizer.param_groups for p in g["params"]):
         raise RuntimeError(
             "this optimizer holds the model's parameters as they were before ODCShard wrapped it; build the "
             "optimizer after wrapping, from the wrapped model's parameters (as with FSDP2)")

@@ -10,6 +10,9 @@ torch.distributed, a plain ``nn.Parameter`` view of the master
 (``ODCLocalParameter``). Reading, printing or computing with it is safe, and any
 torch optimizer updates it in place, which is updating the master.
 
+The model's original parameter object becomes the unsharded form; an optimizer built
+from it (before wrapping) is refused at its first step ([optimizer-events]).
+
 While its group is unsharded the modules hold the *unsharded* parameter instead: a
 view of the group's parameter-major buffer in ``param_dtype`` ([storage-resize] in
 ``group.py``), the tensor forward and autograd use. ``FlatGroup.to_unsharded`` and
@@ -40,6 +43,7 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
 
 from .layout import GroupLayout
+from .optimizer_events import UNSHARDED
 
 _tensor_grad = torch._C.TensorBase.grad  # the C-level .grad the property below wraps
 
@@ -162,8 +166,8 @@ class ShardedParam:
         self.sharded = sharded
         self.grad_view = (as_global(layout.local_view(accumulator, index, rank), slot.shape, device_mesh)
                           if self.trained else None)
-        if self.trained:  # an optimizer over the parameters as they were before wrapping is refused (protocol.py)
-            unsharded._odc_unsharded = True
+        if self.trained:  # an optimizer over the parameters as they were before wrapping is refused
+            UNSHARDED[id(unsharded)] = unsharded  # ([optimizer-events])
         # The hook lives in C++, where the garbage collector cannot see a cycle through it: it holds the name only.
         self._hook = (sharded.register_post_accumulate_grad_hook(functools.partial(_used_while_sharded, self.name))
                       if self.trained else None)
@@ -221,7 +225,7 @@ class ShardedParam:
             self._hook.remove()
             self._hook = None
         self.detach_grad()
-        self.unsharded.__dict__.pop("_odc_unsharded", None)
+        UNSHARDED.pop(id(self.unsharded), None)
         empty = torch.empty(0, dtype=self.local.dtype, device=self.local.device)
         if isinstance(self.sharded, DTensor):
             self.sharded._local_tensor = empty

@@ -44,19 +44,22 @@ equal). An event missing from the table changes nothing.
 ==============  ===========  ==================================================  ======================
 state           event        what happens                                        next state
 ==============  ===========  ==================================================  ======================
-ACCUMULATING    READ         sync (1)                                            READY, or EMPTY
-ACCUMULATING    STEP         finish (3): the step may have changed masters       ACCUMULATING
-EMPTY           READ         sync (1) again                                      READY, or EMPTY
-EMPTY           STEP         finish (3)                                          ACCUMULATING
-EMPTY           FORWARD      gradients start accumulating                        ACCUMULATING
-READY           CONSUMED     note the parameters; finish (3) after the last one  READY, or ACCUMULATING
-READY           FORWARD      drop the gradients read, or raise ([grad-protocol]) ACCUMULATING
+ACCUMULATING    READ         _sync: meeting (1)                                  READY, or EMPTY
+ACCUMULATING    STEP         _finish (3): the step may have changed masters      ACCUMULATING
+EMPTY           READ         _sync again                                         READY, or EMPTY
+EMPTY           STEP         _finish (3)                                         ACCUMULATING
+EMPTY           FORWARD      _accumulate: gradients start accumulating           ACCUMULATING
+READY           STEP         _consume: note the parameters; _finish after the    READY, or ACCUMULATING
+                             last trained one
+READY           CLEARED      _consume, as for STEP                               READY, or ACCUMULATING
+READY           FORWARD      _forward_after_read: drop the gradients read, or    ACCUMULATING
+                             raise ([grad-protocol])
 ==============  ===========  ==================================================  ======================
 
 Events: READ, a ``.grad`` read that starts a pass ([grad-protocol]) outside forward
-and backward; STEP, an optimizer step over this model's trained parameters while no
-gradient is attached; CONSUMED, such a step, or ``.grad = None``, while gradients
-are attached; FORWARD, a root forward in grad mode. Every root forward first checks
+and backward; STEP, an optimizer step over any of this model's parameters
+([optimizer-events]); CLEARED, a trained parameter's ``.grad`` set to None
+(``zero_grad``); FORWARD, a root forward in grad mode. Every root forward first checks
 that no gradient was half consumed and no row is stale; ``rows_changing`` works
 from any state and ends in ACCUMULATING.
 
@@ -130,9 +133,9 @@ class StepEvent(enum.Enum):
     READ = enum.auto()
     """A ``.grad`` read that starts a pass, outside forward and backward."""
     STEP = enum.auto()
-    """An optimizer step over trained parameters of the model while no gradient is attached."""
-    CONSUMED = enum.auto()
-    """Trained parameters' gradients were stepped on or set to None while attached."""
+    """An optimizer step over some of the model's parameters (trained or not: it may have changed masters)."""
+    CLEARED = enum.auto()
+    """A trained parameter's ``.grad`` was set to None (``zero_grad``)."""
     FORWARD = enum.auto()
     """A root forward in grad mode."""
 
@@ -144,7 +147,8 @@ TRANSITIONS: dict[tuple[GradState, StepEvent], str] = {
     (GradState.EMPTY, StepEvent.READ): "_sync",
     (GradState.EMPTY, StepEvent.STEP): "_finish",
     (GradState.EMPTY, StepEvent.FORWARD): "_accumulate",
-    (GradState.READY, StepEvent.CONSUMED): "_consume",
+    (GradState.READY, StepEvent.STEP): "_consume",
+    (GradState.READY, StepEvent.CLEARED): "_consume",
     (GradState.READY, StepEvent.FORWARD): "_forward_after_read",
 }
 
@@ -366,8 +370,8 @@ class StepProtocol:
 
     # -- events from the parameters (GradEvents) ---------------------------------------------------------
     def grad_read(self, sp: ShardedParam) -> torch.Tensor | None:
-        """The ``.grad`` property of a sharded parameter (see [grad-protocol])."""
-        if not sp.trained or self.busy() or self.state is GradState.READY:
+        """The ``.grad`` property of a sharded parameter (see [grad-protocol]); a closed model's meets nobody."""
+        if not sp.trained or self.closed or self.busy() or self.state is GradState.READY:
             return sp.attached
         new_pass = self._pass_position is None or sp.position <= self._pass_position
         self._pass_position = sp.position
@@ -381,12 +385,12 @@ class StepProtocol:
             sp.assign_grad(value)
             return
         sp.detach_grad()
-        if sp.trained:
-            self._fire(StepEvent.CONSUMED, (sp,))
+        if sp.trained and not self.closed:
+            self._fire(StepEvent.CLEARED, (sp,))
 
     # -- events from optimizers -------------------------------------------------------------------------
     def optimizer_stepped(self, sps: list[ShardedParam]) -> None:
         """An optimizer stepped over ``sps`` (this model's): their gradients are consumed ([optimizer-events])."""
         if self.closed:
             return
-        self._fire(StepEvent.CONSUMED if self.state is GradState.READY else StepEvent.STEP, sps)
+        self._fire(StepEvent.STEP, sps)

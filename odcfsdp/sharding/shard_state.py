@@ -61,7 +61,6 @@ class ShardState:
         self.mesh = protocol.mesh
         self.aliases = aliases
         self.params: list[ShardedParam] = [sp for g in self.groups for sp in g.params]
-        self._by_name = {sp.name: (g, i, sp) for g in self.groups for i, sp in enumerate(g.params)}
 
     @property
     def layouts(self) -> list[GroupLayout]:
@@ -90,6 +89,7 @@ class ShardState:
                 continue
             full = g.layout.unpack(self.mesh.all_gather_rows(g.read_master()))
             yield g, {s.name: g.layout.param_view(full, i) for i, s in enumerate(g.layout.slots)}
+            del full  # gone before the next group's gather, if the caller let its views go
 
     def full_state_dict(self, trained_only: bool = False) -> dict[str, torch.Tensor]:
         """Full values in the parameters' own dtypes by name; tied ones under each name (collective)."""
