@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     p.add_argument("--cpu-ranks", type=int, default=0, help="a CPU smoke run on this many gloo ranks (not torchrun)")
     args = p.parse_args(argv)
     cpu = args.cpu_ranks > 0
-    device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
+    device, dtype, prec = ("cpu", torch.float32, "fp32") if cpu else ("cuda", torch.bfloat16, "bf16")
     out = Path(args.out).resolve()
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -148,9 +148,9 @@ def main(argv=None) -> None:
     md = ["# Fine-tuning a Hugging Face checkpoint through the CLI", "",
           f"- device: {res['device']}; date {res['date']}; commit {res['commit']}", f"- command: `{res['command']}`",
           f"- training: `{res['train_command']}`",
-          f"- model: Llama architecture, {res['params'] / 1e9:.2f}B parameters ({str(dtype)[6:]} safetensors, "
+          f"- model: Llama architecture, {res['params'] / 1e9:.2f}B parameters ({prec} safetensors, "
           "sharded with an index)", "", "| check | value |", "|---|---|",
-          f"| first-step loss: odcfsdp / transformers ({str(dtype)[6:]}) | {rows[0]['loss']:.4f} / {want:.4f} "
+          f"| first-step loss: odcfsdp / transformers ({prec}) | {rows[0]['loss']:.4f} / {want:.4f} "
           f"(rel. diff {res['first_loss_rel_diff']:.1e}) |",
           f"| losses by step | {', '.join(f'{x:.3f}' for x in res['losses'])} |",
           f"| held-out loss by step | {', '.join(f'{k}: {v:.3f}' for k, v in res['eval_losses'].items())} |",

@@ -230,7 +230,7 @@ def test_hf_finetune_check(out):
     assert set(res["eval_losses"]) == {"1", "2"} and all(math.isfinite(x) for x in res["eval_losses"].values())
     assert res["export_loads"] and res["tokenizer_has_template"]
     assert finite_positive(res["summary"]["tokens_per_s"])
-    assert "| first-step loss: odcfsdp / transformers (float32) |" in (d / "hf_finetune_check.md").read_text()
+    assert "| first-step loss: odcfsdp / transformers (fp32) |" in (d / "hf_finetune_check.md").read_text()
     assert not (d / "work").exists()
 
 
