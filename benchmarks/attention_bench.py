@@ -1,6 +1,8 @@
 """Causal attention kernels of PyTorch on this GPU: forward + backward time by backend and length.
 
     python benchmarks/attention_bench.py --out results/attention --commit <sha>
+    python benchmarks/attention_bench.py --device cpu --lengths 128 --heads 4 --kv-heads 2 --dim 16 \
+        --backends flash math --iters 2 --out /tmp/attention   # CPU smoke run
 
 The decoder runs attention outside its compiled parts, through
 ``scaled_dot_product_attention``; which backend it picks decides a large share of the
@@ -12,6 +14,11 @@ backends that build a plan per new shape (cuDNN) it also reports the first call 
 new length. Grouped heads go inside the kernel where the backend accepts
 ``enable_gqa``; otherwise keys and values are repeated first (and that copy is timed
 with it). Writes ``attention_bench.json`` and ``.md``.
+
+``--device cpu`` runs the same harness on PyTorch's CPU kernels (flash has a CPU
+implementation; ``math``, the unfused reference, can be added with ``--backends``; cuDNN
+and efficient are recorded as not run), timed with the wall clock: a smoke run of the
+harness, its checks and its report, not a measurement of the GPU kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,10 +36,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+GPU_BACKENDS = ["flash", "cudnn", "efficient"]  # the default: the fused kernels a GPU offers
 
 
 def attention(backend: str, q, k, v, gqa: bool):
+    """Causal attention through one SDPA backend; grouped heads in the kernel (``gqa``) or by repeating k and v."""
     if not gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -38,23 +49,31 @@ def attention(backend: str, q, k, v, gqa: bool):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa and q.shape[1] != k.shape[1])
 
 
-def inputs(s: int, heads: int, kv_heads: int, dim: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda h: torch.randn(1, h, s, dim, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    return make(heads), make(kv_heads), make(kv_heads), torch.randn(1, heads, s, dim, device="cuda",
+def inputs(s: int, heads: int, kv_heads: int, dim: int, seed: int, device: str = "cuda"):
+    """Random bf16 q, k, v (requiring grad) and an output gradient of one sequence of ``s`` tokens."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    make = lambda h: torch.randn(1, h, s, dim, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    return make(heads), make(kv_heads), make(kv_heads), torch.randn(1, heads, s, dim, device=device,
                                                                      dtype=torch.bfloat16, generator=g)
 
 
 def fwd_bwd(backend, q, k, v, dout, gqa):
+    """One forward + backward (gradients into q, k, v); returns the output."""
     q.grad = k.grad = v.grad = None
     out = attention(backend, q, k, v, gqa)
     out.backward(dout)
     return out
 
 
-def timed(fn, iters: int) -> list[float]:
+def timed(fn, iters: int, device: str = "cuda") -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn``: CUDA events on a GPU, the wall clock on CPU."""
     times = []
     for _ in range(iters):
+        if device == "cpu":
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -70,9 +89,10 @@ def causal_flops(s: int, heads: int, dim: int) -> float:
 
 
 def run(args) -> list[dict]:
+    """One row per (length, backend, grouped heads in kernel or not): timings and the error against flash."""
     rows = []
     for s in args.lengths:
-        q, k, v, dout = inputs(s, args.heads, args.kv_heads, args.dim, seed=s)
+        q, k, v, dout = inputs(s, args.heads, args.kv_heads, args.dim, seed=s, device=args.device)
         ref = fwd_bwd("flash", q, k, v, dout, gqa=True).detach()
         ref_grads = [t.grad.detach().clone() for t in (q, k, v)]
         for backend in args.backends:
@@ -80,13 +100,14 @@ def run(args) -> list[dict]:
                 label = f"{backend}{'' if gqa else ' (repeated kv)'}"
                 row = {"backend": backend, "gqa_in_kernel": gqa, "length": s}
                 try:
-                    torch.cuda.synchronize()
-                    first = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), 1)[0]
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                    first = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), 1, args.device)[0]
                     out = fwd_bwd(backend, q, k, v, dout, gqa).detach()
                     err = max([((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()]
                               + [((t.grad.float() - r.float()).abs().max() / r.float().abs().max()).item()
                                  for t, r in zip((q, k, v), ref_grads)])
-                    times = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), args.iters)
+                    times = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), args.iters, args.device)
                     ms = statistics.median(times)
                     row |= {"ok": True, "first_call_ms": first, "ms": ms, "ms_min": min(times), "ms_max": max(times),
                             "tflops": causal_flops(s, args.heads, args.dim) / ms / 1e9, "max_rel_err_vs_flash": err}
@@ -99,6 +120,7 @@ def run(args) -> list[dict]:
 
 
 def report(rows: list[dict], meta: dict) -> str:
+    """The markdown table of ``rows`` (speed relative to flash with grouped heads in the kernel)."""
     lines = ["# Causal attention forward + backward by backend", "",
              f"- device: {meta['device']}; date {meta['date']}; commit {meta['commit']}; torch {meta['torch']}",
              f"- command: `{meta['command']}`",
@@ -114,27 +136,38 @@ def report(rows: list[dict], meta: dict) -> str:
         if not r.get("ok"):
             lines.append(f"| {r['backend']} | {how} | {r['length']} | - | - | - | - | not run: {r['error'][:120]} |")
             continue
+        speed = f"{flash[r['length']] / r['ms']:.2f}x" if r["length"] in flash else "-"  # flash not timed there
         lines.append(f"| {r['backend']} | {how} | {r['length']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-                     f"{flash[r['length']] / r['ms']:.2f}x | {r['first_call_ms']:.1f} | {r['max_rel_err_vs_flash']:.1e} |")
+                     f"{speed} | {r['first_call_ms']:.1f} | {r['max_rel_err_vs_flash']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--backends", nargs="+", default=GPU_BACKENDS, choices=list(BACKENDS))
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="results/attention")
     p.add_argument("--commit", default="unknown")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("attention_bench needs a CUDA GPU")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke run of the harness on PyTorch's CPU kernels (wall-clock timing)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Time every backend at every length; write ``attention_bench.json`` and ``.md`` under ``--out``."""
+    args = parse(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("attention_bench needs a CUDA GPU (or --device cpu for a smoke run)")
     rows = run(args)
-    meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "torch": torch.__version__, "command": "benchmarks/attention_bench.py " + " ".join(argv or __import__("sys").argv[1:]),
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run, wall clock)"
+    meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": args.commit,
+            "torch": torch.__version__, "command": "benchmarks/attention_bench.py " + " ".join(
+                argv if argv is not None else sys.argv[1:]),
             "heads": args.heads, "kv_heads": args.kv_heads, "dim": args.dim}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

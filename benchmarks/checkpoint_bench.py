@@ -1,11 +1,15 @@
 """Checkpoint timing: save, load (same and different world size are the same code) and HF export of a Llama.
 
     torchrun --nproc-per-node=2 benchmarks/checkpoint_bench.py --size 1b --dir /tmp/ckpt --out results/checkpoint
+    python benchmarks/checkpoint_bench.py --cpu-ranks 2 --size tiny --vocab 256 --seq 64 \
+        --dir /tmp/ckpt --out /tmp/checkpoint   # CPU smoke run: gloo + shm
 
 Builds the model on the meta device (no rank holds it whole), wraps it with the
-nvshmem transport, runs one training step so AdamW state exists, then times
-``save_checkpoint``, ``load_checkpoint`` (checksums verified) and ``export_hf``
-and records bytes written. Rank 0 writes ``checkpoint_bench.json`` and ``.md``.
+nvshmem transport (``shm`` on CPU ranks), runs one training step so AdamW state exists,
+then times ``save_checkpoint``, ``load_checkpoint`` (checksums verified) and ``export_hf``
+and records bytes written. Between save and load every parameter and AdamW moment is
+zeroed; after the load, each rank's sums of them must equal those at the save
+(``load_restores_state``). Rank 0 writes ``checkpoint_bench.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -23,44 +27,88 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from odcfsdp.launch import init_torchrun
+from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
 
 
 def dir_bytes(path: Path) -> int:
+    """Bytes of every file under ``path``."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> float:
-    torch.cuda.synchronize()
+    """Seconds of a collective ``fn``, all ranks starting and ending together."""
+    _sync()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     dist.barrier()
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def state_sums(model, opt) -> torch.Tensor:
+    """This rank's float64 sums of every parameter shard and AdamW moment (a fingerprint of its training state)."""
+    sums = [p.to_local().double().sum() for p in model.parameters()]
+    sums += [st[k].to_local().double().sum() if hasattr(st[k], "to_local") else st[k].double().sum()
+             for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return torch.stack(sums).cpu()
+
+
+def clobber(model, opt) -> None:
+    """Zero every parameter and AdamW moment, so that only the load can bring them back."""
+    with model.changing_parameters(), torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    for st in opt.state.values():
+        st["exp_avg"].zero_()
+        st["exp_avg_sq"].zero_()
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="1b")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dir", default="/tmp/odcfsdp_ckpt")
     parser.add_argument("--out", default="results/checkpoint")
     parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
-    args = parser.parse_args()
-    device = init_torchrun(use_cuda=True)
+    parser.add_argument("--seq", type=int, default=2048, help="tokens of the one training step")
+    parser.add_argument("--cpu-ranks", type=int, default=0,
+                        help="spawn this many gloo ranks on the CPU (shm transport)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: time save, load and export."""
+    args = parse(argv)
+    if args.cpu_ranks:
+        spawn(worker, args.cpu_ranks, args, None, timeout=600)
+        return
+    worker(args, init_torchrun(use_cuda=True))
+    dist.destroy_process_group()
+
+
+def worker(args, device: torch.device | None) -> None:
+    """One rank's part (``device`` None: a CPU rank that ``spawn`` started)."""
+    cpu = device is None
+    device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     cfg = llama_config(args.size, args.vocab)
     with torch.device("meta"):
         inner = Llama(cfg)
-    model = ODCShard(inner, comm="nvshmem", device=device)
+    model = ODCShard(inner, comm="shm" if cpu else "nvshmem", device=device)
     with model.changing_parameters(), torch.no_grad():  # real values, without building the model anywhere
         for p in model.parameters():
             p.normal_(0, 0.02)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-4, fused=True)
-    x = torch.randint(0, args.vocab, (1, 2048), device=device)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-4, fused=not cpu or None)
+    x = torch.randint(0, args.vocab, (1, args.seq), device=device)
     causal_lm_loss(model(x), x).backward()
     opt.step()  # the optimizer has state to save
     opt.zero_grad()
@@ -69,18 +117,25 @@ def main() -> None:
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
+    saved = state_sums(model, opt)
     save_s = timed(lambda: save_checkpoint(root / "sharded", model, opt, step=1))
+    clobber(model, opt)
     load_s = timed(lambda: load_checkpoint(root / "sharded" / "step_00000001", model, opt))
+    if not torch.equal(state_sums(model, opt), saved):
+        raise AssertionError(f"rank {rank}: the loaded parameters / AdamW moments differ from the saved ones")
     export_s = timed(lambda: export_hf(model, root / "hf", dtype=torch.bfloat16))
     if rank == 0:
         sharded_bytes = dir_bytes(root / "sharded")
         hf_bytes = dir_bytes(root / "hf")
         result = {
-            "meta": {"device": torch.cuda.get_device_name(device), "world_size": world, "commit": args.commit,
-                     "date": datetime.date.today().isoformat(), "size": args.size, "params": cfg.num_params(),
-                     "command": f"torchrun --nproc-per-node={world} benchmarks/checkpoint_bench.py --size {args.size}",
+            "meta": {"device": "cpu (gloo + shm)" if cpu else torch.cuda.get_device_name(device), "world_size": world,
+                     "commit": args.commit, "date": datetime.date.today().isoformat(), "size": args.size,
+                     "params": cfg.num_params(),
+                     "command": (f"python benchmarks/checkpoint_bench.py --cpu-ranks {world}" if cpu else
+                                 f"torchrun --nproc-per-node={world} benchmarks/checkpoint_bench.py")
+                     + f" --size {args.size}",
                      "filesystem": str(root)},
-            "save_s": save_s, "load_s": load_s, "export_hf_bf16_s": export_s,
+            "save_s": save_s, "load_s": load_s, "export_hf_bf16_s": export_s, "load_restores_state": True,
             "sharded_bytes": sharded_bytes, "hf_bytes": hf_bytes,
             "save_gbps": sharded_bytes / save_s / 1e9, "load_gbps": sharded_bytes / load_s / 1e9,
         }
@@ -99,7 +154,6 @@ def main() -> None:
         )
         print((out / "checkpoint_bench.md").read_text())
     model.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Communication microbenchmark: ODC gather / scatter-accumulate vs NCCL, in one run on the same GPUs.
 
     torchrun --nproc-per-node=2 benchmarks/comm_bench.py --out results/comm --commit <sha>
-    python benchmarks/comm_bench.py --cpu-ranks 2 --sizes-mib 1 --iters 3   # CPU smoke run: shm vs gloo
+    python benchmarks/comm_bench.py --cpu-ranks 2 --sizes-mib 1 --iters 9   # CPU smoke run: shm vs gloo
 
 For each group size (bf16 bytes of the unsharded group, shaped like a Llama block:
 q, k, v, o, gate, up, down) it times, per rank, with CUDA events (median of
@@ -20,7 +20,9 @@ unused tails between parameters are written by neither), accumulators within fp3
 rounding. On CPU (``--cpu-ranks``) the same harness compares the ``shm`` transport
 with ``collective`` over gloo, timed with the wall clock. Bandwidth is given as
 *bus* GB/s, the bytes that cross the interconnect per rank ((N-1)/N x group bytes,
-the NCCL-tests convention) and as *algorithm* GB/s (group bytes / time). Writes
+the NCCL-tests convention) and as *algorithm* GB/s (group bytes / time). p10 / p90 are
+``statistics.quantiles``' (exclusive method): with fewer than 9 iterations they extrapolate
+beyond the observed times (even below zero). Writes
 ``comm_bench.json`` and ``comm_bench.md`` under ``--out`` (rank 0).
 """
 
@@ -49,6 +51,7 @@ SCATTER_VARIANTS = [(1024, 4), (2048, 4), (4096, 8)]
 
 
 def block_layout(group_bytes: int, world: int):
+    """One group's layout holding a Llama block's weights (``BLOCK_SHAPE``) of ``group_bytes`` bf16 bytes."""
     elems = group_bytes // 2
     total = sum(BLOCK_SHAPE.values())
     named = [
@@ -117,6 +120,7 @@ def same_params(layout, got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def bench_size(group_bytes: int, rank: int, world: int, device: torch.device, iters: int) -> dict:
+    """Check, then time, every gather and scatter-accumulate variant at one group size."""
     layout = block_layout(group_bytes, world)
     mesh = ShardMesh(device)
     odc = make_transport("auto", mesh)  # nvshmem on GPUs, shm on CPU
@@ -195,6 +199,7 @@ def settle(transport, device: torch.device) -> None:
 
 
 def best(entries: dict, prefix: str, key: str = "bus_gbps") -> tuple[str, dict]:
+    """The fastest (highest ``key``) entry whose name starts with ``prefix``."""
     name = max((k for k in entries if k.startswith(prefix)), key=lambda k: entries[k][key])
     return name, entries[name]
 
@@ -217,6 +222,7 @@ def _table(results: list[dict], key: str, us: str) -> list[str]:
 
 
 def report(results: list[dict], meta: dict) -> str:
+    """The markdown report of ``results`` (rank 0's figures)."""
     lines = [
         "# Communication microbenchmark: ODC vs NCCL",
         "",
@@ -240,14 +246,20 @@ def report(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="results/comm")
     parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
     parser.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU (shm vs gloo)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: run the benchmark, rank 0 writes the files."""
+    args = parse(argv)
     if args.cpu_ranks:
         spawn(worker, args.cpu_ranks, args, None, timeout=600)
         return

@@ -1,10 +1,12 @@
 """One table over several end-to-end benchmark runs (their ``e2e_bench.json``), for READMEs.
 
     python benchmarks/e2e_summary.py results/e2e/*/e2e_bench.json
+    python benchmarks/e2e_summary.py $(find results/e2e -name e2e_bench.json) --out /tmp/e2e_summary.md  # anywhere
 
-Per run: odcfsdp nvshmem (lb_mini on the long-tailed workload, where it ran, else lb_micro)
-against PyTorch FSDP2 + lb_micro, and the other methods' ratios, read from the files as written by
-``e2e_bench.py``; nothing is typed in by hand.
+Per run and workload: odcfsdp nvshmem (lb_mini on the long-tailed workload, where it ran, else
+lb_micro) against PyTorch FSDP2 + lb_micro, and the other methods' ratios, read from the files as
+written by ``e2e_bench.py``; nothing is typed in by hand. A run without one of them (an odc-only
+A/B run) shows "-" there. Post-processing only: it runs anywhere (CPU), on committed results.
 """
 
 from __future__ import annotations
@@ -13,11 +15,22 @@ import argparse
 import json
 from pathlib import Path
 
+HEADER = ["| workload | GPUs | commit | odcfsdp nvshmem tokens/s | FSDP2 tokens/s | odc / FSDP2 | "
+          "odc lb_micro / FSDP2 | odc collective / FSDP2 | DDP / FSDP2 | MFU odc / FSDP2 | "
+          "peak GiB odc (+ heap) / FSDP2 | final losses | run |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-def row(path: Path) -> str:
+
+def rows(path: Path) -> list[str]:
+    """The table's rows of one ``e2e_bench.json``: one per workload it ran, in the order it ran them."""
     data = json.loads(path.read_text())
-    meta, runs = data["meta"], {(r["method"], r["balance"]): r for r in data["results"]}
-    workload = data["results"][0]["workload"]
+    workloads = list(dict.fromkeys(r["workload"] for r in data["results"]))
+    return [_row(path, data["meta"], [r for r in data["results"] if r["workload"] == w]) for w in workloads]
+
+
+def _row(path: Path, meta: dict, results: list[dict]) -> str:
+    """One workload's row (``results``: that workload's runs)."""
+    runs = {(r["method"], r["balance"]): r for r in results}
     fsdp2 = runs.get(("fsdp2", "lb_micro"))
     odc = runs.get(("odc", "lb_mini")) or runs.get(("odc", "lb_micro"))
 
@@ -26,14 +39,22 @@ def row(path: Path) -> str:
         return f"{r['tokens_per_s'] / fsdp2['tokens_per_s']:.2f}x" if r and fsdp2 else "-"
 
     def mem(r: dict | None) -> str:
-        return "-" if not r else f"{r['peak_alloc_gib']:.1f}" + (f" + {r['nvshmem_heap_gib']:.1f}" if r["nvshmem_heap_gib"] else "")
+        if not r:
+            return "-"
+        heap = r.get("nvshmem_heap_gib")
+        return f"{r['peak_alloc_gib']:.1f}" + (f" + {heap:.1f}" if heap else "")
 
-    losses = [r["losses"][-1] for r in data["results"]]
-    return (f"| {workload} | {meta['world_size']} | {meta['commit']} | "
-            f"{odc['tokens_per_s']:.0f} ({odc['balance']}) | {fsdp2['tokens_per_s']:.0f} | {ratio('odc', odc['balance'])} | "
-            f"{ratio('odc', 'lb_micro') if odc['balance'] == 'lb_mini' else '-'} | {ratio('odc_collective')} | "
-            f"{ratio('ddp')} | {odc['mfu']:.1%} / {fsdp2['mfu']:.1%} | {mem(odc)} / {mem(fsdp2)} | "
-            f"{min(losses):.3f}-{max(losses):.3f} | `{path.parent.name}` |")
+    def mfu(r: dict | None) -> str:
+        return "-" if not r or r.get("mfu") is None else f"{r['mfu']:.1%}"
+
+    losses = [r["losses"][-1] for r in results]
+    odc_tps = f"{odc['tokens_per_s']:.0f} ({odc['balance']})" if odc else "-"
+    fsdp2_tps = f"{fsdp2['tokens_per_s']:.0f}" if fsdp2 else "-"
+    odc_vs = ratio("odc", odc["balance"]) if odc else "-"
+    micro_vs = ratio("odc", "lb_micro") if odc and odc["balance"] == "lb_mini" else "-"
+    return (f"| {results[0]['workload']} | {meta['world_size']} | {meta['commit']} | {odc_tps} | {fsdp2_tps} | "
+            f"{odc_vs} | {micro_vs} | {ratio('odc_collective')} | {ratio('ddp')} | {mfu(odc)} / {mfu(fsdp2)} | "
+            f"{mem(odc)} / {mem(fsdp2)} | {min(losses):.3f}-{max(losses):.3f} | `{path.parent.name}` |")
 
 
 def scaling(paths: list[Path]) -> list[str]:
@@ -54,17 +75,25 @@ def scaling(paths: list[Path]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def summary(paths: list[Path]) -> str:
+    """The runs' table, then the weak-scaling table, as markdown."""
+    lines = list(HEADER)
+    for f in paths:
+        lines += rows(f)
+    return "\n".join([*lines, "", *scaling(paths)]) + "\n"
+
+
+def main(argv=None) -> None:
+    """Print the summary of the given ``e2e_bench.json`` files (and write it to ``--out``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("files", nargs="+", type=Path)
-    args = p.parse_args()
-    print("| workload | GPUs | commit | odcfsdp nvshmem tokens/s | FSDP2 tokens/s | odc / FSDP2 | odc lb_micro / FSDP2 | "
-          "odc collective / FSDP2 | DDP / FSDP2 | MFU odc / FSDP2 | peak GiB odc (+ heap) / FSDP2 | final losses | run |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for f in args.files:
-        print(row(f))
-    print()
-    print("\n".join(scaling(args.files)))
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown to this file")
+    args = p.parse_args(argv)
+    text = summary(args.files)
+    print(text, end="")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,14 @@
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
 # Needs python3 with torch/triton, and nvshmem4py + hydra on PYTHONPATH.
+#
+# DRY_RUN=1 prints, per lane and section, "<lane> <section> <limit>" and the command (tab-separated), runs and
+# writes nothing, and exits non-zero on an unknown section (tests/test_benchmarks.py checks every section so):
+#   DRY_RUN=1 bash benchmarks/gpu_suite.sh /tmp/out abc1234 0,1:tests,comm,optim,checkpoint
 set -u
 OUT=$1; COMMIT=$2; shift 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export ODC_COMMIT=$COMMIT
-mkdir -p "$OUT"
-{ date -u +%FT%TZ; nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
-  > "$OUT/host.txt" 2>&1
 
 declare -A LIMIT=([tests]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420)
@@ -74,6 +75,28 @@ lane() {  # index, gpus, sections (comma-separated)
     pack "$k"
   done
 }
+
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  k=0 rc=0
+  for spec in "$@"; do
+    gpus=${spec%%:*} sections=${spec#*:}
+    n=$(awk -F, '{print NF}' <<<"$gpus")
+    for s in ${sections//,/ }; do
+      var="SECTION_TIMEOUT_$s"
+      if cmd=$(section_cmd "$s" "$n" $((29500 + 17 * k)) "$OUT/lane$k/${s}_n$n"); then
+        printf '%s %s %s\t%s\n' "$k" "$s" "${!var:-${LIMIT[$s]:-none}}" "$cmd"
+      else
+        echo "lane $k: unknown section $s" >&2; rc=1
+      fi
+    done
+    k=$((k + 1))
+  done
+  exit $rc
+fi
+
+mkdir -p "$OUT"
+{ date -u +%FT%TZ; nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
+  > "$OUT/host.txt" 2>&1
 
 k=0
 for spec in "$@"; do

@@ -1,6 +1,8 @@
 """Turn a GPU pytest run (JUnit XML + the measured-error JSON lines of tests/test_gpu.py) into JSON + markdown.
 
     python benchmarks/gpu_test_report.py RUN_DIR OUT_DIR --commit SHA --device "2x NVIDIA H200" --date YYYY-MM-DD
+    python benchmarks/gpu_test_report.py results/gpu_tests/n1_3ed1803 /tmp/gpu_tests --commit 3ed1803 \
+        --device "1x NVIDIA H200" --date 2026-11-24   # anywhere (CPU): a committed run's raw files
 
 RUN_DIR holds ``gpu_tests.xml`` (pytest --junitxml) and ``gpu_measured.jsonl``
 (written by the tests when ODC_RESULTS is set). Nothing is typed in by hand: every
@@ -21,6 +23,7 @@ COMMAND = (
 
 
 def parse(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The tests (name, outcome, seconds) of ``gpu_tests.xml`` and the records of ``gpu_measured.jsonl``."""
     tests = []
     for case in ET.parse(run_dir / "gpu_tests.xml").getroot().iter("testcase"):
         outcome = "passed"
@@ -34,6 +37,7 @@ def parse(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def markdown(meta: dict, tests: list[dict], measured: list[dict]) -> str:
+    """The report: outcome counts, the measured agreement table and the tests' table."""
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
     lines = [
         "# GPU test run",
@@ -57,7 +61,8 @@ def markdown(meta: dict, tests: list[dict], measured: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    """Write ``gpu_tests.json`` and ``gpu_tests.md`` under OUT_DIR from RUN_DIR's two files."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
@@ -65,7 +70,7 @@ def main() -> None:
     parser.add_argument("--device", required=True)
     parser.add_argument("--date", required=True)
     parser.add_argument("--command", default=COMMAND, help="the pytest command of the run, if not the default one")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tests, measured = parse(args.run_dir)
     meta = {"device": args.device, "date": args.date, "commit": args.commit, "command": args.command}
     args.out_dir.mkdir(parents=True, exist_ok=True)

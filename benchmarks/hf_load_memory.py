@@ -1,6 +1,7 @@
 """Host memory of loading a pretrained Hugging Face checkpoint the way ``model.path`` does.
 
     python benchmarks/hf_load_memory.py --out results/hf_load --layers 8 --dim 1024 --world 2
+    python benchmarks/hf_load_memory.py --out /tmp/hf_load --layers 2 --dim 128 --vocab 512   # smoke run
 
 Saves a randomly initialised Llama-architecture checkpoint (fp32 safetensors, sharded with an
 index) to a temporary directory; then ``--world`` CPU ranks (gloo + shm) build the model on the
@@ -96,7 +97,8 @@ def _odcfsdp_rank(path: str) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    """Save the checkpoint, load it on ``--world`` CPU ranks, write ``hf_load_memory.json`` and ``.md``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int, default=1024)
@@ -104,7 +106,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--out", default="results/hf_load")
     p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import transformers  # noqa: F401  (imported before any measurement, like in the workers)
 
     from odcfsdp.launch import spawn

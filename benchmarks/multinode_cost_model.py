@@ -24,7 +24,8 @@ Who moves what across nodes (the point of the model):
   default HSDP; ``set_requires_all_reduce(False)`` defers it).
 
 Run: ``python benchmarks/multinode_cost_model.py --out results/cost_model/<name>`` (writes
-``cost_model.json`` and ``cost_model.md``).
+``cost_model.json`` and ``cost_model.md``). It needs no GPU: it reads committed JSON and builds
+the model on the meta device, so the same command is its CPU run.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def step_time(method: str, a: argparse.Namespace, rates: dict, params: int) -> d
     }
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    """Print the cost table for the given assumptions (and write it, with the JSON, under ``--out``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -132,7 +134,7 @@ def main() -> None:
     p.add_argument("--fsdp2-defer-all-reduce", action="store_true",
                    help="FSDP2 HSDP all-reduces once per minibatch (set_requires_all_reduce(False) until the last)")
     p.add_argument("--out", type=Path, default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     rates = measured()
     if a.nccl_nvlink_gbps is None:
         a.nccl_nvlink_gbps = rates["nccl_gather_gbps"]
@@ -145,7 +147,8 @@ def main() -> None:
                 rows.append({"tokens": t, "micro_batches": m, **step_time(method, args, rates, params)})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "params": params,
-            "command": " ".join(["python benchmarks/multinode_cost_model.py", *sys.argv[1:]]),
+            "command": " ".join(["python benchmarks/multinode_cost_model.py",
+                                 *(sys.argv[1:] if argv is None else argv)]),
             "assumptions": {k: v for k, v in vars(a).items() if k != "out"},
             "measured": rates}
     lines = [f"# Step cost model: Llama 8B ({params / 1e9:.2f}B), {a.nodes} x {a.gpus_per_node} GPUs, "

@@ -98,6 +98,7 @@ def copy_bandwidth(device, nbytes: int) -> float:
 
 
 def one_rank_mesh(device):
+    """A one-rank ``DeviceMesh`` (initialising a one-process group if there is none)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -108,6 +109,7 @@ def one_rank_mesh(device):
 
 
 def run_size(size: str, args, device) -> dict:
+    """Every variant's step timings at one model size (rank 0's shards of ``args.world`` ranks)."""
     shapes = shard_shapes(size, args.vocab, args.world)
     groups = plan(shapes, args.world, args.group_bytes)
     shape_of = dict(shapes)
@@ -196,6 +198,7 @@ def run_size(size: str, args, device) -> dict:
 
 
 def report(res: list[dict], meta: dict) -> str:
+    """The markdown table of ``res``."""
     lines = ["# Optimizer step on one rank's shards", "",
              f"- device: {meta['device']}; date {meta['date']}; commit {meta['commit']}",
              f"- command: `{meta['command']}`",
@@ -215,7 +218,8 @@ def report(res: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=["1b", "8b"])
     p.add_argument("--world", type=int, default=2, help="ranks the model is sharded over (rank 0's shards are timed)")
@@ -226,7 +230,15 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Time every variant at every size on this process's device; write the report (and files under ``--out``)."""
+    import torch.distributed as dist
+
+    args = parse(argv)
+    had_group = dist.is_initialized()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world": args.world,
             "date": datetime.date.today().isoformat(), "commit": args.commit, "group_bytes": args.group_bytes,
@@ -243,6 +255,8 @@ def main(argv=None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "optim_bench.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1))
         (out / "optim_bench.md").write_text(report(res, meta))
+    if dist.is_initialized() and not had_group:  # one_rank_mesh's group: leave the caller's process as it was
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""Every script under benchmarks/ runs here on the CPU, small, so that a changed signature or a stale check fails CI.
+
+GPU benchmarks run their CPU path (gloo ranks + the shm transport, wall-clock timing, tiny sizes) or, where
+the measured thing is a CUDA kernel, everything around it; the post-processing scripts run on committed
+results. ``hf_attention_bench.py`` is run by tests/test_hf.py, ``e2e_bench.py`` (and its ``e2e_report.py``)
+by tests/test_e2e_bench.py; ``test_every_benchmark_is_run`` keeps this list complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+RESULTS = ROOT / "results"
+sys.path.insert(0, str(BENCH))
+
+import attention_bench  # noqa: E402
+import checkpoint_bench  # noqa: E402
+import comm_bench  # noqa: E402
+import e2e_bench  # noqa: E402
+import e2e_summary  # noqa: E402
+import gpu_test_report  # noqa: E402
+import multinode_cost_model  # noqa: E402
+import optim_bench  # noqa: E402
+
+RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
+                 "e2e_report.py": "benchmarks/e2e_bench.py"}  # e2e_bench's report: run with it
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    """One folder for the module's runs (each script in a subfolder of its own)."""
+    return tmp_path_factory.mktemp("benchmarks")
+
+
+def finite_positive(*values) -> bool:
+    """Whether every value is a finite number above zero."""
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def test_every_benchmark_is_run():
+    """A new script under benchmarks/ needs a CPU run here (or in the test module named in RUN_ELSEWHERE)."""
+    source = Path(__file__).read_text()
+    for script in sorted(BENCH.glob("*.py")) + sorted(BENCH.glob("*.sh")):
+        if script.name in RUN_ELSEWHERE:
+            assert script.name.removesuffix(".py") in (ROOT / RUN_ELSEWHERE[script.name]).read_text(), script.name
+        else:
+            assert f"def test_{script.stem}" in source, f"{script.name} has no CPU run in {Path(__file__).name}"
+
+
+def test_attention_bench(out):
+    """The harness on PyTorch's CPU kernels: flash and math checked against flash, cuDNN recorded as not run;
+    the report also renders the committed H200 results."""
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            attention_bench.main(["--out", str(out / "attention_gpu")])
+    d = out / "attention"
+    attention_bench.main(["--device", "cpu", "--lengths", "64", "128", "--heads", "4", "--kv-heads", "2", "--dim",
+                          "16", "--backends", "flash", "math", "cudnn", "--iters", "2", "--out", str(d)])
+    data = json.loads((d / "attention_bench.json").read_text())
+    rows = data["rows"]
+    assert {(r["backend"], r["gqa_in_kernel"], r["length"]) for r in rows} == {
+        (b, g, s) for b in ("flash", "math", "cudnn") for g in (True, False) for s in (64, 128)}
+    for r in rows:
+        if r["backend"] == "cudnn":  # no CPU kernel: recorded, not fatal
+            assert not r["ok"] and r["error"]
+            continue
+        assert r["ok"] and finite_positive(r["ms"], r["first_call_ms"], r["tflops"])
+        assert r["max_rel_err_vs_flash"] < 2e-2, r  # bf16: the kernels agree with flash (in-kernel GQA)
+    md = (d / "attention_bench.md").read_text()
+    assert md.count("| math |") == 4 and "| flash | in kernel | 128 |" in md and "not run:" in md
+    committed = json.loads((RESULTS / "attention/h200_7eb86d9/attention_bench.json").read_text())
+    text = attention_bench.report(committed["rows"], committed["meta"])
+    assert sum(line.startswith("| ") for line in text.splitlines()) == len(committed["rows"]) + 1
+    assert "| flash | in kernel | 4096 |" in text and "| 1.00x |" in text
+
+
+def test_checkpoint_bench(out):
+    """Save, load (the state zeroed in between must come back) and HF export on 2 gloo ranks."""
+    d = out / "checkpoint"
+    checkpoint_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--seq", "64",
+                           "--dir", str(d / "files"), "--out", str(d)])
+    res = json.loads((d / "checkpoint_bench.json").read_text())
+    from odcfsdp.models import llama_config
+
+    assert res["meta"]["params"] == llama_config("tiny", 256).num_params() and res["meta"]["world_size"] == 2
+    assert res["load_restores_state"] is True
+    assert finite_positive(res["save_s"], res["load_s"], res["export_hf_bf16_s"], res["save_gbps"], res["load_gbps"])
+    assert res["sharded_bytes"] > 12 * res["meta"]["params"]  # fp32 masters + two AdamW moments, at least
+    assert list((d / "files/hf").glob("*.safetensors")) and (d / "files/hf/config.json").exists()
+    assert "| load (checksums verified) |" in (d / "checkpoint_bench.md").read_text()
+
+
+def test_comm_bench(out):
+    """shm gather / scatter-accumulate against gloo collectives on 2 ranks; the script's own checks pass first."""
+    d = out / "comm"
+    comm_bench.main(["--cpu-ranks", "2", "--sizes-mib", "1", "--iters", "9", "--out", str(d)])  # 9: p10/p90 in range
+    (res,) = json.loads((d / "comm_bench.json").read_text())["results"]
+    assert res["group_bytes"] == 1 << 20
+    assert set(res["gather"]) == {"nccl_allgather+copyout", "odc_shm"}
+    assert set(res["scatter"]) == {"nccl_copyin+reducescatter", "odc_shm"}
+    for entry in [*res["gather"].values(), *res["scatter"].values()]:
+        assert finite_positive(*entry.values()), entry
+        assert entry["p10_us"] <= entry["median_us"] <= entry["p90_us"]
+    md = (d / "comm_bench.md").read_text()
+    assert md.count("| 1 MiB |") == 2 and "(shm)" in md
+
+
+def test_e2e_summary(out, capsys):
+    """The summary over every committed e2e run (odc-only A/B runs included), one row per run and workload."""
+    files = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))
+    assert len(files) > 10
+    both = out / "e2e_two_workloads" / "e2e_bench.json"  # one run of two workloads, as e2e_bench's CPU test writes
+    data = json.loads(files[-1].read_text())
+    data["results"] += [dict(r, workload="other", tokens_per_s=r["tokens_per_s"] / 2) for r in data["results"]]
+    both.parent.mkdir()
+    both.write_text(json.dumps(data))
+    e2e_summary.main([*map(str, files), str(both), "--out", str(out / "e2e_summary.md")])
+    text = (out / "e2e_summary.md").read_text()
+    assert capsys.readouterr().out == text
+    rows = [line for line in text.split("\n\n")[0].splitlines()[2:]]
+    expected = sum(len({r["workload"] for r in json.loads(f.read_text())["results"]}) for f in [*files, both])
+    assert len(rows) == expected
+    for f in files:
+        runs = json.loads(f.read_text())["results"]
+        odc = next((r for r in runs if (r["method"], r["balance"]) == ("odc", "lb_mini")), None) or next(
+            r for r in runs if (r["method"], r["balance"]) == ("odc", "lb_micro"))
+        assert any(f"`{f.parent.name}`" in row and f"| {odc['tokens_per_s']:.0f} ({odc['balance']}) |" in row
+                   for row in rows), f
+    assert any(row.startswith("| other |") for row in rows) and "| workload | commit | method |" in text
+
+
+@pytest.mark.parametrize("run", ["n1_3ed1803", "n2_93d573e"])
+def test_gpu_test_report(out, run):
+    """From a committed run's raw files (JUnit XML + measured JSON lines), the committed report's data again."""
+    src = RESULTS / "gpu_tests" / run
+    committed = json.loads((src / "gpu_tests.json").read_text())
+    meta = committed["meta"]
+    d = out / "gpu_tests" / run
+    gpu_test_report.main([str(src), str(d), "--commit", meta["commit"], "--device", meta["device"],
+                          "--date", meta["date"], "--command", meta["command"]])
+    assert json.loads((d / "gpu_tests.json").read_text()) == committed
+    md = (d / "gpu_tests.md").read_text()
+    passed = sum(t["outcome"] == "passed" for t in committed["tests"])
+    assert f"- outcome: {passed} passed" in md and committed["measured"]
+    measured, tests = md.split("## Tests")
+    assert sum(line.startswith("| ") for line in measured.splitlines()) == len(committed["measured"]) + 1
+    assert sum(line.startswith("| ") for line in tests.splitlines()) == len(committed["tests"]) + 1
+
+
+def _suite_sections() -> list[str]:
+    """The section names gpu_suite.sh's header documents."""
+    header = (BENCH / "gpu_suite.sh").read_text().split("\nset -u")[0]
+    listed = re.search(r"# Sections: (.*?)\. Results go", header, re.S).group(1)
+    listed = re.sub(r"\([^)]*\)", "", listed.replace("\n#", " "))
+    return [s.strip() for s in listed.split(",") if s.strip()]
+
+
+def _check_suite_command(section: str, cmd: str) -> None:
+    """The command a section runs is one that today's scripts, tests and configs accept."""
+    words = shlex.split(cmd)
+    scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks/") and w.endswith(".py")]
+    if scripts:
+        i = scripts[0]
+        module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
+                  "e2e_bench": e2e_bench}[Path(words[i]).stem]
+        module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
+    elif "pytest" in words:
+        files = [w for w in words if w.startswith("tests/")]
+        assert files and all((ROOT / f).exists() for f in files), (section, files)
+    else:
+        from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
+
+        from odcfsdp.config import register, validate
+        from odcfsdp.train import CONFIGS_DIR
+
+        overrides = words[words.index("odcfsdp.train") + 1:]
+        register()
+        with initialize_config_dir(config_dir=str(CONFIGS_DIR), version_base="1.3"):
+            validate(OmegaConf.to_object(compose("train", overrides=overrides)))
+
+
+def test_gpu_suite(out):
+    """bash -n; every documented section gives a command (and a time limit) that the scripts it names accept."""
+    script = BENCH / "gpu_suite.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    sections = _suite_sections()
+    assert {"tests", "comm", "optim", "checkpoint", "train1b", "e2e_balanced"} <= set(sections)
+    env = {**os.environ, "DRY_RUN": "1"}
+    run = subprocess.run(["bash", str(script), str(out / "suite"), "abc1234", "0,1:" + ",".join(sections),
+                          "2,3,4,5:comm,e2e_longtail"], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(sections) + 2 and not (out / "suite").exists()  # a dry run writes nothing
+    for line in lines:
+        head, cmd = line.split("\t")
+        lane, section, limit = head.split()
+        assert int(limit) > 0 and cmd.strip(), line
+        assert f"{out / 'suite'}/lane{lane}/{section}_n{2 if lane == '0' else 4}" in cmd, line
+        _check_suite_command(section, cmd)
+    assert "--nproc-per-node=4" in lines[-1]
+    bad = subprocess.run(["bash", str(script), str(out / "suite"), "abc1234", "0:comm,no_such_section"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode != 0 and "unknown section no_such_section" in bad.stderr
+
+
+def test_hf_finetune_check(out):
+    """The CLI fine-tune of a local HF checkpoint on 2 gloo ranks: the first loss equals transformers' (fp32)."""
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    import hf_finetune_check
+
+    d = out / "hf_finetune"
+    hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2"])
+    res = json.loads((d / "hf_finetune_check.json").read_text())
+    assert res["device"] == "cpu x 2" and "run.world_size=2" in res["train_command"]
+    assert res["first_loss_rel_diff"] < 1e-5, res  # fp32 on both sides
+    assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
+    assert set(res["eval_losses"]) == {"1", "2"} and all(math.isfinite(x) for x in res["eval_losses"].values())
+    assert res["export_loads"] and res["tokenizer_has_template"]
+    assert finite_positive(res["summary"]["tokens_per_s"])
+    assert "| first-step loss: odcfsdp / transformers (fp32) |" in (d / "hf_finetune_check.md").read_text()
+    assert not (d / "work").exists()
+
+
+def test_hf_load_memory(out):
+    """Save a tiny checkpoint, load it with load_hf on 2 CPU ranks, and report each rank's memory."""
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    import hf_load_memory
+
+    d = out / "hf_load"
+    hf_load_memory.main(["--out", str(d), "--layers", "2", "--dim", "128", "--vocab", "512", "--world", "2"])
+    res = json.loads((d / "hf_load_memory.json").read_text())
+    dim, inter = 128, int(128 * 8 / 3) // 64 * 64  # the script's config: 2 query heads, 1 key-value head of 64
+    per_layer = 2 * dim * dim + 2 * dim * 64 + 3 * dim * inter + 2 * dim
+    assert res["params"] == 2 * 512 * dim + 2 * per_layer + dim
+    assert res["world"] == 2 and len(res["ranks"]) == 2
+    for r in res["ranks"]:
+        assert all(math.isfinite(v) for v in r.values()) and r["state_mib"] > 0
+        assert r["load_peak_mib"] >= 0 and r["anon_load_peak_mib"] >= 0  # high-water marks above the end state
+    assert (d / "hf_load_memory.md").read_text().count(" of 2 |") == 2
+
+
+@pytest.mark.parametrize("variant", ["8b_2x8_measured_nccl", "8b_2x8_nccl360"])
+def test_multinode_cost_model(out, variant):
+    """The committed cost models again, from the committed one-node measurements and their recorded command."""
+    committed = json.loads((RESULTS / "cost_model" / variant / "cost_model.json").read_text())
+    words = shlex.split(committed["meta"]["command"])[2:]
+    d = out / "cost_model" / variant
+    words[words.index("--out") + 1] = str(d)
+    multinode_cost_model.main(words)
+    got = json.loads((d / "cost_model.json").read_text())
+    assert got["meta"]["params"] == committed["meta"]["params"]
+    assert got["meta"]["measured"] == committed["meta"]["measured"]
+    assert len(got["rows"]) == len(committed["rows"]) == 16
+    for g, c in zip(got["rows"], committed["rows"]):
+        assert g.keys() == c.keys()
+        for k in g:
+            want = pytest.approx(c[k], rel=1e-9) if isinstance(c[k], float) else c[k]
+            assert g[k] == want, (variant, g["method"], k)
+        assert g["step_s"] >= g["micro_batches"] * g["compute_s"] > 0
+        if g["method"] == "odc_hsdp":
+            assert g["inter_s"] == 0  # sharding stays in the node
+    assert (d / "cost_model.md").read_text().count("| odc_hsdp |") == 4
+
+
+def test_optim_bench(out):
+    """Every optimizer-step variant on rank 0's shards of the tiny Llama, timed on the CPU."""
+    import torch.distributed as dist
+
+    d = out / "optim"
+    optim_bench.main(["--sizes", "tiny", "--iters", "2", "--warmup", "1", "--out", str(d)])
+    assert not dist.is_initialized()  # its one-rank group is gone again
+    (res,) = json.loads((d / "optim_bench.json").read_text())["results"]
+    assert set(res["variants"]) == set(optim_bench.BYTES_PER_PARAM)
+    from odcfsdp.models import Llama, llama_config
+
+    with torch.device("meta"):
+        shapes = [p.shape for p in Llama(llama_config("tiny", 32000)).parameters()]
+    shard = sum(-(-s[0] // 2) * math.prod(s[1:]) for s in shapes)  # rank 0 of 2, dim-0 sharding
+    assert shard <= res["params_on_rank"] < shard + optim_bench.ALIGN * len(shapes)
+    for name, v in res["variants"].items():
+        assert finite_positive(v["ms_median"], v["gb_per_s"]), (name, v)
+        assert v["ms_min"] <= v["ms_median"] <= v["ms_max"]
+    assert (d / "optim_bench.md").read_text().count("| tiny |") == 3
