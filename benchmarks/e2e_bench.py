@@ -21,7 +21,8 @@ Workloads: ``balanced`` (every sample ``--seq`` tokens) and ``longtail`` (LongAl
 ``odc`` runs with ``lb_mini`` and also ``lb_micro``. Reported per run: tokens/s, MFU,
 peak allocated / reserved memory (plus the NVSHMEM heap for ``odc``), step-time
 spread, per-rank compute vs optimizer-step time, and the loss of every step. Rank 0
-writes ``e2e_bench.json``, ``e2e_bench.md`` and ``e2e_bench.png``.
+writes ``e2e_bench.json``, ``e2e_bench.md`` and ``e2e_bench.png``. ``--memory-breakdown``
+adds one step per method that attributes its peak to categories (``odcfsdp.memory``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistributio
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.loop import gather_stats, plan_step, train_step
+from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.models import Llama, llama_config
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
@@ -147,7 +149,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     leftover = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
     if args.warm_attention:  # cuDNN attention plans for every document length of the run, built before any
         # method is timed (once per process; see [attention-kernels])
-        all_steps = args.warmup + args.steps + (method in args.profile)
+        all_steps = args.warmup + args.steps + (method in args.profile) + args.memory_breakdown
         warm_attention([source[i].truncated(cap + 1).n_inputs for i in range(all_steps * args.batch)],
                        cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device, cfg.attention_backend)
     torch.manual_seed(args.seed)
@@ -165,18 +167,26 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         steps = []
         profile = None
         n_steps = args.warmup + args.steps
-        for step in range(n_steps + (method in args.profile)):  # a profiled step comes last, not counted
-            prof = step_profiler() if step == n_steps else None
+
+        def prepare(step: int):  # this rank's share of minibatch ``step``; every rank starts its step together
             minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world)
             if isinstance(wrapped, ODCShard):
                 wrapped.begin_minibatch(len(minibatch.mine))
             if cuda:
                 torch.cuda.synchronize(device)
             dist.barrier()
+            return minibatch
+
+        def train(minibatch):
+            return train_step(wrapped, opt, None, minibatch, device, max_norm=1.0, loss_scale=loss_scale,
+                              autocast=autocast, no_sync=no_sync)
+
+        for step in range(n_steps + (method in args.profile)):  # a profiled step comes last, not counted
+            prof = step_profiler() if step == n_steps else None
+            minibatch = prepare(step)
             if prof is not None:
                 prof.__enter__()
-            out = train_step(wrapped, opt, None, minibatch, device, max_norm=1.0, loss_scale=loss_scale,
-                             autocast=autocast, no_sync=no_sync)
+            out = train(minibatch)
             if prof is not None:
                 prof.__exit__(None, None, None)
                 try:
@@ -197,6 +207,10 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         total_s = sum(s["step_s"] for s in measured)
         alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None
+        memory = None
+        if args.memory_breakdown:  # after the peaks above were read: peak_breakdown resets them
+            minibatch = prepare(n_steps + (method in args.profile))
+            memory = memory_record(wrapped, opt, functools.partial(train, minibatch), device)
         result = {
             "workload": workload, "method": method, "balance": balance,
             "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
@@ -212,13 +226,48 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             **{key: [sum(s[key][r] for s in measured) for r in range(world)]
                # host: time to queue the forward/backward work (close to compute = launch-bound)
                for key in ("rank_compute_s", "rank_step_s", "rank_host_s")},
-            "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile,
+            "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile, "memory_breakdown": memory,
         }
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
         if isinstance(wrapped, ODCShard):
             wrapped.close()
     del wrapped, model, opt
     return result
+
+
+def memory_record(wrapped: nn.Module, opt: torch.optim.Optimizer, train, device: torch.device) -> dict | None:
+    """``--memory-breakdown``: one more step (not counted), every rank's record gathered (rank order).
+
+    CUDA: the step's peak by category (``odcfsdp.memory.peak_breakdown``, every method; odc adds its heap, outside
+    torch's allocator). odc, on every device: ``memory_breakdown`` at the optimizer's step pre-hook (after the last
+    backward and ``clip_grad_norm_``) and after the step. Other methods on CPU: nothing (no step is run).
+    """
+    odc = isinstance(wrapped, ODCShard)
+    if device.type != "cuda" and not odc:
+        return None
+    points: dict = {}
+
+    def before_step(*_args) -> None:  # a step pre-hook must return None
+        points["before_step"] = memory_breakdown(wrapped, opt).as_dict()
+
+    handle = opt.register_step_pre_hook(before_step) if odc else None
+    try:
+        peak = None
+        if device.type == "cuda":
+            now = memory_breakdown(wrapped, opt) if odc else None
+            outside = {k: getattr(now, k) for k in now.outside_torch} if now is not None else {}
+            peak = peak_breakdown(train, functools.partial(known_tensors, wrapped, opt), optimizer=opt, device=device,
+                                  outside=outside)
+        else:
+            train()
+    finally:
+        if handle is not None:
+            handle.remove()
+    if odc:
+        points["after_step"] = memory_breakdown(wrapped, opt).as_dict()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"peak": peak, "points": points})
+    return {"ranks": gathered}
 
 
 def main_worker(args) -> list[dict] | None:
@@ -292,6 +341,10 @@ def parse(argv=None):
     p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
     p.add_argument("--profile", nargs="*", default=[],
                    help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="one more step per method, not counted: on CUDA its peak by category (every method; "
+                        "odcfsdp.memory.peak_breakdown), and odc's memory_breakdown before and after the "
+                        "optimizer step")
     p.add_argument("--keep-going", action="store_true", help="record a failing run and go on with the others")
     p.add_argument("--alloc-conf", default="",
                    help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set), e.g. expandable_segments:True "

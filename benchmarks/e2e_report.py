@@ -116,7 +116,84 @@ def report(results: list[dict], meta: dict) -> str:
             busy = r["profile"].get("busy_ms")
             lines.append(f"| {r['workload']} | {r['method']} | {r['balance']} | {r['profile']['step_s']:.2f} | "
                          f"{'-' if busy is None else f'{busy / 1e3:.2f}'} | " + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
+    lines += memory_report(results)
     return "\n".join(lines) + "\n"
+
+
+# Rows of the peak table, in this order (then any other category a rule produced); see odcfsdp/memory.py.
+PEAK_ORDER = ("masters", "rows", "accumulators", "gradients", "optimizer_state", "unsharded_params", "grad_buffers",
+              "comm_buffers", "optimizer_step", "grad_norm", "fsdp2_other", "preexisting_other",
+              "activations_and_other")
+POINT_ORDER = ("masters", "rows", "accumulators", "heap_other", "heap", "optimizer_state", "unsharded_params",
+               "grad_buffers", "torch_allocated", "activations_and_other", "allocator_slack")
+
+
+def _unit(values) -> tuple[str, float]:
+    top = max([abs(v) for v in values if v is not None] or [0])
+    return next((u, d) for u, d in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= d or d == 1)
+
+
+def _table(title: str, note: str, columns: list[str], rows: list[tuple[str, list]]) -> list[str]:
+    unit, div = _unit([v for _, vals in rows for v in vals])
+    out = ["", f"## {title} ({unit})", "", note, "", "| category | " + " | ".join(columns) + " |",
+           "|---|" + "---|" * len(columns)]
+    for name, vals in rows:
+        out.append(f"| {name} | " + " | ".join("-" if v is None else f"{v / div:.3f}" for v in vals) + " |")
+    return out
+
+
+def _with_heap(peak: dict, key: str) -> int:
+    """One of torch's peaks in a ``peak_breakdown`` record plus the bytes outside torch's allocator (the heap)."""
+    return peak[key] + sum(peak["outside_torch"].values())
+
+
+def memory_report(results: list[dict]) -> list[str]:
+    """``--memory-breakdown``: bytes by category at each method's peak (CUDA), and odc's at two points of a step."""
+    runs = [r for r in results if r.get("memory_breakdown")]
+    lines: list[str] = []
+    peaks = []  # (run, rank, record): the rank whose peak (torch's + heap) is highest
+    for r in runs:
+        ranks = [(k, rec["peak"]) for k, rec in enumerate(r["memory_breakdown"]["ranks"]) if rec.get("peak")]
+        if ranks:
+            peaks.append((r, *max(ranks, key=lambda kp: _with_heap(kp[1], "allocator_peak_bytes"))))
+    if peaks:
+        cats = [c for c in PEAK_ORDER if any(p["categories"].get(c) for _, _, p in peaks)]
+        cats += sorted({c for _, _, p in peaks for c in p["categories"]} - set(cats))
+        heap = [k for k in POINT_ORDER if any(k in p["outside_torch"] for _, _, p in peaks)]
+        rows = [(c, [p["categories"].get(c, 0) for _, _, p in peaks]) for c in cats]
+        rows += [("= replayed peak (torch, requested bytes)", [p["peak_bytes"] for _, _, p in peaks]),
+                 ("torch peak allocated (rounded blocks)", [p["allocator_peak_bytes"] for _, _, p in peaks]),
+                 ("rounding (allocated - replayed)",
+                  [p["allocator_peak_bytes"] - p["peak_bytes"] for _, _, p in peaks])]
+        rows += [(f"heap: {k} (outside torch)", [p["outside_torch"].get(k, 0) for _, _, p in peaks]) for k in heap]
+        rows += [("torch peak allocated + heap", [_with_heap(p, "allocator_peak_bytes") for _, _, p in peaks]),
+                 ("torch peak reserved + heap", [_with_heap(p, "reserved_peak_bytes") for _, _, p in peaks])]
+        lines += _table("Memory at the peak of one extra step, by category",
+                        "Each method's rank with the highest peak (allocated + heap). The allocator's history is "
+                        "replayed to the peak; each block alive then is attributed by address (parameters, "
+                        "gradients, optimizer state, odc's rows) or by its allocation frames, else "
+                        "`activations_and_other` (allocated in the step) or `preexisting_other` (alive before it). "
+                        "See [memory-model] and [peak-replay] in `odcfsdp/memory.py`.",
+                        [f"{r['workload']} {r['method']} {r['balance']} (rank {k})" for r, k, _ in peaks], rows)
+        lines.append("")
+        for r, k, p in peaks:
+            sites = ", ".join(f"`{s}` {b / 2**20:.0f} MiB" for s, b in list(p["unclassified_sites"].items())[:4])
+            warn = f" **{p['warning']}**" if p.get("warning") else ""
+            lines.append(f"- {r['workload']} {r['method']} {r['balance']}: peak at event {p['peak_event']} of "
+                         f"{p['events']}; largest `activations_and_other` sites: {sites or '-'}{warn}")
+    points = [(r, name, bd) for r in runs
+              for name, bd in (r["memory_breakdown"]["ranks"][0].get("points") or {}).items()]
+    if points:
+        cats = [c for c in POINT_ORDER if any(bd.get(c) is not None for _, _, bd in points)]
+        lines += _table("odc memory by category at two points of one extra step (rank 0, `memory_breakdown`)",
+                        "before_step: the optimizer's step pre-hook (after the last backward and clip_grad_norm_); "
+                        "after_step: after the step and zero_grad. With a one-sided transport (heap > 0) rows, "
+                        "accumulators and heap_other are the heap, outside torch's allocator; with `collective` rows "
+                        "and accumulators are torch tensors. On CUDA activations_and_other is torch's allocated "
+                        "bytes minus the torch-allocated categories.",
+                        [f"{r['workload']} {r['method']} {r['balance']} {name}" for r, name, _ in points],
+                        [(c, [bd.get(c) for _, _, bd in points]) for c in cats])
+    return lines
 
 
 def chart(results: list[dict], path: Path) -> None:
