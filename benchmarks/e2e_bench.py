@@ -59,12 +59,16 @@ NO_DECAY = ("*norm*",)
 
 
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
+# odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
+# accumulators (mp_policy reduce_dtype, [precision]), or both ("lean").
+VARIANTS = ("gather_masters", "bf16_reduce", "lean")
 
 
-def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = ()) -> list[tuple[str, str, str]]:
+def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
+             variants: list[str] = ()) -> list[tuple[str, str, str]]:
     """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini.
 
-    Each ablation adds an ``odc-<ablation>`` run with odc's first balancer.
+    Each ablation or variant adds an ``odc-<name>`` run with odc's first balancer.
     """
     out = []
     for w in workloads:
@@ -72,7 +76,7 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = ()) -
             balancers = ("lb_mini", "lb_micro") if m == "odc" and w == "longtail" else ("lb_micro",)
             out += [(w, m, b) for b in balancers]
             if m == "odc":
-                out += [(w, f"odc-{a}", balancers[0]) for a in ablate]
+                out += [(w, f"odc-{a}", balancers[0]) for a in (*ablate, *variants)]
     return out
 
 
@@ -87,12 +91,18 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     """
     cuda = device.type == "cuda"
     if method.startswith("odc"):
-        ablation = method.partition("-")[2]
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        ablation = method.partition("-")[2]  # an ablation or a variant
+        compute = torch.bfloat16 if cuda else torch.float32
+        bf16_reduce = ablation in ("bf16_reduce", "lean")
         sharded = ODCShard(model, args.group_bytes, comm="collective" if method == "odc_collective" else "auto",
-                           param_dtype=torch.bfloat16 if cuda else torch.float32,
+                           param_dtype=None if bf16_reduce else compute,
                            prefetch=0 if ablation == "prefetch0" else args.prefetch,
                            overlap_push=ablation != "no_overlap",
-                           units=() if ablation == "module_hooks" else (DecoderLayer,))
+                           units=() if ablation == "module_hooks" else (DecoderLayer,),
+                           gather_masters=ablation in ("gather_masters", "lean"),
+                           mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
         return sharded, contextlib.nullcontext, 1.0, None
     if method == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -274,7 +284,7 @@ def main_worker(args) -> list[dict] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_ranks \
         else torch.device("cpu")
     results, failed = [], []
-    for w, m, b in runs_for(args.workloads, args.methods, args.ablate):
+    for w, m, b in runs_for(args.workloads, args.methods, args.ablate, args.variants):
         try:
             results.append(run_one(w, m, b, args, device))
         except Exception as e:  # noqa: BLE001 - one method failing must not lose the others' results
@@ -314,6 +324,8 @@ def parse(argv=None):
     p.add_argument("--methods", nargs="+", default=["odc", "odc_collective", "fsdp2", "ddp"])
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
+    p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,
+                   help="extra odc runs with memory levers on: gather_masters, bf16_reduce, lean (both)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")

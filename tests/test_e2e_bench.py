@@ -52,3 +52,15 @@ def test_compiled_layers_with_recomputation_train_the_same_model(tmp_path):
         for a, b in zip(r["losses"], ref):
             assert abs(a - b) <= 1e-4 * abs(b), (r["method"], r["balance"], r["losses"], ref)
     assert "decoder layers compiled (every method): aot_eager" in (tmp_path / "e2e_bench.md").read_text()
+
+
+def test_memory_variants_train_the_same_model(tmp_path):
+    """``--variants``: odc with the fp32 masters gathered and bf16 gradient accumulators trains what odc trains
+    (on CPU the compute is fp32, so only the bf16 sums differ: losses within bf16 rounding)."""
+    e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "2", "--warmup", "1",
+                    "--batch", "8", "--seq", "64", "--pool", "20000", "--group-bytes", "8192", "--methods", "odc",
+                    "--workloads", "balanced", "--variants", "lean", "--out", str(tmp_path)])
+    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["results"]}
+    assert set(runs) == {"odc", "odc-lean"}
+    for a, b in zip(runs["odc-lean"]["losses"], runs["odc"]["losses"]):
+        assert abs(a - b) <= 1e-2 * abs(b)
