@@ -284,6 +284,11 @@ def main_worker(args) -> list[dict] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_ranks \
         else torch.device("cpu")
     results, failed = [], []
+    if device.type == "cuda" and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        # NVSHMEM's heap is sized once per process, by the first model; the variants' fp32 rows need the most
+        # (fp32 rows + fp32 accumulators: 8 bytes per parameter / N, plus slack for padding and NVSHMEM's own use).
+        per_rank = -(-llama_config(args.size, args.vocab).num_params() // dist.get_world_size())
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(per_rank * 8 * 1.05) + (256 << 20))
     for w, m, b in runs_for(args.workloads, args.methods, args.ablate, args.variants):
         try:
             results.append(run_one(w, m, b, args, device))

@@ -73,3 +73,22 @@ def test_cost_model_is_quadratic_in_length():
     assert timed(4) == 1.5 * 6 * 2 * 8 * 16 + 6 * 100 * 4  # only attention is reweighted
     with pytest.raises(ValueError, match="attention_factor must be > 0"):
         CostModel.for_transformer(n_layers=2, dim=8, matmul_params=100, attention_factor=0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_lb_mini_spreads_positions_over_as_few_micro_batches_as_ffd(world_size, seed):
+    """[even-packing]: each rank's micro-batches are as few as first-fit decreasing makes, none over the cap, and the
+    largest is no larger than FFD's largest (peak activation memory follows it)."""
+    from odcfsdp.data.balance import _lpt, _pack_ffd
+
+    sizes = long_tailed(seed, 8 * world_size)
+    plan = plan_minibatch(sizes, world_size, "lb_mini", CAP, COST)
+    shares = _lpt([COST(s) for s in sizes], world_size)
+    for mbs, share in zip(plan, shares):
+        ffd = _pack_ffd(sorted(share), sizes, CAP)
+        assert sorted(i for mb in mbs for i in mb) == sorted(share)
+        assert len(mbs) == len(ffd)
+        tokens = [sum(sizes[i] for i in mb) for mb in mbs]
+        assert max(tokens) <= CAP
+        assert max(tokens) <= max(sum(sizes[i] for i in mb) for mb in ffd)
