@@ -6,7 +6,8 @@
 #   e.g. bash benchmarks/gpu_suite.sh $OUT abc1234 0,1:tests,e2e_balanced 2,3:checkpoint,train1b
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them), comm, optim (one GPU is enough),
-# checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail. Results go to OUT/<section>_n<GPUs>/; each lane is packed into
+# checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, memory_8b_balanced,
+# memory_8b_longtail. Results go to OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
@@ -21,7 +22,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 
 declare -A LIMIT=([tests]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
-                  [e2e_balanced_8b]=420 [e2e_longtail]=420)
+                  [e2e_balanced_8b]=420 [e2e_longtail]=420 [memory_8b_balanced]=540 [memory_8b_longtail]=570)
 
 section_cmd() {  # section, gpus in lane, port, dir
   local s=$1 n=$2 port=$3 dir=$4 extra
@@ -46,6 +47,14 @@ section_cmd() {  # section, gpus in lane, port, dir
     e2e_longtail)  # 4 samples of 8K-64K tokens per GPU per minibatch
       echo "$run benchmarks/e2e_bench.py --size 1b --workloads longtail --batch $((4 * n)) --steps 4 --warmup 1" \
            "--activation-checkpointing --ablate no_overlap --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
+    memory_8b_balanced)  # issue 23: memory by category at the peak, odc (default, gather_masters, lean) vs FSDP2
+      echo "$run benchmarks/e2e_bench.py --size 8b --workloads balanced --batch $((2 * n)) --steps 3 --warmup 1" \
+           "--activation-checkpointing --compile --methods odc fsdp2 --variants gather_masters lean --memory-breakdown" \
+           "--keep-going --out $dir --commit $COMMIT $extra" ;;
+    memory_8b_longtail)  # the same on 4 long-tailed samples (8K-64K) per GPU; lb_mini and lb_micro for odc
+      echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 2 --warmup 1" \
+           "--activation-checkpointing --compile --methods odc fsdp2 --variants lean --memory-breakdown" \
+           "--keep-going --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac
 }
