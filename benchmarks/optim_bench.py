@@ -14,7 +14,11 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` after
   of every gradient) and ``torch.optim.AdamW(fused=True)`` over one fp32 tensor per parameter;
 * ``fsdp2_dtensor``: the same on DTensor parameters (a 1-rank mesh): FSDP2's dispatch overhead;
 * ``odc_torch``: ``fsdp2_dtensor`` plus what ODCShard adds after a torch optimizer's step:
-  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators.
+  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators;
+* ``odc_gather_masters``: ``odc_torch`` with ``gather_masters=True``: peers read the masters, nothing
+  is published ([gather-masters]);
+* ``odc_lean``: that plus bf16 accumulators (``mp_policy`` reduce_dtype): at the sync the bf16
+  accumulator is cast into fp32 ``.grad``, after the step the bf16 accumulator is zeroed ([precision]).
 
 "bytes/param" counts the minimum traffic of each variant (every tensor read or written once per
 pass); GB/s = bytes moved / time, set against a device-to-device copy measured in the same call.
@@ -40,6 +44,8 @@ BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, 
     "fsdp2": 4 + 8 + 16 + 12,  # norm reads g; clip reads and writes g; AdamW reads p g m v, writes p m v
     "fsdp2_dtensor": 4 + 8 + 16 + 12,
     "odc_torch": 4 + 8 + 16 + 12 + 6 + 4,  # + publish (read p, write row) + zero the accumulator
+    "odc_gather_masters": 4 + 8 + 16 + 12 + 4,  # + zero the accumulator; nothing published
+    "odc_lean": 4 + 8 + 16 + 12 + 6 + 2,  # + cast the bf16 accumulator into fp32 .grad, zero it
 }
 
 
@@ -122,6 +128,7 @@ def run_size(size: str, args, device) -> dict:
 
     master, grad_src = normal(), normal()
     acc = grad_src.clone()
+    acc16 = grad_src.to(torch.bfloat16)  # odc_lean's accumulator; ``acc`` is then its fp32 copy (.grad)
     rows = master.to(torch.bfloat16)
     starts = [sum(row_len[:k]) for k in range(len(groups))]
 
@@ -165,21 +172,26 @@ def run_size(size: str, args, device) -> dict:
                                 fused=device.type == "cuda" or None)
         publish = name == "odc_torch"
         row_views, master_views, acc_views = group_views(rows), group_views(master), group_views(acc)
+        acc16_views = group_views(acc16)
 
         def step():
             refill_grads()
+            if name == "odc_lean":  # the sync: .grad is the bf16 accumulator cast to fp32
+                torch._foreach_copy_(acc_views, acc16_views)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             if publish:
                 torch._foreach_copy_(row_views, master_views)
-                torch._foreach_zero_(acc_views)
+            if name.startswith("odc"):
+                torch._foreach_zero_(acc16_views if name == "odc_lean" else acc_views)
 
         ms = timed(step, args.iters, args.warmup, device)
         del opt, params, grads
         return ms
 
     refill_ms = statistics.median(timed(refill_grads, args.iters, args.warmup, device))
-    for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True)):
+    for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True),
+                          ("odc_gather_masters", True), ("odc_lean", True)):
         if name in args.variants:
             results[name] = torch_variant(name, dtensor)
             if device.type == "cuda":
