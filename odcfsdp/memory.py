@@ -47,13 +47,13 @@ all-gather staging buffer (2G) and a reduce-scatter input (4G, fp32) plus output
 bf16 cast of its shard (2G/N, the all-gather input), the all-gather output (2G) and the unsharded
 parameters copied out of it (2G; both briefly), the bf16 unsharded gradients (2G, autograd's), the fp32
 reduce-scatter input (4G) and output (4G/N, the first micro-batch's becomes the sharded gradient); the
-next layer's prefetched all-gather doubles the unsharded part. DDP keeps full fp32 parameters (4P),
-gradients (4P, autograd's) and gradient buckets (4P, the reducer's, allocated in C++), AdamW 8P, and
-autocast's bf16 weight copies (transient).
+next layer's prefetched all-gather doubles the unsharded part. DDP: fp32 parameters, gradients and
+buckets (4P each), AdamW 8P, autocast's bf16 weight copies.
 
-So at equal transients odcfsdp's resident state is 2P/N (the rows) above FSDP2's, and during the first
-micro-batch of a minibatch 6P/N above (FSDP2 has no gradients yet; odcfsdp's accumulators are always
-there). With one-sided transports 6P/N of it (rows, accumulators) is the heap, which torch's peak
+So at equal transients odcfsdp's default resident state is 2P/N (the rows) above FSDP2's. Its levers:
+``gather_masters=True`` (the fp32 master is the row: 16P/N, [gather-masters]) and a bf16 ``reduce_dtype``
+(accumulators 2P/N: 14P/N with both, [precision]). Activations follow each rank's largest micro-batch,
+which LB-Mini keeps small by spreading positions evenly ([even-packing] in ``odcfsdp/data/balance.py``). With one-sided transports 6P/N of it (rows, accumulators) is the heap, which torch's peak
 statistics do not see: compare torch's peak *plus* the heap with FSDP2's peak. NVSHMEM reserves 64 MiB
 beyond the heap (``HEAP_HEADROOM``) for its own use, and NCCL's buffers are outside torch as well.
 """
