@@ -64,7 +64,7 @@ def block_layout(group_bytes: int, world: int):
 
 def _elapsed_us(fn, launches: int = 1) -> float:
     """Microseconds ``launches`` calls of ``fn`` take: CUDA events on GPUs, the wall clock on CPU."""
-    if dist.get_backend() != "nccl":
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         t0 = time.perf_counter()
         for _ in range(launches):
             fn()
@@ -82,7 +82,7 @@ def time_op(fn, iters: int, warmup: int = 3) -> list[float]:
     """Per-launch times in microseconds, ranks aligned by a barrier before each."""
     for _ in range(warmup):
         fn()
-    if dist.get_backend() == "nccl":
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     times = []
     for _ in range(iters):

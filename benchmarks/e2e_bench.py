@@ -61,7 +61,7 @@ NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
 # odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
 # accumulators (mp_policy reduce_dtype, [precision]), or both ("lean").
-VARIANTS = ("gather_masters", "bf16_reduce", "lean")
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload")  # offload: CPUOffloadPolicy (host masters, CPU step)
 
 
 def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
@@ -91,7 +91,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     """
     cuda = device.type == "cuda"
     if method.startswith("odc"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         ablation = method.partition("-")[2]  # an ablation or a variant
         compute = torch.bfloat16 if cuda else torch.float32
@@ -102,6 +102,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            overlap_push=ablation != "no_overlap",
                            units=() if ablation == "module_hooks" else (DecoderLayer,),
                            gather_masters=ablation in ("gather_masters", "lean"),
+                           offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
         return sharded, contextlib.nullcontext, 1.0, None
     if method == "fsdp2":
@@ -330,7 +331,7 @@ def parse(argv=None):
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
     p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,
-                   help="extra odc runs with memory levers on: gather_masters, bf16_reduce, lean (both)")
+                   help="extra odc runs with memory levers on: gather_masters, bf16_reduce, lean (both), offload")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")

@@ -26,7 +26,7 @@ from .data.balance import BALANCERS
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
 from .specs import model_specs
-from .shard_config import ShardConfig
+from .shard_config import OFFLOAD_CHOICES, ShardConfig
 from .sharding.transport import COMM_CHOICES, capabilities
 
 
@@ -174,6 +174,10 @@ def validate(cfg: TrainConfig) -> None:
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas must hold two values, got {list(cfg.optim.betas)}")
     choice("shard.comm", cfg.shard.comm, COMM_CHOICES)
+    choice("shard.offload_policy", cfg.shard.offload_policy, OFFLOAD_CHOICES)
+    if cfg.shard.offload_policy and cfg.shard.gather_masters:
+        raise ValueError("shard.gather_masters=true keeps the masters where peers read them; shard.offload_policy "
+                         "moves them to host memory: choose one")
     choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     positive("shard.group_bytes", cfg.shard.group_bytes)
     positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)

@@ -34,17 +34,22 @@ import torch
 import torch.distributed as dist
 
 
+#: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
+CUDA_BACKENDS = "cuda:nccl,cpu:gloo"
+
+
 def init_torchrun(use_cuda: bool | None = None) -> torch.device:
     """Initialise torch.distributed in a process started by ``torchrun``; return this rank's device.
 
     CUDA (NCCL, one GPU per local rank) when available unless ``use_cuda`` is False;
-    otherwise the CPU with gloo.
+    otherwise the CPU with gloo. On CUDA, CPU tensors have gloo (``cuda:nccl,cpu:gloo``, as
+    FSDP2's CPU offload needs: ``clip_grad_norm_`` reduces host gradients, [offload]).
     """
     cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group(CUDA_BACKENDS, device_id=device)
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
@@ -125,8 +130,8 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
             torch.cuda.set_device(rank % torch.cuda.device_count())
         # The parent hosts the store (see spawn): a stopped rank 0 must not take it down.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=120))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(CUDA_BACKENDS if backend == "nccl" else backend, store=store, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=120))
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles outliving the worker

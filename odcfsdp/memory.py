@@ -187,9 +187,8 @@ def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = 
     """Bytes per category of an ``ODCShard`` model on this rank now (see the module's docstring); no communication."""
     if not isinstance(model, ODCShard):
         raise TypeError(f"memory_breakdown takes an ODCShard model, got {type(model).__name__}")
-    claims = _Claims()
-    counted = {cat: sum(claims.claim(*s) for t in ts if (s := span(t)) is not None)
-               for cat, ts in odc_tensors(model, optimizer).items()}
+    claims, tensors = _Claims(), odc_tensors(model, optimizer)
+    counted = {cat: sum(claims.claim(*s) for t in ts if (s := span(t)) is not None) for cat, ts in tensors.items()}
     heap = int(getattr(model.transport, "heap_bytes", 0) or 0)
     outside = ("rows", "accumulators", "heap_other") if heap else ()
     out = MemoryBreakdown(**counted, heap=heap, heap_other=heap - counted["rows"] - counted["accumulators"] if heap
@@ -197,7 +196,8 @@ def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = 
     device = model.groups[0].row.device if model.groups and model.groups[0].row is not None else None
     if device is not None and device.type == "cuda":
         out.torch_allocated = torch.cuda.memory_allocated(device)
-        inside = sum(v for k, v in counted.items() if k not in outside)
+        host = {k for k, ts in tensors.items() if ts and all(t.device.type == "cpu" for t in ts)}  # offloaded
+        inside = sum(v for k, v in counted.items() if k not in outside and k not in host)
         out.activations_and_other = out.torch_allocated - inside
         out.allocator_slack = torch.cuda.memory_reserved(device) - out.torch_allocated
     return out

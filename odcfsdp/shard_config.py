@@ -106,9 +106,26 @@ def _policy(settings: MixedPrecisionConfig, built):
     return MixedPrecisionPolicy(**dtypes, cast_forward_inputs=settings.cast_forward_inputs)
 
 
+OFFLOAD_CHOICES = (None, "cpu", "cpu_unpinned")
+
+
+def _offload(name: str | None, built):
+    """``shard.offload_policy``: None (no offload), ``cpu`` (pinned host memory) or ``cpu_unpinned``."""
+    if name not in OFFLOAD_CHOICES:
+        raise ValueError(f"shard.offload_policy={name!r} is not allowed; choose one of {OFFLOAD_CHOICES}")
+    if name is None:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=name == "cpu")
+
+
 CONVERSIONS: dict[str, Conversion] = {
     "param_dtype": Conversion(
         Optional[str], _dtype_name, lambda name, built: _dtype(name), "(a dtype's name: float32 | bfloat16 | float16)"),
+    "offload_policy": Conversion(
+        Optional[str], lambda policy: None, _offload,
+        "(cpu: CPUOffloadPolicy(pin_memory=True); cpu_unpinned: pin_memory=False; none: no offload)"),
     "mp_policy": Conversion(
         MixedPrecisionConfig, lambda policy: MixedPrecisionConfig(), _policy,
         "(keys param_dtype, reduce_dtype, output_dtype: dtype names; cast_forward_inputs)"),

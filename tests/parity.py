@@ -154,6 +154,7 @@ def sharded_run(
     replicas: int = 1,
     mp_policy=None,
     gather_masters: bool = False,
+    offload_policy=None,
 ) -> dict:
     """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
@@ -167,8 +168,9 @@ def sharded_run(
     model = ODCShard(
         ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
         prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas), mp_policy=mp_policy,
-        gather_masters=gather_masters,
+        gather_masters=gather_masters, offload_policy=offload_policy,
     )
+    host_masters = {str(g.master.device.type) + ("/pinned" if g.master.is_pinned() else "") for g in model.groups}
     heap_rows = {str(t.dtype).removeprefix("torch.") for t in model.transport.rows}
     out = train_loop(run, model, lambda step: run.data[step][rank], compute=lambda t: t.to(dev))
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
@@ -176,7 +178,7 @@ def sharded_run(
     from torch._dynamo.utils import counters
 
     return {"losses": out["losses"], "norms": out["norms"], "params": state, "groups": len(model.groups),
-            "row_dtypes": heap_rows,
+            "row_dtypes": heap_rows, "master_devices": host_masters,
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 

@@ -119,6 +119,19 @@ def test_gather_masters_nvshmem(world, micro_batches):
     compare(f"gather_masters[{world},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 
+@pytest.mark.parametrize("world, micro_batches", [(1, [2]), pytest.param(2, [1, 2], marks=two_gpus)])
+def test_cpu_offload_nvshmem(world, micro_batches):
+    """offload_policy=CPUOffloadPolicy(): pinned host masters, the optimizer's state and step on the CPU, gradients
+    copied to the host at the sync and masters to the rows at the finish ([offload]); gloo reduces the host norm."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    run = Run(world, micro_batches=micro_batches)
+    results = spawn(sharded_run, world, run, torch.float32, 4096, True, "nvshmem", "cuda", 1, None, (), None, 1, None,
+                    False, CPUOffloadPolicy(pin_memory=True), backend="nccl")
+    assert all(r["master_devices"] == {"cpu/pinned"} for r in results)
+    compare(f"cpu_offload[{world},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
 @two_gpus
 @pytest.mark.parametrize("micro_batches", [[1, 3], [0, 2]])
 def test_bf16_uneven_micro_batches_nvshmem(micro_batches):

@@ -71,3 +71,24 @@ def intact_problem(module: nn.Module, params, param_entries: int, param_dtype: t
                     + ("; change parameters before wrapping (or load values with load_state_dict)"
                        if "replaced" in problem else ""))
     return None
+
+
+def offload_target(offload_policy, device: torch.device, gather_masters: bool) -> tuple[torch.device | None, bool]:
+    """Where masters (and so optimizer state) live under ``offload_policy``: (host device or None, pinned).
+
+    See [offload] in ``group.py``. FSDP2's ``OffloadPolicy()`` means no offload; ``CPUOffloadPolicy`` puts the
+    masters in host memory (pinned if asked and CUDA is there to pin for).
+    """
+    if offload_policy is None:
+        return None, False
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy (e.g. CPUOffloadPolicy()), got "
+                        f"{type(offload_policy).__name__}")
+    if not isinstance(offload_policy, CPUOffloadPolicy):
+        return None, False
+    if gather_masters:
+        raise ValueError("gather_masters=True needs the masters where peers read them (the device's heap); "
+                         "offload_policy=CPUOffloadPolicy() keeps them in host memory: choose one")
+    return torch.device("cpu"), bool(offload_policy.pin_memory and device.type == "cuda")

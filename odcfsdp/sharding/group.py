@@ -51,6 +51,16 @@ master's dtype the row *is* the master and publishing is nothing. (A bf16 row pl
 16 low bits would save 2 bytes per parameter / N, but no torch optimizer can update
 such a pair in place.)
 
+Design note [offload]
+---------------------
+``offload_policy=CPUOffloadPolicy(pin_memory=True)`` (FSDP2's) keeps each group's fp32
+master in host memory (pinned), so optimizers create their state there and step on the
+CPU: 12 bytes per parameter / N (master 4 + AdamW 8) leave the GPU, which keeps the
+``param_dtype`` row peers read (2) and the accumulator peers push into (4). At the sync the
+accumulator is copied into a host gradient buffer (kept from minibatch to minibatch) that
+``.grad`` views; at the finish the updated master is copied (and cast) into the row. Both
+copies are whole groups, in the protocol's meetings, not overlapped with compute yet.
+
 Design note [gather-masters]
 ----------------------------
 By default a rank keeps two copies of its rows: the fp32 master (optimizers update it)
@@ -109,11 +119,14 @@ class FlatGroup:
         first_position: the model-order position of the group's first parameter.
         compute_dtype: the unsharded parameters' dtype (default: the row's; wider rows are
             masters that gathers cast, [gather-masters]).
+        host: where the master lives when offloaded ([offload]; None: next to the row, or the row itself).
+        pin: pin the offloaded master and the host gradient buffer.
     """
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter],
                  registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype, events: GradEvents, device_mesh,
-                 first_position: int = 0, compute_dtype: torch.dtype | None = None):
+                 first_position: int = 0, compute_dtype: torch.dtype | None = None,
+                 host: torch.device | None = None, pin: bool = False):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         transport = comm.transport
         compute_dtype = compute_dtype or transport.rows[layout.index].dtype
@@ -123,7 +136,12 @@ class FlatGroup:
         self.rank = transport.rank
         self.row = transport.rows[self.index]
         self.accumulator = transport.accumulators[self.index]
-        self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
+        self.offloaded, self._pin = host is not None, pin
+        if self.offloaded:  # [offload]: the master (and so the optimizer's state) in host memory
+            self.master = torch.zeros(self.row.numel(), dtype=master_dtype, device=host, pin_memory=pin)
+        else:
+            self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
+        self._grad_host: torch.Tensor | None = None  # [offload]: the host copy of the accumulator .grad views
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=compute_dtype, device=self.row.device)
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
@@ -175,7 +193,7 @@ class FlatGroup:
         """Drop the rows and buffers (the wrapper is closing; the transport frees the heap)."""
         for sp in self.params:
             sp.release()
-        self.master = self.row = self.accumulator = self.grad_buffer = None
+        self.master = self.row = self.accumulator = self.grad_buffer = self._grad_host = None
 
     # -- use counting ----------------------------------------------------------
     def reset_uses(self) -> None:
@@ -281,6 +299,14 @@ class FlatGroup:
     def attach_grads(self) -> None:
         """Every trained parameter's shard ``.grad`` is its view of the (complete) accumulator, or, when the
         accumulator is narrower than the master (a ``reduce_dtype``, [precision]), of an upcast copy of it."""
+        if self.accumulator is not None and self.offloaded:  # [offload]: .grad views a host copy
+            if self._grad_host is None:
+                self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self._pin)
+            self._grad_copy = self._grad_host
+            self._grad_copy.copy_(self.accumulator)
+            for sp in self._trained:
+                sp.attach_grad(self.layout, self._grad_copy, self.rank)
+            return
         if self.accumulator is not None and self.accumulator.dtype != self.master.dtype:
             self._grad_copy = self.accumulator.to(self.master.dtype)
             for sp in self._trained:

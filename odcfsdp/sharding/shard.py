@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .arguments import check_params, compute_dtype, intact_problem, registrations, shard_device
+from .arguments import check_params, compute_dtype, intact_problem, offload_target, registrations, shard_device
 from .group import FlatGroup
 from .hooks import HookDriver, TrainingPhase
 from .layout import GroupLayout, plan_groups
@@ -125,6 +125,8 @@ class ODCShard(nn.Module):
             while unpacking, so no ``param_dtype`` copy of the rows is kept (2 bytes per
             parameter / N less with bf16) for twice the gather bytes ([gather-masters] in
             ``group.py``).
+        offload_policy: FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: fp32 masters, and so the
+            optimizer's state and step, in host memory ([offload] in ``group.py``).
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` (as above), ``reduce_dtype``
             (the gradient accumulators' dtype, e.g. bf16; fp32 by default), ``output_dtype`` and
             ``cast_forward_inputs`` at the model's forward (see [precision] in ``precision.py``).
@@ -146,6 +148,7 @@ class ODCShard(nn.Module):
         mesh=None,
         timeout: float = 300.0,
         gather_masters: bool = False,
+        offload_policy=None,
         mp_policy=None,
     ):
         super().__init__()
@@ -180,6 +183,7 @@ class ODCShard(nn.Module):
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
         self.transport: Transport = make_transport(comm, self.mesh)
         self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
+        host, pin = offload_target(offload_policy, device, gather_masters)
         self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
                              [self.precision.accumulator_dtype(d) for d in master_dtypes])
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
@@ -194,7 +198,7 @@ class ODCShard(nn.Module):
         starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.comm, dtype, self.protocol, device_mesh, start, param_dtype)
+                      self.comm, dtype, self.protocol, device_mesh, start, param_dtype, host, pin)
             for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
         self.protocol.attach(self.groups)
