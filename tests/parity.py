@@ -199,18 +199,20 @@ def cast_into(compute: nn.Module, master: nn.Module) -> None:
 
 
 def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype = torch.bfloat16,
-                              reduce_dtype: torch.dtype = torch.float32) -> dict:
+                              reduce_dtype: torch.dtype = torch.float32, master_device: str | None = None) -> dict:
     """Plain PyTorch with FSDP2-style mixed precision, on one device, on the union of the data.
 
     A copy of the model with ``compute_dtype`` parameters runs forward/backward per
     micro-batch; its gradients are rounded to ``reduce_dtype`` and summed in it (fp32: the
     default), then handed to the fp32 master parameters, which the run's optimizer (after
     ``clip_grad_norm_``) updates and which are cast back into the compute copy after every step.
+    ``master_device`` (default ``device``) is where the masters, the optimizer and its step live
+    (``"cpu"``: CPU offload; torch's CPU and CUDA optimizer kernels round differently).
     """
     import copy
 
-    master = ParityModel(torch.float32).to(device)
-    compute = copy.deepcopy(master)
+    master = ParityModel(torch.float32).to(master_device or device)
+    compute = copy.deepcopy(master).to(device)
     for p in compute.parameters():  # parameters only: buffers (RoPE frequencies) stay fp32, as in ODCShard
         p.data = p.data.to(compute_dtype)
     cast_into(compute, master)
@@ -227,7 +229,7 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
                 loss.backward()
                 step_losses.append(loss.item())
                 for n in names:
-                    accum[n].add_(compute.get_parameter(n).grad.to(reduce_dtype))
+                    accum[n].add_(compute.get_parameter(n).grad.to(accum[n].device, reduce_dtype))
                 compute.zero_grad(set_to_none=True)
         losses.append(step_losses)
         for n in names:

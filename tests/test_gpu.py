@@ -129,7 +129,8 @@ def test_cpu_offload_nvshmem(world, micro_batches):
     results = spawn(sharded_run, world, run, torch.float32, 4096, True, "nvshmem", "cuda", 1, None, (), None, 1, None,
                     False, CPUOffloadPolicy(pin_memory=True), backend="nccl")
     assert all(r["master_devices"] == {"cpu/pinned"} for r in results)
-    compare(f"cpu_offload[{world},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+    compare(f"cpu_offload[{world},{micro_batches}]", run, results,
+            mixed_precision_reference(run, "cuda", master_device="cpu"), BF16_TOL)
 
 
 @two_gpus
