@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from odcfsdp.launch import init_torchrun, spawn
+from odcfsdp.launch import run_benchmark_ranks
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
 
 
@@ -87,11 +87,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: time save, load and export."""
     args = parse(argv)
-    if args.cpu_ranks:
-        spawn(worker, args.cpu_ranks, args, None, timeout=600)
-        return
-    worker(args, init_torchrun(use_cuda=True))
-    dist.destroy_process_group()
+    run_benchmark_ranks(worker, args, args.cpu_ranks)
 
 
 def worker(args, device: torch.device | None) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from odcfsdp.launch import init_torchrun, spawn
+from odcfsdp.launch import run_benchmark_ranks
 from odcfsdp.sharding.layout import plan_groups
 from odcfsdp.sharding.mesh import ShardMesh
 from odcfsdp.sharding.transport import make_transport
@@ -260,11 +260,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: run the benchmark, rank 0 writes the files."""
     args = parse(argv)
-    if args.cpu_ranks:
-        spawn(worker, args.cpu_ranks, args, None, timeout=600)
-        return
-    worker(args, init_torchrun(use_cuda=True))
-    dist.destroy_process_group()
+    run_benchmark_ranks(worker, args, args.cpu_ranks)
 
 
 def worker(args, device: torch.device | None) -> None:

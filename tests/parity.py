@@ -241,3 +241,11 @@ def mixed_precision_reference(run: Run, device: str, compute_dtype: torch.dtype 
         opt.zero_grad()
         cast_into(compute, master)
     return {"losses": losses, "norms": norms, "params": {n: p.detach().cpu() for n, p in master.named_parameters()}}
+
+
+def assert_same_training(first: list[dict], second: list[dict]) -> None:
+    """Two sets of ranks' ``sharded_run`` results trained the same thing to the bit: losses, norms, final values."""
+    for a, b in zip(first, second, strict=True):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
