@@ -73,7 +73,8 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
     out = []
     for w in workloads:
         for m in methods:
-            balancers = ("lb_mini", "lb_micro") if m == "odc" and w == "longtail" else ("lb_micro",)
+            one_sided = m == "odc" or m.startswith("odc-")  # odc-<variant> as a method: best_fit.py's candidates
+            balancers = ("lb_mini", "lb_micro") if one_sided and w == "longtail" else ("lb_micro",)
             out += [(w, m, b) for b in balancers]
             if m == "odc":
                 out += [(w, f"odc-{a}", balancers[0]) for a in (*ablate, *variants)]

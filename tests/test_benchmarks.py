@@ -26,6 +26,7 @@ RESULTS = ROOT / "results"
 sys.path.insert(0, str(BENCH))
 
 import attention_bench  # noqa: E402
+import best_fit  # noqa: E402
 import checkpoint_bench  # noqa: E402
 import comm_bench  # noqa: E402
 import e2e_bench  # noqa: E402
@@ -294,3 +295,19 @@ def test_optim_bench(out):
         assert finite_positive(v["ms_median"], v["gb_per_s"]), (name, v)
         assert v["ms_min"] <= v["ms_median"] <= v["ms_max"]
     assert (d / "optim_bench.md").read_text().count("| tiny |") == len(optim_bench.BYTES_PER_PARAM)
+
+
+def test_best_fit(out):
+    """Every method runs the same candidates; a fit is the fastest completed run under the memory bound; CPU run."""
+    d = out / "best_fit"
+    best_fit.main(["--cpu-ranks", "2", "--size", "tiny", "--workloads", "balanced", "--methods", "odc", "fsdp2",
+                   "--micro-samples", "1", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(d),
+                   "--e2e-args", "--vocab", "256", "--seq", "64", "--pool", "20000", "--group-bytes", "8192"])
+    runs = json.loads((d / "best_fit.json").read_text())["runs"]
+    assert sorted({r["method"] for r in runs}) == ["fsdp2", "odc", "odc-lean", "odc-offload"]
+    assert all(finite_positive(r["tokens_per_s"]) for r in runs) and len(runs) == 8  # AC off / on for each
+    table = (d / "best_fit.md").read_text()
+    assert "| balanced | odc |" in table and "| balanced | fsdp2 | fsdp2, lb_micro" in table
+    fast, slow, big = ({"tokens_per_s": t, "peak_gib": g} for t, g in ((10.0, 5.0), (5.0, 1.0), (20.0, 50.0)))
+    assert best_fit.best_of([fast, slow, big, {"error": "out of memory"}], max_gib=8.0) is fast
+    assert best_fit.best_of([big], max_gib=8.0) is None and best_fit.best_of([big, fast], None) is big

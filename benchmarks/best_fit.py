@@ -1,0 +1,155 @@
+"""The speed memory buys: each method's fastest configuration that fits on the GPUs, searched alike, side by side.
+
+    python benchmarks/best_fit.py --nproc 2 --size 8b --workloads balanced --methods odc fsdp2 --out DIR --commit SHA
+    python benchmarks/best_fit.py --cpu-ranks 2 --size tiny --workloads balanced --steps 2 --warmup 1 --out DIR  # CPU
+
+Every method gets the same search over what FSDP users reach for (issue 23, part 4): activation
+checkpointing off or on (full recomputation of each decoder layer: the model has no selective mode),
+micro-batch size (balanced workload: samples per micro-batch; the long-tailed one packs under its cap),
+and, for odcfsdp, its memory levers (``lean``: fp32 masters gathered + bf16 accumulators; ``offload``:
+masters and optimizer step in host memory). Candidates run one per process (``torchrun ...
+benchmarks/e2e_bench.py``; on CPU ``--cpu-ranks`` ranks spawned in this process), so an out-of-memory run
+leaves nothing behind; a candidate *fits* when it completes and its peak (torch's allocated + odc's heap)
+stays under ``--max-gib``. Per method the fitting candidate with the most tokens/s is its best fit.
+Writes ``best_fit.json`` (every candidate) and ``best_fit.md`` (the best fits side by side) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ODC_LEVERS = ("", "lean", "offload")  # e2e_bench methods odc, odc-lean, odc-offload (slowest last)
+
+
+def candidates(method: str, workload: str, micro_samples: list[int]) -> list[dict]:
+    """The configurations tried for ``method``, the ones expected to run fastest first."""
+    methods = [f"odc-{lever}" if lever else "odc" for lever in ODC_LEVERS] if method == "odc" else [method]
+    sizes = micro_samples if workload == "balanced" else [None]
+    return [{"method": m, "activation_checkpointing": ac, "micro_samples": k}
+            for ac in (False, True) for k in sizes for m in methods]
+
+
+def best_of(runs: list[dict], max_gib: float | None) -> dict | None:
+    """The fitting run with the most tokens/s (None if none fits): completed, and under ``max_gib`` when given."""
+    fits = [r for r in runs if r.get("tokens_per_s")
+            and (max_gib is None or (r["peak_gib"] is not None and r["peak_gib"] <= max_gib))]
+    return max(fits, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def _e2e_args(cand: dict, workload: str, args, out: Path) -> list[str]:
+    argv = ["--size", args.size, "--workloads", workload, "--methods", cand["method"], "--batch", str(args.batch),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--keep-going", "--out", str(out),
+            "--commit", args.commit, *args.e2e_args]
+    if cand["micro_samples"]:
+        argv += ["--balanced-micro-samples", str(cand["micro_samples"])]
+    if cand["activation_checkpointing"]:
+        argv.append("--activation-checkpointing")
+    return argv
+
+
+def run_candidate(cand: dict, workload: str, args, out: Path) -> list[dict]:
+    """Run one candidate; its results (one per balancer) with the peak it took, or one failed record."""
+    argv = _e2e_args(cand, workload, args, out)
+    if args.cpu_ranks:
+        sys.path.insert(0, str(HERE))
+        import e2e_bench
+
+        e2e_bench.main(["--cpu-ranks", str(args.cpu_ranks), *argv])
+    else:
+        cmd = ["torchrun", f"--nproc-per-node={args.nproc}", f"--master-port={args.port}", str(HERE / "e2e_bench.py"),
+               *argv]
+        with open(out / "run.log", "w") as log:
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=False)
+    try:
+        data = json.loads((out / "e2e_bench.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return [{**cand, "workload": workload, "error": "no result (out of memory, or cut by --timeout-s)"}]
+    def plus_heap(r: dict, key: str) -> float | None:  # None on CPU: torch keeps no allocator statistics there
+        return None if r.get(key) is None else r[key] + (r.get("nvshmem_heap_gib") or 0.0)
+
+    rows = [{**cand, "workload": workload, "balance": r["balance"], "tokens_per_s": r["tokens_per_s"],
+             "mfu": r["mfu"], "peak_gib": plus_heap(r, "peak_alloc_gib"),
+             "peak_reserved_gib": plus_heap(r, "peak_reserved_gib")} for r in data["results"]]
+    rows += [{**cand, "workload": workload, "error": f["error"]} for f in data["meta"].get("failed", [])]
+    return rows
+
+
+def report(runs: list[dict], meta: dict) -> str:
+    """The best fit of each method per workload, side by side, and the ratio to FSDP2's."""
+    under = "" if meta["max_gib"] is None else f" with peak (allocated + heap) <= {meta['max_gib']} GiB"
+    lines = ["# Best fit: each method's fastest configuration that fits", "",
+             f"- device: {meta['device']}; date {meta['date']}; commit {meta['commit']}",
+             f"- command: `{meta['command']}`",
+             f"- fits: completed{under}; {len(runs)} candidate runs, {sum('error' in r for r in runs)} did not fit "
+             "or failed", "",
+             "| workload | method | best configuration | tokens/s | vs fsdp2 | MFU | peak GiB (+heap) |", "|---|---|---|---|---|---|---|"]
+    for workload in sorted({r["workload"] for r in runs}):
+        best = {m: best_of([r for r in runs if r["workload"] == workload and r["method"].split("-")[0] == m],
+                           meta["max_gib"]) for m in meta["methods"]}
+        base = best.get("fsdp2")
+        for m, b in best.items():
+            if b is None:
+                lines.append(f"| {workload} | {m} | nothing fits | - | - | - | - |")
+                continue
+            config = (f"{b['method']}, {b.get('balance')}, AC {'on' if b['activation_checkpointing'] else 'off'}"
+                      + (f", {b['micro_samples']} samples/micro-batch" if b["micro_samples"] else ""))
+            ratio = f"{b['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+            peak = "-" if b["peak_gib"] is None else f"{b['peak_gib']:.1f}"
+            mfu = "-" if b["mfu"] is None else f"{b['mfu']:.1%}"
+            lines.append(f"| {workload} | {m} | {config} | {b['tokens_per_s']:.0f} | {ratio} | {mfu} | {peak} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="8b")
+    p.add_argument("--workloads", nargs="+", default=["balanced"], choices=["balanced", "longtail"])
+    p.add_argument("--methods", nargs="+", default=["odc", "fsdp2"], choices=["odc", "fsdp2", "ddp"])
+    p.add_argument("--micro-samples", type=int, nargs="+", default=[2, 1], help="balanced: samples per micro-batch")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (torchrun --nproc-per-node)")
+    p.add_argument("--cpu-ranks", type=int, default=0, help="a CPU run: spawn this many gloo ranks per candidate")
+    p.add_argument("--max-gib", type=float, default=None, help="a fit's peak allocated + heap must stay under this")
+    p.add_argument("--timeout-s", type=float, default=900, help="per candidate (a GPU run)")
+    p.add_argument("--port", type=int, default=29631)
+    p.add_argument("--out", default="results/best_fit")
+    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--e2e-args", nargs=argparse.REMAINDER, default=[], help="passed on to e2e_bench.py (last)")
+    args = p.parse_args(argv)
+    args.command = "benchmarks/best_fit.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    return args
+
+
+def main(argv=None) -> None:
+    """Run every method's candidates, then write the report."""
+    args = parse(argv)
+    out = Path(args.out)
+    runs = []
+    for workload in args.workloads:
+        for method in args.methods:
+            for k, cand in enumerate(candidates(method, workload, args.micro_samples)):
+                sub = out / f"{workload}_{method}_{k}"
+                sub.mkdir(parents=True, exist_ok=True)
+                runs += run_candidate(cand, workload, args, sub)
+                print(f"{workload} {cand}: {runs[-1].get('tokens_per_s', runs[-1].get('error'))}", flush=True)
+    import torch
+
+    meta = {"device": "cpu" if args.cpu_ranks else torch.cuda.get_device_name(0) + f" x {args.nproc}",
+            "date": datetime.date.today().isoformat(), "commit": args.commit, "command": args.command,
+            "max_gib": args.max_gib, "methods": args.methods}
+    (out / "best_fit.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    (out / "best_fit.md").write_text(report(runs, meta))
+    print(report(runs, meta))
+
+
+if __name__ == "__main__":
+    main()
