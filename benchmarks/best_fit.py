@@ -2,6 +2,7 @@
 
     python benchmarks/best_fit.py --nproc 2 --size 8b --workloads balanced --methods odc fsdp2 --out DIR --commit SHA
     python benchmarks/best_fit.py --cpu-ranks 2 --size tiny --workloads balanced --steps 2 --warmup 1 --out DIR  # CPU
+    python benchmarks/best_fit.py --merge DIR1 DIR2 ... --out DIR   # one report over searches run in separate calls
 
 Every method gets the same search over what FSDP users reach for (issue 23, part 4): activation
 checkpointing off or on (full recomputation of each decoder layer: the model has no selective mode),
@@ -123,6 +124,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("--out", default="results/best_fit")
     p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--merge", nargs="+", default=[], help="only merge these folders' best_fit.json into one report")
     p.add_argument("--e2e-args", nargs=argparse.REMAINDER, default=[], help="passed on to e2e_bench.py (last)")
     args = p.parse_args(argv)
     args.command = "benchmarks/best_fit.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -133,6 +135,16 @@ def main(argv=None) -> None:
     """Run every method's candidates, then write the report."""
     args = parse(argv)
     out = Path(args.out)
+    if args.merge:  # searches split over several device calls (each call has a time limit): one report
+        parts = [json.loads((Path(d) / "best_fit.json").read_text()) for d in args.merge]
+        meta = {**parts[0]["meta"], "command": args.command,
+                "methods": list(dict.fromkeys(m for p in parts for m in p["meta"]["methods"]))}
+        runs = [r for p in parts for r in p["runs"]]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "best_fit.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+        (out / "best_fit.md").write_text(report(runs, meta))
+        print(report(runs, meta))
+        return
     runs = []
     for workload in args.workloads:
         for method in args.methods:

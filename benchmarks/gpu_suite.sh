@@ -7,7 +7,9 @@
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them), comm, optim (one GPU is enough),
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, memory_8b_balanced,
-# memory_8b_longtail. Results go to OUT/<section>_n<GPUs>/; each lane is packed into
+# memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
+# best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
+# best_fit.py --merge). Results go to OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
@@ -22,7 +24,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 
 declare -A LIMIT=([tests]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
-                  [e2e_balanced_8b]=420 [e2e_longtail]=420 [memory_8b_balanced]=540 [memory_8b_longtail]=570)
+                  [e2e_balanced_8b]=420 [e2e_longtail]=420 [memory_8b_balanced]=540 [memory_8b_longtail]=570
+                  [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
+                  [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400)
 
 section_cmd() {  # section, gpus in lane, port, dir
   local s=$1 n=$2 port=$3 dir=$4 extra
@@ -55,6 +59,17 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 2 --warmup 1" \
            "--activation-checkpointing --compile --methods odc fsdp2 --variants lean --memory-breakdown" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
+    best_fit_1b)  # 8 samples of 4K per GPU; DDP too at 1B
+      echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 1b --workloads balanced --methods odc fsdp2" \
+           "ddp --micro-samples 4 2 --batch $((8 * n)) --steps 3 --warmup 1 --timeout-s 120 --out $dir --commit $COMMIT" \
+           "$extra" ;;
+    best_fit_8b_balanced_odc|best_fit_8b_balanced_fsdp2)  # 2 samples of 4K per GPU
+      echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 8b --workloads balanced --methods ${s##*_}" \
+           "--micro-samples 2 1 --batch $((2 * n)) --steps 2 --warmup 1 --timeout-s 150 --out $dir --commit $COMMIT" \
+           "$extra" ;;
+    best_fit_8b_longtail_odc|best_fit_8b_longtail_fsdp2)  # 4 long-tailed samples (8K-64K) per GPU
+      echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 8b --workloads longtail --methods ${s##*_}" \
+           "--batch $((4 * n)) --steps 2 --warmup 1 --timeout-s 180 --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac
 }

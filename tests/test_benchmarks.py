@@ -175,7 +175,7 @@ def _check_suite_command(section: str, cmd: str) -> None:
     if scripts:
         i = scripts[0]
         module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
-                  "e2e_bench": e2e_bench}[Path(words[i]).stem]
+                  "e2e_bench": e2e_bench, "best_fit": best_fit}[Path(words[i]).stem]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
     elif "pytest" in words:
         files = [w for w in words if w.startswith("tests/")]
@@ -311,3 +311,5 @@ def test_best_fit(out):
     fast, slow, big = ({"tokens_per_s": t, "peak_gib": g} for t, g in ((10.0, 5.0), (5.0, 1.0), (20.0, 50.0)))
     assert best_fit.best_of([fast, slow, big, {"error": "out of memory"}], max_gib=8.0) is fast
     assert best_fit.best_of([big], max_gib=8.0) is None and best_fit.best_of([big, fast], None) is big
+    best_fit.main(["--merge", str(d), str(d), "--out", str(d / "merged")])  # searches split over calls: one report
+    assert len(json.loads((d / "merged" / "best_fit.json").read_text())["runs"]) == 16
