@@ -29,6 +29,15 @@ def test_offloaded_masters_train_exactly_as_resident_ones(comm, micro_batches):
     assert all(b["master_devices"] == {"cpu"} for b in offloaded)
 
 
+def test_closing_drops_the_host_gradients():
+    """A model closed between the read of .grad and the step keeps no host gradient buffer alive."""
+    model = ODCShard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.module.weight.grad is not None  # the sync: gradients copied to the host buffer
+    model.close()
+    assert all(g._grad_copy is None and g._grad_host is None for g in model.groups)
+
+
 def test_offload_policy_errors_name_the_fix():
     with pytest.raises(ValueError, match="choose one"):
         ODCShard(nn.Linear(4, 4), gather_masters=True, offload_policy=CPUOffloadPolicy())

@@ -104,3 +104,24 @@ def test_config_keys_build_the_policy():
     policy = shard_arguments(cfg, built)["mp_policy"]
     assert isinstance(policy, MixedPrecisionPolicy) and policy.reduce_dtype == torch.bfloat16
     assert policy.param_dtype is None and policy.cast_forward_inputs
+
+
+def test_casts_reach_dataclass_outputs():
+    """output_dtype casts tensors inside dataclass outputs too, as fully_shard's casting does."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return Out(self.lin(x))
+
+    model = ODCShard(Model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    assert model(torch.randn(2, 4)).logits.dtype == torch.float32
+    model.close()

@@ -73,7 +73,7 @@ def intact_problem(module: nn.Module, params, param_entries: int, param_dtype: t
     return None
 
 
-def offload_target(offload_policy, device: torch.device, gather_masters: bool) -> tuple[torch.device | None, bool]:
+def offload_target(offload_policy, mesh, gather_masters: bool) -> tuple[torch.device | None, bool]:
     """Where masters (and so optimizer state) live under ``offload_policy``: (host device or None, pinned).
 
     See [offload] in ``group.py``. FSDP2's ``OffloadPolicy()`` means no offload; ``CPUOffloadPolicy`` puts the
@@ -91,4 +91,11 @@ def offload_target(offload_policy, device: torch.device, gather_masters: bool) -
     if gather_masters:
         raise ValueError("gather_masters=True needs the masters where peers read them (the device's heap); "
                          "offload_policy=CPUOffloadPolicy() keeps them in host memory: choose one")
-    return torch.device("cpu"), bool(offload_policy.pin_memory and device.type == "cuda")
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(mesh.group)) if mesh.distributed and mesh.world_size > 1 else "gloo"
+    if mesh.device.type == "cuda" and "gloo" not in backend:
+        raise ValueError(f"offload_policy=CPUOffloadPolicy() reduces host tensors (the gradient norm, full state "
+                         f"dicts), which the process group's backend {backend!r} cannot: init_process_group("
+                         "'cuda:nccl,cpu:gloo'), as odcfsdp.launch does")
+    return torch.device("cpu"), bool(offload_policy.pin_memory and mesh.device.type == "cuda")

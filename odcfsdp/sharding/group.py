@@ -59,7 +59,9 @@ CPU: 12 bytes per parameter / N (master 4 + AdamW 8) leave the GPU, which keeps 
 ``param_dtype`` row peers read (2) and the accumulator peers push into (4). At the sync the
 accumulator is copied into a host gradient buffer (kept from minibatch to minibatch) that
 ``.grad`` views; at the finish the updated master is copied (and cast) into the row. Both
-copies are whole groups, in the protocol's meetings, not overlapped with compute yet.
+copies are whole groups, in the protocol's meetings, not overlapped with compute yet. The
+clip's norm is reduced over host gradients, so the process group needs a CPU backend
+(``cuda:nccl,cpu:gloo``, as for FSDP2's offload; ``odcfsdp.launch`` sets it up).
 
 Design note [gather-masters]
 ----------------------------
@@ -193,7 +195,7 @@ class FlatGroup:
         """Drop the rows and buffers (the wrapper is closing; the transport frees the heap)."""
         for sp in self.params:
             sp.release()
-        self.master = self.row = self.accumulator = self.grad_buffer = self._grad_host = None
+        self.master = self.row = self.accumulator = self.grad_buffer = self._grad_host = self._grad_copy = None
 
     # -- use counting ----------------------------------------------------------
     def reset_uses(self) -> None:

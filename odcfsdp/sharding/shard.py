@@ -183,7 +183,7 @@ class ODCShard(nn.Module):
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
         self.transport: Transport = make_transport(comm, self.mesh)
         self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
-        host, pin = offload_target(offload_policy, device, gather_masters)
+        host, pin = offload_target(offload_policy, self.mesh, gather_masters)
         self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
                              [self.precision.accumulator_dtype(d) for d in master_dtypes])
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)

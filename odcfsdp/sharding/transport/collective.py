@@ -20,7 +20,7 @@ class CollectiveTransport(Transport):
     name = "collective"
     caps = TransportCaps(devices=("cuda", "cpu"), uneven_micro_batches=False, spans_hosts=True,
                          where="any torch.distributed backend (NCCL, gloo)",
-                         how="all-gather + copy-out / copy-in + fp32 reduce-scatter")
+                         how="all-gather + copy-out / copy-in + reduce-scatter in the accumulators' dtype (fp32)")
 
     def _allocate(self, layouts: list[GroupLayout]):
         rows = [torch.zeros(lay.row_len, dtype=dtype, device=self.device)
@@ -48,7 +48,7 @@ class CollectiveTransport(Transport):
         if self.world_size == 1:
             acc.add_(grad.to(acc.dtype))  # rounded to the accumulator's dtype first, as every other push is
             return
-        # Reduce in the accumulator dtype (fp32), as FSDP2's reduce_dtype=float32 does.
+        # Reduce in the accumulators' dtype (fp32, or a reduce_dtype [precision]), as FSDP2's reduce_dtype does.
         staging = lay.pack(grad, out=torch.empty(lay.unsharded_numel, dtype=acc.dtype, device=acc.device))
         own = torch.empty_like(acc)
         reduce_scatter_tensor(own, staging.view(-1), group=self.mesh.group)

@@ -248,7 +248,8 @@ class NvshmemTransport(OneSidedTransport):
                     num_warps=self.gather_warps, rank=self.rank)
 
     def _gather_copy_engine(self, g: int, out: torch.Tensor) -> None:
-        """One peer memcpy per (parameter, rank): DMA engines move the data, SMs stay free for compute."""
+        """One peer memcpy per (parameter, rank): DMA engines move the data, SMs stay free for compute (with
+        ``gather_masters`` the copy also casts, which torch runs as a kernel on the SMs)."""
         lay = self.layouts[g]
         for seg_view, slot in zip(lay.unsharded_segments(out), lay.slots):
             for step in range(self.world_size):
