@@ -35,14 +35,13 @@ import gc
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from e2e_report import busy_ms, chart, kernel_summary, report, step_profiler  # noqa: E402  (benchmarks/ on sys.path)
+from e2e_report import chart, kernel_summary, report, step_profiler  # noqa: E402  (benchmarks/ on sys.path)
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution

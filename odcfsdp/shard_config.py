@@ -59,15 +59,12 @@ class Conversion:
     note: str = ""
 
 
-def unit_classes(model: torch.nn.Module, names, default: tuple[type, ...] | None = None) -> tuple[type, ...]:
+def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
     """The module classes named by ``shard.units``, looked up among the model's own modules.
 
-    With no names, ``default`` (the model spec's default units) or, without one, a Hugging
-    Face model's decoder layers (its ``_no_split_modules``).
+    With no names, a Hugging Face model's decoder layers (its ``_no_split_modules``), else none.
     """
     if not names:
-        if default is not None:
-            return tuple(default)
         layers = getattr(model, "decoder_layer_classes", None)
         return layers() if layers is not None else ()
     by_name = {type(m).__name__: type(m) for m in model.modules()}
@@ -131,7 +128,7 @@ CONVERSIONS: dict[str, Conversion] = {
         "(keys param_dtype, reduce_dtype, output_dtype: dtype names; cast_forward_inputs)"),
     "units": Conversion(
         List[str], lambda classes: [c.__name__ for c in classes],
-        lambda names, built: unit_classes(built.model, names, built.default_units),
+        lambda names, built: unit_classes(built.model, names),
         "(class names, e.g. [DecoderLayer]; none: the model's default units, an HF model's decoder layers)"),
 }
 

@@ -98,7 +98,7 @@ def test_policy_errors_name_the_fix():
 def test_config_keys_build_the_policy():
     """``shard.mp_policy.*`` (dtype names) becomes FSDP2's MixedPrecisionPolicy; unset keys mean no policy."""
     cfg = ShardConfig()
-    built = type("Built", (), {"model": nn.Linear(2, 2), "default_units": ()})()
+    built = type("Built", (), {"model": nn.Linear(2, 2)})()
     assert shard_arguments(cfg, built)["mp_policy"] is None
     cfg.mp_policy.reduce_dtype = "bfloat16"
     policy = shard_arguments(cfg, built)["mp_policy"]

@@ -300,17 +300,15 @@ class FlatGroup:
     # -- the step protocol's per-group work ----------------------------------------------------
     def attach_grads(self) -> None:
         """Every trained parameter's shard ``.grad`` is its view of the (complete) accumulator, or, when the
-        accumulator is narrower than the master (a ``reduce_dtype``, [precision]), of an upcast copy of it."""
-        if self.accumulator is not None and self.offloaded:  # [offload]: .grad views a host copy
-            if self._grad_host is None:
-                self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self._pin)
-            self._grad_copy = self._grad_host
-            self._grad_copy.copy_(self.accumulator)
-            for sp in self._trained:
-                sp.attach_grad(self.layout, self._grad_copy, self.rank)
-            return
-        if self.accumulator is not None and self.accumulator.dtype != self.master.dtype:
-            self._grad_copy = self.accumulator.to(self.master.dtype)
+        accumulator is narrower than the master (a ``reduce_dtype``, [precision]) or on another device (the master
+        offloaded, [offload]), of a copy of it in the master's dtype and place."""
+        if self.accumulator is not None and (self.offloaded or self.accumulator.dtype != self.master.dtype):
+            if self.offloaded:  # [offload]: a host copy, its buffer kept from minibatch to minibatch
+                if self._grad_host is None:
+                    self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self._pin)
+                self._grad_copy = self._grad_host.copy_(self.accumulator)
+            else:
+                self._grad_copy = self.accumulator.to(self.master.dtype)
             for sp in self._trained:
                 sp.attach_grad(self.layout, self._grad_copy, self.rank)
             return

@@ -30,15 +30,13 @@ class BuiltModel:
     """What a spec's ``build`` returns: the unwrapped model and what MFU, the balancers and ``ODCShard`` need.
 
     ``layers``, ``dim`` and ``matmul_params`` (parameters in matrix products per token) give
-    the training FLOPs of a sequence (``CostModel.for_transformer``); ``default_units`` are the
-    module classes hooked as a whole when ``shard.units`` names none.
+    the training FLOPs of a sequence (``CostModel.for_transformer``).
     """
 
     model: nn.Module
     layers: int
     dim: int
     matmul_params: int
-    default_units: tuple[type[nn.Module], ...] = ()
 
 
 def _no_tokenizer(cfg: Any) -> str | None:

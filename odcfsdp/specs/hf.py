@@ -29,8 +29,7 @@ def build(cfg, vocab_size: int) -> BuiltModel:
         model.add_lora(lora.r, lora.alpha, lora.dropout, lora.target_modules)
     c = model.config
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
-    return BuiltModel(model, layers=c.num_hidden_layers, dim=c.hidden_size, matmul_params=matmul,
-                      default_units=model.decoder_layer_classes())
+    return BuiltModel(model, layers=c.num_hidden_layers, dim=c.hidden_size, matmul_params=matmul)
 
 
 def validate(cfg) -> None:
