@@ -203,3 +203,21 @@ def test_lengths_that_do_not_reach_the_attention_are_an_error(tmp_path):
     expect(RuntimeError, "odc_doc_lengths did not reach the attention of StableLmAttention",
            lambda: model(tokens, positions, doc_lengths=[5, 8]))
     """)
+
+
+def test_memory_policies_given_wrongly_are_refused(tmp_path):
+    """FSDP2's policy objects: a conflicting param_dtype, a wrong type, and offload with gathered masters are errors
+    that name the fix; FSDP2's plain OffloadPolicy() means no offload."""
+    run_case(tmp_path, """
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+expect(ValueError, "param_dtype=torch.float16 and mp_policy.param_dtype=torch.bfloat16 differ",
+       lambda: ODCShard(nn.Linear(4, 4), param_dtype=torch.float16,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
+expect(TypeError, "MixedPrecisionPolicy", lambda: ODCShard(nn.Linear(4, 4), mp_policy={"reduce_dtype": torch.bfloat16}))
+expect(ValueError, "choose one",
+       lambda: ODCShard(nn.Linear(4, 4), gather_masters=True, offload_policy=CPUOffloadPolicy()))
+expect(TypeError, "OffloadPolicy", lambda: ODCShard(nn.Linear(4, 4), offload_policy="cpu"))
+model = ODCShard(nn.Linear(4, 4), offload_policy=OffloadPolicy())  # FSDP2's "no offload"
+assert all(not g.offloaded for g in model.groups)
+model.close()
+""")

@@ -36,15 +36,3 @@ def test_closing_drops_the_host_gradients():
     assert model.module.weight.grad is not None  # the sync: gradients copied to the host buffer
     model.close()
     assert all(g._grad_copy is None and g._grad_host is None for g in model.groups)
-
-
-def test_offload_policy_errors_name_the_fix():
-    with pytest.raises(ValueError, match="choose one"):
-        ODCShard(nn.Linear(4, 4), gather_masters=True, offload_policy=CPUOffloadPolicy())
-    with pytest.raises(TypeError, match="OffloadPolicy"):
-        ODCShard(nn.Linear(4, 4), offload_policy="cpu")
-    from torch.distributed.fsdp import OffloadPolicy
-
-    model = ODCShard(nn.Linear(4, 4), offload_policy=OffloadPolicy())  # FSDP2's "no offload"
-    assert all(not g.offloaded for g in model.groups)
-    model.close()

@@ -88,13 +88,6 @@ def _copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 
 
-def test_policy_errors_name_the_fix():
-    with pytest.raises(ValueError, match="param_dtype=torch.float16 and mp_policy.param_dtype=torch.bfloat16 differ"):
-        ODCShard(nn.Linear(4, 4), param_dtype=torch.float16, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
-        ODCShard(nn.Linear(4, 4), mp_policy={"reduce_dtype": torch.bfloat16})
-
-
 def test_config_keys_build_the_policy():
     """``shard.mp_policy.*`` (dtype names) becomes FSDP2's MixedPrecisionPolicy; unset keys mean no policy."""
     cfg = ShardConfig()
