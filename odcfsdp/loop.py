@@ -6,7 +6,8 @@ A step, as numbered steps:
    source; every rank computes the same balancing plan from the samples' lengths (no
    communication) and takes its share of micro-batches;
 2. ``train_step``: each micro-batch is packed, moved to the device and run forward
-   and backward; its loss is summed over target tokens and divided by the number of
+   and backward; the model returns its loss summed over target tokens (the head fused
+   with the cross-entropy, [linear-cross-entropy]), divided here by the number of
    target tokens of the whole minibatch (ranks' shares differ), then scaled by
    ``loss_scale`` (methods that average gradients over ranks pass the world size);
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
@@ -35,7 +36,6 @@ import torch.nn as nn
 
 from .data.balance import CostModel, plan_minibatch
 from .data.packing import Sample, empty_micro_batch, pack
-from .models.llama import causal_lm_loss
 from .sharding.collectives import all_gather_tensor
 
 
@@ -97,8 +97,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
         micro = (pack([minibatch.samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
         sync = no_sync() if no_sync is not None and k < last else contextlib.nullcontext()
         with sync, autocast():
-            logits = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths)
-            loss = causal_lm_loss(logits, micro.targets, minibatch.global_targets)
+            # The model returns the summed loss of its targets, its head fused with the loss
+            # ([linear-cross-entropy]): no micro-batch holds its full logits.
+            loss = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths,
+                         targets=micro.targets) / minibatch.global_targets
         (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum += loss.detach()
     t_issued = time.perf_counter()
@@ -151,8 +153,8 @@ def evaluate(model: nn.Module, source, cap: int, device: torch.device, rank: int
     with torch.no_grad():
         for k in range(rounds):
             micro = (pack(mine[k]) if k < len(mine) else empty_micro_batch()).to(device)
-            logits = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths)
-            total += causal_lm_loss(logits, micro.targets).item()
+            total += model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths,
+                           targets=micro.targets).item()
             targets += int((micro.targets != -100).sum())
     model.train(was_training)
     table = gather_stats([total, targets], device, group)

@@ -313,3 +313,17 @@ def test_best_fit(out):
     assert best_fit.best_of([big], max_gib=8.0) is None and best_fit.best_of([big, fast], None) is big
     best_fit.main(["--merge", str(d), str(d), "--out", str(d / "merged")])  # searches split over calls: one report
     assert len(json.loads((d / "merged" / "best_fit.json").read_text())["runs"]) == 16
+
+
+def test_loss_bench(out):
+    """Fused and unfused head + loss on the CPU in fp32: both run, and agree to fp32 rounding."""
+    import loss_bench
+
+    d = out / "loss"
+    report = loss_bench.main(["--tokens", "300", "--hidden", "16", "--vocab", "1000", "--dtype", "float32",
+                              "--repeat", "2", "--out", str(d)])
+    assert [r["method"] for r in report["methods"]] == ["unfused", "fused"]
+    assert all(finite_positive(r["ms"]) and not r["oom"] for r in report["methods"])
+    assert max(report["fused_vs_unfused_rel_diff"].values()) < 1e-5
+    assert json.loads((d / "loss_bench.json").read_text()) == report
+    assert "| fused |" in (d / "loss_bench.md").read_text()

@@ -258,3 +258,24 @@ def test_hf_attention_bench_runs_on_cpu(tmp_path):
     assert row["documents"] > 1 and ours["tokens_per_s"] > 0 and row["results"]["sdpa"]["tokens_per_s"] > 0
     assert ours["loss_rel_diff_vs_sdpa"] < 1e-5 and ours["grad_norm_rel_diff_vs_sdpa"] < 1e-5
     assert "odc_documents" in (tmp_path / "hf_attention_bench.md").read_text()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite"])  # granite scales its logits: the unfused path
+def test_loss_with_targets_equals_plain_transformers(tmp_path, arch):
+    """``model(..., targets=t)`` (the head fused with the loss where the family allows) equals plain transformers'
+    logits and cross-entropy, value and every gradient, float64."""
+    model, plain = tiny_hf(tmp_path, arch, **({"logits_scaling": 4.0} if arch == "granite" else {}))
+    assert model.fused_loss == (arch != "granite")
+    model.model.lm_head.chunk_bytes = 8 * 64 * 5  # a few chunks of 5 rows
+    docs, mb = packed((6, 9, 4))
+    mb.targets[0, 3] = -100
+    loss = model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths, targets=mb.targets)
+    loss.backward()
+    targets = mb.targets[0].split([5, 8, 3])
+    ref = sum(torch.nn.functional.cross_entropy(plain(input_ids=d[:-1][None]).logits[0], t, reduction="sum")
+              for d, t in zip(docs, targets))
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+    grads = {n: p.grad for n, p in model.model.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)

@@ -134,7 +134,9 @@ def test_cli_fine_tune_matches_plain_transformers(tmp_path, arch, comm, dtype, s
     for name, want in want_params.items():
         got = dict(first.named_parameters())[name]
         assert torch.equal(got, dict(second.named_parameters())[name]), name
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # atol 2e-6: the run's fused head + loss scales the logits' gradient after its matmuls, the reference
+        # before: fp32 roundings that Adam's normalisation lifts to ~1e-6 on a few elements after 3 steps.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
     tok = transformers.AutoTokenizer.from_pretrained(exported)
     assert tok.chat_template and tok.apply_chat_template(chat_records(1)[0]["messages"], tokenize=False)
     assert json.loads((exported / "generation_config.json").read_text())["eos_token_id"] == 3

@@ -7,10 +7,15 @@ micro-batches pass per-document positions and their document lengths, which the
 per-document attention of ``hf_attention`` uses (no S x S mask; see
 [hf-document-attention]); other models (other families, sliding windows,
 soft-capping) run SDPA on the masks HF builds from the positions.
+
+Families whose head is a plain ``lm_head(hidden)`` (``FUSED_LOSS_FAMILIES``) compute the
+loss with the head fused into the cross-entropy when given targets
+([linear-cross-entropy] in ``loss.py``); others compute logits and the plain loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -18,6 +23,11 @@ import torch.nn as nn
 
 from .hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given, register_document_attention,
                            supports_document_attention)
+from .loss import LinearCrossEntropyHead, causal_lm_loss
+
+# Model types whose ForCausalLM forward is ``lm_head(model(...).last_hidden_state)`` with nothing
+# between (no logit soft-capping or scaling), so the fused head gives the same loss.
+FUSED_LOSS_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 class HFCausalLM(nn.Module):
@@ -52,6 +62,10 @@ class HFCausalLM(nn.Module):
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except TypeError:  # transformers before 4.56 calls it torch_dtype
             self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        self.fused_loss = (config.model_type in FUSED_LOSS_FAMILIES and type(self.model.lm_head) is nn.Linear
+                           and hasattr(self.model, "model"))
+        if self.fused_loss:
+            LinearCrossEntropyHead.adopt(self.model.lm_head)
 
     def decoder_layer_classes(self) -> tuple[type[nn.Module], ...]:
         """The classes Hugging Face never splits across devices (``_no_split_modules``): the decoder layers."""
@@ -98,8 +112,11 @@ class HFCausalLM(nn.Module):
         """``generate`` of the Hugging Face model (under ``ODCShard``: every rank must call it, see README)."""
         return self.model.generate(*args, **kwargs)
 
-    def forward(self, tokens, positions=None, document_ids=None, doc_lengths=None):
+    def forward(self, tokens, positions=None, document_ids=None, doc_lengths=None, targets=None):
         """Logits (B, S, vocab) of ``tokens`` (B, S), attending causally within each packed document.
+
+        With ``targets`` (B, S) the summed next-token loss instead (targets == -100 ignored),
+        with the head fused into the loss where the family allows (see the module's note).
 
         Documents are given by ``doc_lengths`` (one row, host-side: what the training loop
         passes) or ``document_ids`` (B, S); ``positions`` restart at 0 in each document
@@ -111,17 +128,23 @@ class HFCausalLM(nn.Module):
             positions = torch.cat([torch.arange(n, device=tokens.device) for n in doc_lengths])[None]
         elif positions is None and document_ids is not None:
             positions = _positions_within_documents(document_ids)
-        if self.model.config._attn_implementation != DOCUMENT_ATTENTION or (doc_lengths is None and
-                                                                          document_ids is None):
-            return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
-        if doc_lengths is not None:
-            lengths = torch.tensor(doc_lengths)  # a tensor: compiled layers do not guard on its values
-        else:  # each row's runs of equal ids, zero-padded to the longest list
-            rows = [torch.unique_consecutive(r, return_counts=True)[1] for r in document_ids.cpu()]
-            lengths = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        with lengths_given():
-            return self.model(input_ids=tokens, position_ids=positions, use_cache=False,
-                              **{DOC_LENGTHS_KWARG: lengths}).logits
+        kwargs = {}
+        if self.model.config._attn_implementation == DOCUMENT_ATTENTION and (doc_lengths is not None or
+                                                                            document_ids is not None):
+            if doc_lengths is not None:
+                lengths = torch.tensor(doc_lengths)  # a tensor: compiled layers do not guard on its values
+            else:  # each row's runs of equal ids, zero-padded to the longest list
+                rows = [torch.unique_consecutive(r, return_counts=True)[1] for r in document_ids.cpu()]
+                lengths = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+            kwargs[DOC_LENGTHS_KWARG] = lengths
+        with lengths_given() if kwargs else contextlib.nullcontext():
+            if targets is not None and self.fused_loss:
+                causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+                hidden = causal.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                                      **kwargs).last_hidden_state
+                return causal.lm_head(hidden, targets)
+            logits = self.model(input_ids=tokens, position_ids=positions, use_cache=False, **kwargs).logits
+        return logits if targets is None else causal_lm_loss(logits, targets)
 
 
 def _positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:

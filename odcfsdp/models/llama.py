@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import ATTENTION_BACKENDS, causal_attention, repeat_kv
+from .loss import LinearCrossEntropyHead, causal_lm_loss  # noqa: F401 (causal_lm_loss is re-exported)
 
 
 @dataclass
@@ -249,7 +250,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = LinearCrossEntropyHead(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.reset_parameters()
         if cfg.tie_embeddings:
@@ -272,8 +273,13 @@ class Llama(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         doc_lengths: list[int] | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits for ``tokens`` (B, S); packed rows pass ``positions`` and ``doc_lengths`` (B = 1) or ``document_ids``."""
+        """Logits for ``tokens`` (B, S); packed rows pass ``positions`` and ``doc_lengths`` (B = 1) or ``document_ids``.
+
+        With ``targets`` (B, S) the summed next-token loss instead, the output projection
+        fused with the cross-entropy so no full logits exist ([linear-cross-entropy]).
+        """
         b, s = tokens.shape
         if doc_lengths is not None and (b != 1 or sum(doc_lengths) != s):
             raise ValueError(f"doc_lengths must describe one packed row of {s} tokens, got {b} rows and "
@@ -289,15 +295,5 @@ class Llama(nn.Module):
                 h = checkpoint(layer, h, cos, sin, mask, doc_lengths, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, mask, doc_lengths)
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.norm(h), targets)
 
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-    """Summed next-token cross-entropy (targets == -100 ignored), divided by ``normalizer``.
-
-    Pass the global number of target tokens of the minibatch as ``normalizer``: ranks
-    may run different numbers of micro-batches, so a per-micro-batch mean would
-    weight tokens unequally.
-    """
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-    return loss if normalizer is None else loss / normalizer
