@@ -16,7 +16,8 @@ cross-entropy does, written here with torch ops):
 4. ``dh_c = p W`` (kept for backward) and ``dW += p^T h_c``, ``db += sum p`` (fp32 accumulators,
    one rounding to the weight's dtype at the end).
 
-Backward only scales the kept ``dh`` and ``dW`` by the incoming gradient (the normaliser,
+On CUDA steps 2-3 run as one compiled function (a reduction and a pointwise kernel over the
+compute-dtype logits, no fp32 copy). Backward only scales the kept ``dh`` and ``dW`` by the incoming gradient (the normaliser,
 a loss scale). Peak extra memory is one chunk's logits (~10 C V bytes; C is sized so the fp32
 chunk is ``chunk_bytes``, 512 MiB by default, i.e. 1K tokens at V = 128K) plus ``dh`` (the size
 of ``h``) and the fp32 ``dW`` (4 V H: 2.1 GB at 8B), the latter two only from the loss to the
@@ -60,6 +61,36 @@ def _accumulate_weight_grad(grad_w: torch.Tensor, p: torch.Tensor, h: torch.Tens
         grad_w += (p.t() @ h).to(grad_w.dtype)
 
 
+def _chunk_loss_and_grad(z: torch.Tensor, t: torch.Tensor, with_grad: bool):
+    """Steps 2-3 for one chunk of logits ``z`` (C, V): the summed loss (``acc`` dtype) and ``p`` in ``z``'s dtype."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    zf = z.to(acc)
+    lse = torch.logsumexp(zf, dim=-1)
+    valid = t != IGNORE_INDEX
+    index = torch.where(valid, t, 0)
+    loss = torch.where(valid, lse - zf.gather(1, index[:, None])[:, 0], 0.0).sum()
+    if not with_grad:
+        return loss, None
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == index[:, None]
+    p = torch.exp(zf - lse[:, None]) - onehot.to(acc)
+    return loss, torch.where(valid[:, None], p, 0.0).to(z.dtype)
+
+
+# On CUDA the chunk's elementwise work runs compiled: one reduction and one pointwise kernel reading the
+# compute-dtype logits, instead of eager passes over an fp32 copy (measured on an H100, 16K tokens x 128K
+# vocab x 4096: eager 136 ms fwd+bwd vs the unfused path's 104 ms).
+_compiled_chunk = None
+
+
+def _chunk_fn(z: torch.Tensor):
+    global _compiled_chunk
+    if not z.is_cuda:
+        return _chunk_loss_and_grad
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=True)
+    return _compiled_chunk
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Steps 1-4 of [linear-cross-entropy] in forward; backward scales the kept gradients."""
 
@@ -84,19 +115,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and needs[2] else None
         loss = torch.zeros((), dtype=acc, device=h.device)
+        with_grad = grad_h is not None or grad_w is not None or grad_b is not None
         for start in range(0, h.shape[0], chunk_rows):
             hc, tc = h[start:start + chunk_rows].to(cdt), t[start:start + chunk_rows]
-            z = F.linear(hc, w, b).to(acc)                              # 1
-            lse = torch.logsumexp(z, dim=-1)                            # 2
-            valid = tc != IGNORE_INDEX
-            index = torch.where(valid, tc, 0)[:, None]
-            loss += torch.where(valid, lse - z.gather(1, index)[:, 0], 0.0).sum()
-            if grad_h is None and grad_w is None and grad_b is None:
+            z = F.linear(hc, w, b)                                      # 1
+            chunk_loss, p = _chunk_fn(z)(z, tc, with_grad)              # 2, 3
+            loss += chunk_loss
+            if not with_grad:
                 continue
-            p = z.sub_(lse[:, None]).exp_()                             # 3 (in place: z is done)
-            p.scatter_add_(1, index, -valid[:, None].to(p.dtype))
-            p.mul_(valid[:, None])
-            p = p.to(cdt)
             if grad_h is not None:                                      # 4
                 grad_h[start:start + chunk_rows] = p @ w
             if grad_w is not None:
