@@ -310,12 +310,12 @@ def main(argv=None) -> dict:
         text = step_sim_report.validation_markdown(data)
     else:
         fit = step_sim_fit.fit_runs(args.fit, args.host_run)
-        tm, params = step_sim_fit.for_size(fit, args.size)
-        meta.update(fit=fit.as_dict(), size=args.size, time_model=vars(tm),
+        tm, params, opt2 = step_sim_fit.for_size(fit, args.size)
+        meta.update(fit=fit.as_dict(), size=args.size, time_model=vars(tm), opt_s_at_2=opt2,
                     distributions={d: DISTRIBUTIONS[d].source for d in args.distributions})
         points = []
         for d, n, k in itertools.product(args.distributions, args.gpus, args.per_gpu):
-            over = overheads(n, params, fit.opt_s, args.nccl_gbps)
+            over = overheads(n, params, opt2, args.nccl_gbps)
             count = min(64, max(8, args.samples // (n * k)))
             points.append(simulate(DISTRIBUTIONS[d], n, k, tm, over, count, args.seed, args.study))
         data = {"meta": meta, "points": points, "measured": step_sim_fit.measured_speedups()}

@@ -149,13 +149,14 @@ def fit_runs(names: list[str], host_run: str) -> Fit:
     return fit([replay(n) for n in names], host_floor(host_run))
 
 
-def for_size(f: Fit, size: str) -> tuple[TimeModel, int]:
-    """The fit's time model for ``size`` (the fit's own, or its rates scaled by attention / matmul FLOPs), and the
-    size's parameter count."""
+def for_size(f: Fit, size: str) -> tuple[TimeModel, int, dict]:
+    """The fit's time model for ``size`` (the fit's own, or its rates scaled by attention / matmul FLOPs), the
+    size's parameter count, and the optimizer seconds at 2 GPUs (scaled by the parameter count)."""
     mine, other = llama_config(f.size, 32000), llama_config(size, 32000)
     att = (other.n_layers * other.dim) / (mine.n_layers * mine.dim)
     layers = other.n_layers / mine.n_layers
-    return f.time.scaled(att, other.matmul_params() / mine.matmul_params(), layers), other.num_params()
+    opt = {k: v * other.num_params() / mine.num_params() for k, v in f.opt_s.items()}
+    return f.time.scaled(att, other.matmul_params() / mine.matmul_params(), layers), other.num_params(), opt
 
 
 def predict(run: Run, f: Fit, nccl_gbps: float = 360.0) -> dict:

@@ -19,7 +19,7 @@ def sweep_markdown(data: dict) -> str:
               f"rank-steps, largest residual {fit['max_rel_residual']:.1%}): a = {tm['a']:.4g} s/pos^2, "
               f"b = {tm['b']:.4g} s/pos, c = {tm['c']:.4g} s per micro-batch, host floor h = {tm['h']:.4g} s per "
               f"micro-batch; optimizer at 2 GPUs "
-              f"{fit['opt_s_at_2']['odc']:.3f} s (odc), {fit['opt_s_at_2']['fsdp2']:.3f} s (fsdp2)"
+              f"{meta['opt_s_at_2']['odc']:.3f} s (odc), {meta['opt_s_at_2']['fsdp2']:.3f} s (fsdp2)"
               + ("" if meta["size"] == fit["size"] else
                  f"; {meta['size']}: the {fit['size']} rates scaled by attention and matmul FLOPs (not validated)"),
               "- step = FSDP2: sum over micro-batches of the slowest rank's; ODC: the slowest rank's sum; both "
