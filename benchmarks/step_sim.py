@@ -45,6 +45,13 @@ committed balanced run (4K-token micro-batches, host-bound), the least over its 
 path, which every method pays), scaled by the layer count for other sizes. Both methods use the same ``t``: the simulator
 predicts what balancing does; FSDP2's own per-micro-batch speed (measured 2-4% slower than odcfsdp on the same
 plan) is not in it, so its ratios are balancing's share of ODC's gain.
+
+What it found about LB-Mini (``--study``, ``results/sim/sweep_1b/``): on the long-tailed distributions LB-Mini's
+step is within 0.2-2% of the bound; Karmarkar-Karp on cost gains at most 0.9% over its LPT, too little to change
+the shipped balancer. LPT is not a best partition: on single minibatches it can lose to LB-Micro's own partition
+(33 of 2400 sampled, by up to 2.4%; tests/test_step_sim.py holds it to Graham's 4/3 guarantee and to the mean).
+``odc_lpt_overhead`` equals LPT while the fitted ``c`` is 0 (the per-micro-batch overhead of micro-batches of 8K+
+positions is below the fit's resolution; ``h`` is what short micro-batches pay).
 """
 
 from __future__ import annotations
