@@ -34,9 +34,11 @@ import e2e_summary  # noqa: E402
 import gpu_test_report  # noqa: E402
 import multinode_cost_model  # noqa: E402
 import optim_bench  # noqa: E402
+import step_sim  # noqa: E402
 
 RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
-                 "e2e_report.py": "benchmarks/e2e_bench.py"}  # e2e_bench's report: run with it
+                 "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
+                 "step_sim_fit.py": "benchmarks/step_sim.py", "step_sim_report.py": "benchmarks/step_sim.py"}
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +329,25 @@ def test_loss_bench(out):
     assert max(report["fused_vs_unfused_rel_diff"].values()) < 1e-5
     assert json.loads((d / "loss_bench.json").read_text()) == report
     assert "| fused |" in (d / "loss_bench.md").read_text()
+
+
+def test_step_sim(out):
+    """A small sweep of the step simulator on the committed fit: every point priced, ODC's speedups and the bound
+    consistent, the report and (with matplotlib) the chart written; tests/test_step_sim.py checks the model."""
+    d = out / "step_sim"
+    data = step_sim.main(["--gpus", "2", "16", "--per-gpu", "1", "4", "--distributions", "longalign", "chat",
+                          "--samples", "16", "--study", "--out", str(d)])
+    assert len(data["points"]) == 2 * 2 * 2 and len(data["measured"]) == 6
+    for p in data["points"]:
+        s = p["step_s"]
+        assert finite_positive(*s.values()) and min(s.values()) == s["bound"], p
+        assert p["speedup_vs_lb_micro"] == pytest.approx(s["fsdp2_lb_micro"] / s["odc_lb_mini"])
+    assert json.loads((d / "step_sim.json").read_text())["points"] == data["points"]
+    md = (d / "step_sim.md").read_text()
+    assert sum(line.startswith("| 16 | 4 |") for line in md.splitlines()) == 2 and "Karmarkar-Karp" in md and data["meta"]["command"] in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (d / "step_sim.png").exists()
+    else:
+        assert (d / "step_sim.png").stat().st_size > 0

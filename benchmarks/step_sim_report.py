@@ -1,0 +1,119 @@
+"""The step simulator's markdown reports and chart (``step_sim.py`` writes them; see [step-sim] there)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _head(meta: dict, title: str) -> list[str]:
+    return [f"# {title}", "", f"- date {meta['date']}, commit {meta['commit']}; a model, not a measurement",
+            f"- command: `{meta['command']}`"]
+
+
+def sweep_markdown(data: dict) -> str:
+    """The sweep: per distribution, GPU count and samples per GPU, every balancer's mean step and ODC's speedups."""
+    meta, fit = data["meta"], data["meta"]["fit"]
+    tm = meta["time_model"]
+    lines = _head(meta, f"Step-time simulation: ODC + LB-Mini vs FSDP2's balancers ({meta['size']})")
+    lines += [f"- time model: fitted on {', '.join(f'`{r}`' for r in fit['runs'])} ({fit['size']}, {fit['points']} "
+              f"rank-steps, largest residual {fit['max_rel_residual']:.1%}): a = {tm['a']:.4g} s/pos^2, "
+              f"b = {tm['b']:.4g} s/pos, c = {tm['c']:.4g} s per micro-batch, host floor h = {tm['h']:.4g} s per "
+              f"micro-batch; optimizer at 2 GPUs "
+              f"{meta['opt_s_at_2']['odc']:.3f} s (odc), {meta['opt_s_at_2']['fsdp2']:.3f} s (fsdp2)"
+              + ("" if meta["size"] == fit["size"] else
+                 f"; {meta['size']}: the {fit['size']} rates scaled by attention and matmul FLOPs (not validated)"),
+              "- step = FSDP2: sum over micro-batches of the slowest rank's; ODC: the slowest rank's sum; both "
+              "+ optimizer; bound = every rank at the mean work (`benchmarks/step_sim.py`, [step-sim])",
+              "- speedups are balancing's share only: FSDP2's own per-micro-batch speed (2-4% below odcfsdp's on "
+              "2 GPUs) is not modelled", ""]
+    for name, source in meta["distributions"].items():
+        lines += [f"## {name}", "", source, "",
+                  "| GPUs | samples/GPU | FSDP2 LB-Micro s | FSDP2 dynamic s | FSDP2 fixed s | ODC LB-Mini s | bound s "
+                  "| ODC / LB-Micro | ODC / dynamic | ODC / fixed | bound / LB-Micro | LB-Mini / bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in (p for p in data["points"] if p["distribution"] == name):
+            s = p["step_s"]
+            lines.append(f"| {p['gpus']} | {p['samples_per_gpu']} | {s['fsdp2_lb_micro']:.3f} | "
+                         f"{s['fsdp2_dynamic']:.3f} | {s['fsdp2_fixed']:.3f} | {s['odc_lb_mini']:.3f} | "
+                         f"{s['bound']:.3f} | {p['speedup_vs_lb_micro']:.2f}x | {p['speedup_vs_dynamic']:.2f}x | "
+                         f"{p['speedup_vs_fixed']:.2f}x | {p['bound_speedup_vs_lb_micro']:.2f}x | "
+                         f"{p['lb_mini_over_bound']:.3f} |")
+        lines.append("")
+    study = [p for p in data["points"] if "odc_kk" in p["step_s"]]
+    if study:
+        lines += ["## LB-Mini against other partitions (mean step / balance bound; lower is better)", "",
+                  "| distribution | GPUs | samples/GPU | LB-Mini (LPT) | Karmarkar-Karp | LPT + overhead share |",
+                  "|---|---|---|---|---|---|"]
+        for p in study:
+            s, b = p["step_s"], p["step_s"]["bound"]
+            lines.append(f"| {p['distribution']} | {p['gpus']} | {p['samples_per_gpu']} | {s['odc_lb_mini'] / b:.4f} | "
+                         f"{s['odc_kk'] / b:.4f} | {s['odc_lpt_overhead'] / b:.4f} |")
+        lines.append("")
+    lines += ["## Measured (committed runs, 1B, LongAlign-like; ODC + LB-Mini over FSDP2 + LB-Micro)", "",
+              "| run | GPUs | samples/GPU | measured |", "|---|---|---|---|"]
+    lines += [f"| `{m['run']}` | {m['gpus']} | {m['samples_per_gpu']} | {m['speedup_vs_lb_micro']:.3f}x |"
+              for m in data["measured"]]
+    return "\n".join(lines) + "\n"
+
+
+def validation_markdown(data: dict) -> str:
+    """The validation table: fit on one committed run, predict another; errors against the 5% target."""
+    lines = _head(data["meta"], "Step simulator against the committed long-tailed runs (1B)")
+    lines += ["- each row: the time model fitted on the `fit` run's one-sided ranks, the `target` run's steps "
+              "replayed (same seeded samples, same plans) and priced; target: within 5%", ""]
+    for name, f in data["fits"].items():
+        lines.append(f"- fit `{name}`: a = {f['a']:.4g}, b = {f['b']:.4g}, c = {f['c']:.4g}, h = {f['h']:.4g}, optimizer at 2 GPUs "
+                     f"{f['opt_s_at_2']['odc']:.3f} / {f['opt_s_at_2']['fsdp2']:.3f} s (odc / fsdp2), "
+                     f"largest residual {f['max_rel_residual']:.1%} over {f['points']} rank-steps")
+    lines += ["", "| fit -> target | what changes | GPUs | samples/GPU | quantity | measured | predicted | error | "
+              "within 5% |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| `{r['fit']}` -> `{r['target']}` | {r['what']} | {r['gpus']} | {r['samples_per_gpu']} | "
+                     f"{r['quantity']} | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} | "
+                     f"{'yes' if abs(r['error']) <= 0.05 else 'NO'} |")
+    misses = sum(abs(r["error"]) > 0.05 for r in data["rows"])
+    lines += ["", f"{len(data['rows']) - misses} of {len(data['rows'])} within 5%."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(data: dict, path: Path) -> Path | None:
+    """ODC's predicted speedup over FSDP2 + LB-Micro and over dynamic batching against GPUs, a line per samples/GPU,
+    the bound dashed, the measured runs as points; ``None`` without matplotlib (the JSON holds the data)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(data["meta"]["distributions"])
+    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 8), squeeze=False, sharex=True)
+    per_gpu = sorted({p["samples_per_gpu"] for p in data["points"]})
+    colors = plt.get_cmap("viridis")([i / max(1, len(per_gpu) - 1) * 0.9 for i in range(len(per_gpu))])
+    for col, name in enumerate(names):
+        for row, (other, label) in enumerate((("fsdp2_lb_micro", "FSDP2 + LB-Micro"),
+                                              ("fsdp2_dynamic", "FSDP2 + dynamic batching (verl)"))):
+            ax = axes[row][col]
+            for k, color in zip(per_gpu, colors):
+                pts = sorted((p for p in data["points"] if p["distribution"] == name and p["samples_per_gpu"] == k),
+                             key=lambda p: p["gpus"])
+                n = [p["gpus"] for p in pts]
+                ax.plot(n, [p["step_s"][other] / p["step_s"]["odc_lb_mini"] for p in pts], "o-", color=color,
+                        label=f"{k} samples/GPU")
+                ax.plot(n, [p["step_s"][other] / p["step_s"]["bound"] for p in pts], "--", color=color, alpha=0.5)
+            if row == 0 and name == "longalign":
+                for m in data["measured"]:
+                    ax.plot(m["gpus"], m["speedup_vs_lb_micro"], "rx", markersize=9)
+                    ax.annotate(f"{m['samples_per_gpu']}/GPU", (m["gpus"], m["speedup_vs_lb_micro"]), fontsize=7,
+                                xytext=(4, -3), textcoords="offset points", color="red")
+            ax.set_xscale("log", base=2)
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.set_title(f"{name}: ODC + LB-Mini over {label}", fontsize=9)
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel("step-time speedup (dashed: balance bound)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, title="red x: measured (1B)", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
