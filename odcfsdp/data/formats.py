@@ -46,10 +46,9 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "text": (("text",), ()),
 }
 FORMAT_CHOICES = ("auto", *FORMATS)
-FIELDS = tuple(dict.fromkeys(f for required, optional in FORMATS.values() for f in required + optional))
 # ShareGPT's speaker names (and OpenAI's legacy function role) as chat roles.
-ROLE_NAMES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool",
-              "function": "tool", **{r: r for r in ROLES}}
+ROLE_NAMES = {**{r: r for r in ROLES}, "human": "user", "gpt": "assistant", "function_call": "assistant",
+              "observation": "tool", "function": "tool"}
 TURN_KEYS = ("tool_calls", "tool_call_id", "name")  # passed on to the chat template as they are
 
 
