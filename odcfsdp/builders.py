@@ -30,7 +30,14 @@ def build_source(cfg: TrainConfig):
         lengths = LengthDistribution(d.lengths, cfg.run.seed)
         return SyntheticSFT(d.vocab_size, lengths, cfg.run.seed, d.pool_tokens, d.prompt_fraction), d.vocab_size
     tokenizer = load_tokenizer(tokenizer_path(cfg))
-    return JsonlSource(d.path, tokenizer, d.micro_batch_tokens + 1, cfg.run.seed), tokenizer.vocab_size
+    return jsonl_source(cfg, d.path, tokenizer, cfg.run.seed), tokenizer.vocab_size
+
+
+def jsonl_source(cfg: TrainConfig, path: str, tokenizer=None, seed: int = 0) -> JsonlSource:
+    """The JSONL file at ``path`` (``data.path`` or ``data.eval_path``) read as ``data.format``, ``data.fields`` say."""
+    d = cfg.data
+    tokenizer = tokenizer or load_tokenizer(tokenizer_path(cfg))
+    return JsonlSource(path, tokenizer, d.micro_batch_tokens + 1, seed, d.format, d.fields.mapping())
 
 
 def vocab_size(cfg: TrainConfig) -> int:

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from .checks import choice, positive
 from .data.balance import BALANCERS
+from .data.formats import FORMAT_CHOICES
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
 from .specs import model_specs
@@ -56,11 +57,33 @@ class ModelConfig:
 
 
 @dataclass
+class FieldsConfig:
+    """A data file's own column names for the format fields ([data-formats] in odcfsdp/data/formats.py)."""
+
+    text: str | None = None  # the column read as `text`
+    messages: str | None = None  # the column read as `messages` (a list of {role, content})
+    conversations: str | None = None  # the column read as ShareGPT's `conversations` (a list of {from, value})
+    prompt: str | None = None  # the column read as `prompt`, e.g. data.fields.prompt=question
+    completion: str | None = None  # the column read as `completion`, e.g. data.fields.completion=answer
+    instruction: str | None = None  # the column read as Alpaca's `instruction`
+    input: str | None = None  # the column read as Alpaca's `input`
+    output: str | None = None  # the column read as Alpaca's `output`
+    system: str | None = None  # the column read as `system` (a system prompt; sharegpt, alpaca)
+    tools: str | None = None  # the column read as `tools` (JSON schemas of the tools offered)
+
+    def mapping(self) -> dict[str, str]:
+        """Format field name -> the file's column, for the fields that are set."""
+        return {name: column for name, column in vars(self).items() if column}
+
+
+@dataclass
 class DataConfig:
     """Where samples come from and how a global minibatch is cut into micro-batches."""
 
     source: str = "synthetic"  # synthetic | jsonl
     path: str | None = None  # jsonl: the file
+    format: str = "auto"  # jsonl: auto (each record's fields) | messages | sharegpt | alpaca | prompt_completion | text
+    fields: FieldsConfig = field(default_factory=FieldsConfig)  # jsonl: the file's own column names (see FieldsConfig)
     tokenizer_path: str | None = None  # jsonl: a local HF tokenizer (default: model.path's for name=hf, else bytes)
     eval_path: str | None = None  # a held-out JSONL file, evaluated every run.eval_interval steps
     vocab_size: int = 256  # synthetic: vocabulary of the Markov chain
@@ -164,6 +187,7 @@ def validate(cfg: TrainConfig) -> None:
     choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
+    choice("data.format", cfg.data.format, FORMAT_CHOICES)
     choice("data.lengths.kind", cfg.data.lengths.kind, LENGTH_KINDS)
     positive("data.batch_size", cfg.data.batch_size)
     positive("data.micro_batch_tokens", cfg.data.micro_batch_tokens)

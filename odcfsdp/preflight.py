@@ -1,8 +1,8 @@
 """Checks of a training run that need the file system or the machine, made before any rank starts.
 
 ``validate`` (``config.py``) checks values against each other; ``preflight`` checks them
-against the world: the files a run reads exist and parse, the directories it writes are
-writable, a resume path is a checkpoint, the world size fits the machine, and ``run.out_dir``
+against the world: the files a run reads exist and parse (every record in its data format,
+``odcfsdp/data/formats.py``), the directories it writes are writable, a resume path is a checkpoint, the world size fits the machine, and ``run.out_dir``
 does not already hold another run. Each failure is a ``ValueError`` whose one line names the
 key and the fix; ``python -m odcfsdp.train`` prints it and exits with code 2, as for config errors.
 """
@@ -12,15 +12,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import DataConfig, TrainConfig
+from .data.formats import parse
 from .data.jsonl import read_records
 
 
-def _jsonl(key: str, path: str) -> None:
+def _jsonl(key: str, path: str, data: DataConfig) -> None:
+    """Every record of the file parses in ``data.format`` (reading only: tokenizing is the ranks' work)."""
+    fields = data.fields.mapping()
     try:
         for lineno, record in read_records(path, key):
-            if not isinstance(record, dict) or not ({"text", "messages"} & record.keys()):
-                raise ValueError(f"{key}: {path}:{lineno} needs a 'text' or a 'messages' field")
+            try:
+                parse(record, data.format, fields)
+            except ValueError as e:
+                raise ValueError(f"{key}: {path}:{lineno}: {e}") from None
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
     except ValueError as e:
@@ -46,9 +51,9 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
     """Raise ``ValueError`` (one line: key and fix) for anything that would fail only after the ranks started."""
     d, m, ck, r = cfg.data, cfg.model, cfg.checkpoint, cfg.run
     if d.source == "jsonl":
-        _jsonl("data.path", d.path)
+        _jsonl("data.path", d.path, d)
     if d.eval_path:
-        _jsonl("data.eval_path", d.eval_path)
+        _jsonl("data.eval_path", d.eval_path, d)
     for key, path in (("model.path", m.path), ("model.hf_config", m.hf_config), ("data.tokenizer_path", d.tokenizer_path)):
         if path and not Path(path).exists():
             raise ValueError(f"{key}={path!r} does not exist (local paths only)")

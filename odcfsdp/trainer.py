@@ -21,13 +21,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from .builders import build_optimizer, build_sharded_model, build_source, pick_device, tokenizer_path
+from .builders import build_optimizer, build_sharded_model, build_source, jsonl_source, pick_device, tokenizer_path
 from .checkpoint import (
     CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
 )
 from .config import TrainConfig, validate
-from .data.jsonl import JsonlSource
-from .data.tokenizer import load_tokenizer
 from .loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
 from .mfu import mfu, peak_tflops
@@ -50,7 +48,7 @@ def train(cfg: TrainConfig) -> list[dict]:
               f"(shard.replicas; comm={model.transport.name} within a replica)", file=sys.stderr)
     held_out = None
     if cfg.data.eval_path:
-        held_out = JsonlSource(cfg.data.eval_path, load_tokenizer(tokenizer_path(cfg)), cfg.data.micro_batch_tokens + 1)
+        held_out = jsonl_source(cfg, cfg.data.eval_path)
     opt, sched = build_optimizer(cfg, model, device)
     peak = peak_tflops(device, cfg.run.peak_tflops)
     ck = cfg.checkpoint

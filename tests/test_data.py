@@ -92,7 +92,8 @@ def test_jsonl_text_and_chat(tmp_path):
 def test_jsonl_errors_name_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"oops": 1}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: a record needs a 'text' or a 'messages' field"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: fits no data format: fields found: oops; formats known: "
+                                         r"messages \(messages\), sharegpt \(conversations\)"):
         JsonlSource(str(bad), ByteTokenizer(), 100)
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: not valid JSON"):

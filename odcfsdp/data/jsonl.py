@@ -1,9 +1,9 @@
-"""A local JSONL text / chat dataset.
+"""A local JSONL dataset in any of the fine-tuning formats of ``formats.py``.
 
-Each line is one record, either ``{"text": "..."}`` (every token carries loss) or
-``{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}``
-(only assistant turns carry loss; the tokenizer's chat template when it has one, see
-[chat-loss] in ``tokenizer.py``). Records are tokenized once at load, truncated to
+Each line is one record: a chat (``messages``, ShareGPT ``conversations``, Alpaca), a
+prompt / completion (TRL's), or plain ``text`` ([data-formats] in ``formats.py``); only
+the tokens the format trains on carry loss (the tokenizer's chat template when it has one,
+see [chat-loss] in ``tokenizer.py``). Records are tokenized once at load, truncated to
 ``max_len`` tokens, and visited in a seeded order that is reshuffled every epoch.
 """
 
@@ -16,22 +16,27 @@ from typing import Iterator
 
 import torch
 
+from .formats import Chat, parse
 from .packing import Sample
-from .tokenizer import ROLES
 
 
-def encode_record(record: dict, tokenizer, where: str) -> tuple[list[int], list[bool]]:
-    """Token ids and loss mask of one record (``where`` names it in errors)."""
-    if "text" in record:
-        body = tokenizer.encode(record["text"]) + [tokenizer.eos_id]
-        return [tokenizer.bos_id] + body, [False] + [True] * len(body)
-    if "messages" not in record:
-        raise ValueError(f"{where}: a record needs a 'text' or a 'messages' field")
-    for turn in record["messages"]:
-        role, content = turn.get("role"), turn.get("content")
-        if role not in ROLES or not isinstance(content, str):
-            raise ValueError(f"{where}: each message needs role in {ROLES} and a string content, got {turn!r}")
-    return tokenizer.encode_chat(record["messages"])
+def encode_record(record: dict, tokenizer, where: str, data_format: str = "auto",
+                  fields: dict[str, str] | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask of one record (``where`` names it in errors).
+
+    A chat is the tokenizer's ``encode_chat``; a prompt / completion (``text``: an empty
+    prompt) is BOS + prompt + completion + EOS, each tokenized on its own, with loss on the
+    completion and the EOS.
+    """
+    try:
+        example = parse(record, data_format, fields)
+        if isinstance(example, Chat):
+            return tokenizer.encode_chat(example.turns, example.loss, example.tools)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    prompt = tokenizer.encode(example.prompt) if example.prompt else []
+    body = tokenizer.encode(example.completion) + [tokenizer.eos_id]
+    return [tokenizer.bos_id] + prompt + body, [False] * (1 + len(prompt)) + [True] * len(body)
 
 
 def read_records(path: str | Path, key: str = "data.path") -> Iterator[tuple[int, dict]]:
@@ -54,13 +59,17 @@ def read_records(path: str | Path, key: str = "data.path") -> Iterator[tuple[int
 
 
 class JsonlSource:
-    """Samples from a local JSONL file; index i is the i-th sample of a seeded endless stream of epochs."""
+    """Samples from a local JSONL file; index i is the i-th sample of a seeded endless stream of epochs.
 
-    def __init__(self, path: str, tokenizer, max_len: int, seed: int = 0):
+    ``data_format`` and ``fields`` are ``data.format`` and ``data.fields`` (see ``formats.parse``).
+    """
+
+    def __init__(self, path: str, tokenizer, max_len: int, seed: int = 0, data_format: str = "auto",
+                 fields: dict[str, str] | None = None):
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
         dropped = 0
         for lineno, record in read_records(path):
-            ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}")
+            ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}", data_format, fields)
             ids, mask = ids[:max_len], mask[:max_len]
             if len(ids) < 2 or not any(mask[1:]):
                 dropped += 1

@@ -1,13 +1,16 @@
 """Tokenizers: a dependency-free byte-level one, and Hugging Face tokenizers from a local path.
 
 Both turn a chat (``[{"role", "content"}, ...]``) into token ids and a loss mask with
-``encode_chat``; only assistant turns carry loss. A Hugging Face tokenizer with a chat
-template renders the chat with it, as inference will (see [chat-loss]); the byte
-tokenizer, and HF tokenizers without a template, mark turns with one role marker each.
+``encode_chat``; the turns flagged in ``loss`` carry it (default: the assistant turns; the
+flags come from the data format, [data-formats] in ``formats.py``). A Hugging Face
+tokenizer with a chat template renders the chat with it (tool calls and the ``tools``
+offered included), as inference will (see [chat-loss]); the byte tokenizer, and HF
+tokenizers without a template, mark turns with one role marker each and write tool calls
+and tools as JSON text.
 
 Design note [chat-loss]
 -----------------------
-For assistant turn i, the template renders ``messages[:i]`` with the generation prompt
+For each assistant turn i that carries loss, the template renders ``messages[:i]`` with the generation prompt
 (what a model sees before it answers) and ``messages[:i + 1]`` (the answer and its end
 marker). If the whole rendering starts with the second and the second with the first,
 the characters between the two renderings are turn i's answer: they carry loss, the rest
@@ -19,9 +22,10 @@ error naming the turn.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ByteTokenizer:
@@ -41,9 +45,10 @@ class ByteTokenizer:
     def role_marker(self, role: str) -> list[int]:
         return [self.role_ids[role]]
 
-    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    def encode_chat(self, messages: list[dict], loss: list[bool] | None = None,
+                    tools: list | None = None) -> tuple[list[int], list[bool]]:
         """Token ids and loss mask of a chat (role markers; see the module docstring)."""
-        return encode_with_markers(self, messages)
+        return encode_with_markers(self, messages, loss, tools)
 
 
 class HFTokenizer:
@@ -72,18 +77,24 @@ class HFTokenizer:
     def role_marker(self, role: str) -> list[int]:
         return self.encode(f"<|{role}|>\n")
 
-    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    def encode_chat(self, messages: list[dict], loss: list[bool] | None = None,
+                    tools: list | None = None) -> tuple[list[int], list[bool]]:
         """Token ids and loss mask of a chat: the tokenizer's chat template (see [chat-loss]), or role markers."""
         if not getattr(self.tok, "chat_template", None):
-            return encode_with_markers(self, messages)
+            return encode_with_markers(self, messages, loss, tools)
 
         def render(turns, prompt: bool) -> str:
-            return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+            from jinja2 import TemplateError  # what a template's raise_exception raises (a transformers dependency)
+
+            try:
+                return self.tok.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=prompt)
+            except TemplateError as e:  # e.g. a template without a tool role: the record's fault, named by line
+                raise ValueError(f"the tokenizer's chat template refuses this chat: {e}") from None
 
         full = render(messages, False)
         spans = []
-        for i, turn in enumerate(messages):
-            if turn["role"] != "assistant":
+        for i, trained in enumerate(loss_flags(messages, loss)):
+            if not trained:
                 continue
             before, upto = render(messages[:i], True), render(messages[: i + 1], False)
             if not (full.startswith(upto) and upto.startswith(before)):
@@ -92,23 +103,46 @@ class HFTokenizer:
             spans.append((len(before), len(upto)))
         ids, mask, at = [], [], 0
         for lo, hi in spans:
-            for text, loss in ((full[at:lo], False), (full[lo:hi], True)):
+            for text, trained in ((full[at:lo], False), (full[lo:hi], True)):
                 piece = self.encode(text) if text else []
                 ids += piece
-                mask += [loss] * len(piece)
+                mask += [trained] * len(piece)
             at = hi
         tail = self.encode(full[at:]) if full[at:] else []
         return ids + tail, mask + [False] * len(tail)
 
 
-def encode_with_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """BOS, then per turn its role marker (no loss) and its content + EOS (loss on assistant turns)."""
+def loss_flags(messages: list[dict], loss: list[bool] | None) -> list[bool]:
+    """Which turns carry loss: ``loss`` as given (assistant turns only), or every assistant turn."""
+    if loss is None:
+        return [turn["role"] == "assistant" for turn in messages]
+    if len(loss) != len(messages) or any(t and m["role"] != "assistant" for t, m in zip(loss, messages)):
+        raise ValueError("loss flags must be one per turn, set on assistant turns only")
+    return list(loss)
+
+
+def turn_text(turn: dict) -> str:
+    """A turn's content, then its tool calls as JSON, one a line (for tokenizers without a chat template)."""
+    calls = [json.dumps(c, ensure_ascii=False) for c in turn.get("tool_calls") or ()]
+    return "\n".join(([turn["content"]] if turn["content"] else []) + calls)
+
+
+def encode_with_markers(tokenizer, messages: list[dict], loss: list[bool] | None = None,
+                        tools: list | None = None) -> tuple[list[int], list[bool]]:
+    """BOS, then per turn its role marker (no loss) and its text + EOS (loss on the flagged turns).
+
+    The tools offered, if any, lead as a system turn holding their JSON schemas.
+    """
+    flags = loss_flags(messages, loss)
+    if tools:
+        messages = [{"role": "system", "content": json.dumps(tools, ensure_ascii=False)}, *messages]
+        flags = [False, *flags]
     ids, mask = [tokenizer.bos_id], [False]
-    for turn in messages:
+    for turn, trained in zip(messages, flags):
         marker = tokenizer.role_marker(turn["role"])
-        body = tokenizer.encode(turn["content"]) + [tokenizer.eos_id]
+        body = tokenizer.encode(turn_text(turn)) + [tokenizer.eos_id]
         ids += marker + body
-        mask += [False] * len(marker) + [turn["role"] == "assistant"] * len(body)
+        mask += [False] * len(marker) + [trained] * len(body)
     return ids, mask
 
 
