@@ -177,8 +177,9 @@ class FlatGroup:
     def publish(self) -> None:
         """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide)."""
         if self.row is not self.master:
-            with torch.no_grad():
-                self.row.copy_(self.master)
+            with torch.no_grad():  # from a pinned host master, queued: the host master changes only in the next
+                # optimizer step, after wait_host_copies, which comes after this copy on the same stream
+                self.row.copy_(self.master, non_blocking=self.offloaded and self._pin)
         self._published_version = self._versions()
 
     def _versions(self) -> tuple[int, ...]:
@@ -306,7 +307,9 @@ class FlatGroup:
             if self.offloaded:  # [offload]: a host copy, its buffer kept from minibatch to minibatch
                 if self._grad_host is None:
                     self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self._pin)
-                self._grad_copy = self._grad_host.copy_(self.accumulator)
+                # Queued, not waited for: every group's copy goes back to back, and the protocol waits once
+                # for all of them (wait_host_copies) before the optimizer reads them on the CPU.
+                self._grad_copy = self._grad_host.copy_(self.accumulator, non_blocking=self._pin)
             else:
                 self._grad_copy = self.accumulator.to(self.master.dtype)
             for sp in self._trained:
@@ -314,6 +317,11 @@ class FlatGroup:
             return
         for sp in self._trained:
             sp.attach_grad()
+
+    def wait_host_copies(self) -> None:
+        """Wait until this group's queued copies to and from host memory are done ([offload])."""
+        if self.offloaded and self.accumulator is not None and self.accumulator.is_cuda:
+            torch.cuda.current_stream(self.accumulator.device).synchronize()
 
     def detach_grads(self) -> None:
         """Drop every trained parameter's shard ``.grad`` (and the upcast copy, if any)."""

@@ -290,6 +290,8 @@ class StepProtocol:
         if self.synced_pushes:
             for g in self._trained:
                 g.attach_grads()
+            for g in self._trained:  # offloaded groups' host copies were queued back to back: the first wait
+                g.wait_host_copies()  # covers them all, the others return at once
             self.state = GradState.READY
         else:  # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
             self.state = GradState.EMPTY
