@@ -201,6 +201,25 @@ def test_heap_too_small_names_the_bytes():
         assert "NVSHMEM_SYMMETRIC_SIZE to at least" in message, message
 
 
+def _get_mode_with_gather_masters() -> str:
+    from odcfsdp import ODCShard
+    from odcfsdp.models import Llama, LlamaConfig
+
+    os.environ["ODC_NVSHMEM_GATHER"] = "get"
+    try:
+        ODCShard(Llama(LlamaConfig()).cuda(), comm="nvshmem", gather_masters=True)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_get_mode_refuses_gather_masters_when_wrapping():
+    """NVSHMEM get calls cannot cast fp32 masters: refused when wrapping (one line naming the fix), not at the first
+    gather."""
+    (message,) = spawn(_get_mode_with_gather_masters, 1, backend="nccl", timeout=180)
+    assert "cannot cast the fp32 masters" in message and "gather_masters=False" in message, message
+
+
 def _compiled_on_gpu(how: str) -> list[float]:
     from test_standard_loop import _compiled_run
 

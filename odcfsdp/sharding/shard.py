@@ -185,7 +185,7 @@ class ODCShard(nn.Module):
         self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
         host, pin = offload_target(offload_policy, self.mesh, gather_masters)
         self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
-                             [self.precision.accumulator_dtype(d) for d in master_dtypes])
+                             [self.precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
         self.protocol = StepProtocol(self.comm, self.mesh, busy=lambda: self._driver.busy)
         by_name, regs = dict(named), registrations(module)

@@ -78,11 +78,13 @@ class Transport(ABC):
 
     def setup(
         self, layouts: Sequence[GroupLayout], row_dtypes: torch.dtype | Sequence[torch.dtype],
-        accum_dtypes: Sequence[torch.dtype]
+        accum_dtypes: Sequence[torch.dtype], gather_dtype: torch.dtype | None = None
     ) -> None:
         """Allocate every group's row (in its ``row_dtypes`` entry, or all in one dtype) and accumulator (in its
-        ``accum_dtypes`` entry, if trained); zeroed."""
+        ``accum_dtypes`` entry, if trained); zeroed. ``gather_dtype``: the dtype gathers unpack into (when known,
+        a transport that cannot cast rows into it refuses here rather than at the first gather)."""
         self.layouts = list(layouts)
+        self.gather_dtype = gather_dtype
         self.row_dtypes = ([row_dtypes] * len(self.layouts) if isinstance(row_dtypes, torch.dtype)
                            else list(row_dtypes))
         self.accum_dtypes = list(accum_dtypes)

@@ -46,6 +46,8 @@ HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
 GATHER_BLOCK, GATHER_WARPS = 8192, 8
 SCATTER_BLOCK, SCATTER_WARPS = 2048, 4
 GATHER_MODES = ("kernel", "copy_engine", "get")
+GET_CANNOT_CAST = ("NVSHMEM get calls copy bytes and cannot cast the fp32 masters peers hold with gather_masters=True: "
+                   "use load/store peers (one NVLink node) or gather_masters=False")
 
 
 class _NvshmemRuntime:
@@ -209,6 +211,9 @@ class NvshmemTransport(OneSidedTransport):
                     "train within one NVLink domain, or use comm='collective'"
                 )
             self.gather_mode = "get"
+        if self.gather_mode == "get" and self.gather_dtype is not None and \
+                any(d != self.gather_dtype for d in self.row_dtypes):
+            raise RuntimeError(GET_CANNOT_CAST)
         if self.gather_mode != "get":
             self.row_offsets = [
                 row_offsets(rows[g], [self.peer_rows[q][g] for q in range(self.world_size)])
@@ -238,9 +243,7 @@ class NvshmemTransport(OneSidedTransport):
             return
         if self.gather_mode == "get":
             if self.rows[g].dtype != out.dtype:
-                raise RuntimeError(
-                    "NVSHMEM get calls copy bytes and cannot cast the fp32 masters peers hold with gather_masters=True: "
-                    "use load/store peers (one NVLink node) or gather_masters=False")
+                raise RuntimeError(GET_CANNOT_CAST)
             gather_rows_get(self.rows[g], out, self.gather_chunks[g], self.world_size, self.rank,
                             num_warps=self.gather_warps)
             return
