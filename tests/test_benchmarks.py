@@ -169,13 +169,20 @@ def _suite_sections() -> list[str]:
 
 
 def _check_suite_command(section: str, cmd: str) -> None:
-    """The command a section runs is one that today's scripts, tests and configs accept."""
+    """The command a section runs is one that today's scripts, tests and configs accept (each of a ``;`` chain)."""
+    if ";" in cmd:
+        for part in cmd.split(";"):
+            _check_suite_command(section, part)
+        return
     words = shlex.split(cmd)
     scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks/") and w.endswith(".py")]
     if scripts:
+        import hf_finetune_check
+
         i = scripts[0]
         module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
-                  "e2e_bench": e2e_bench, "best_fit": best_fit}[Path(words[i]).stem]
+                  "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
+                  "hf_finetune_check": hf_finetune_check}[Path(words[i]).stem]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
     elif "pytest" in words:
         files = [w for w in words if w.startswith("tests/")]
@@ -198,7 +205,8 @@ def test_gpu_suite(out):
     script = BENCH / "gpu_suite.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     sections = _suite_sections()
-    assert {"tests", "comm", "optim", "checkpoint", "train1b", "e2e_balanced"} <= set(sections)
+    assert {"tests", "comm", "optim", "checkpoint", "train1b", "e2e_balanced", "hf_8b_balanced", "hf_8b_longtail",
+            "hf_1b_vs_llama_1b", "hf_finetune_longtail"} <= set(sections)
     env = {**os.environ, "DRY_RUN": "1"}
     run = subprocess.run(["bash", str(script), str(out / "suite"), "abc1234", "0,1:" + ",".join(sections),
                           "2,3,4,5:comm,e2e_longtail"], capture_output=True, text=True, env=env, timeout=60)
