@@ -243,6 +243,27 @@ def test_hf_finetune_check(out):
     assert not (d / "work").exists()
 
 
+def test_hf_finetune_check_longtail(out):
+    """--chats longtail: LongAlign-like lengths (scaled to the CPU's 256-token micro-batches), the first loss still
+    transformers', and the e2e bench's figures (--e2e) in the report next to the CLI's."""
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    import hf_finetune_check
+
+    d = out / "hf_finetune_longtail"
+    e2e = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))[-1]
+    hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2", "--chats",
+                            "longtail", "--e2e", str(e2e)])
+    res = json.loads((d / "hf_finetune_check.json").read_text())
+    assert res["first_loss_rel_diff"] < 1e-5, res
+    want, got = res["target_tokens"], res["chat_tokens"]
+    assert len(want) == got["count"] == 16 and all(8 <= n <= 256 for n in want)  # 1K-64K scaled by 256 / 64K
+    assert got["max"] <= 257 and abs(got["mean"] - sum(want) / len(want)) <= 0.1 * got["mean"] + 20
+    runs = json.loads(e2e.read_text())["results"]
+    md = (d / "hf_finetune_check.md").read_text()
+    assert md.count("| e2e bench, ") == len(runs) == len(res["e2e"]["runs"])
+    assert "| CLI (`odcfsdp.train`), cpu x 2 |" in md and "Chats: longtail, 16 of " in md
+
+
 def test_hf_load_memory(out):
     """Save a tiny checkpoint, load it with load_hf on 2 CPU ranks, and report each rank's memory."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
