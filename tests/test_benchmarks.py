@@ -3,7 +3,8 @@
 GPU benchmarks run their CPU path (gloo ranks + the shm transport, wall-clock timing, tiny sizes) or, where
 the measured thing is a CUDA kernel, everything around it; the post-processing scripts run on committed
 results. ``hf_attention_bench.py`` is run by tests/test_hf.py, ``e2e_bench.py`` (and its ``e2e_report.py``)
-by tests/test_e2e_bench.py; ``test_every_benchmark_is_run`` keeps this list complete.
+by tests/test_e2e_bench.py, its HF models (``e2e_hf.py``) by tests/test_e2e_hf.py; ``test_every_benchmark_is_run``
+keeps this list complete.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import multinode_cost_model  # noqa: E402
 import optim_bench  # noqa: E402
 
 RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
-                 "e2e_report.py": "benchmarks/e2e_bench.py"}  # e2e_bench's report: run with it
+                 "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
+                 "e2e_hf.py": "tests/test_e2e_hf.py"}
 
 
 @pytest.fixture(scope="module")
