@@ -41,7 +41,7 @@ def _row(path: Path, meta: dict, results: list[dict]) -> str:
         return f"{r['tokens_per_s'] / fsdp2['tokens_per_s']:.2f}x" if r and fsdp2 else "-"
 
     def mem(r: dict | None) -> str:
-        if not r:
+        if not r or r["peak_alloc_gib"] is None:  # a CPU run has no peak
             return "-"
         heap = r.get("nvshmem_heap_gib")
         return f"{r['peak_alloc_gib']:.1f}" + (f" + {heap:.1f}" if heap else "")

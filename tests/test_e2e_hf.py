@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e_bench  # noqa: E402
 import e2e_hf  # noqa: E402
+import e2e_summary  # noqa: E402
 
 from odcfsdp.models import llama_config  # noqa: E402
 
@@ -66,6 +67,13 @@ def test_odc_and_hf_baselines_train_the_same_hf_model(tmp_path):
     md = (tmp_path / "e2e_bench.md").read_text()
     assert "| longtail | hf_fsdp2 | lb_micro |" in md and "1.00x" in md
     assert "- longtail: odc lb_mini / hf_fsdp2 lb_micro = " in md and "of it" in md
+    rows = e2e_summary.rows(tmp_path / "e2e_bench.json")  # HF runs in the summary: hf_fsdp2 / hf_ddp are the baselines
+    for row, workload in zip(rows, ("balanced", "longtail")):
+        by = {(r["method"], r["balance"]): r["tokens_per_s"] for r in runs if r["workload"] == workload}
+        cells = [c.strip() for c in row.split("|")]
+        assert cells[5] == f"{by['hf_fsdp2', 'lb_micro']:.0f}" and cells[9] == (
+            f"{by['hf_ddp', 'lb_micro'] / by['hf_fsdp2', 'lb_micro']:.2f}x"), row
+        assert cells[-2].endswith("(HF tiny (LlamaForCausalLM))"), row
 
 
 def test_compiled_recomputed_hf_layers_train_the_same_model(tmp_path):
