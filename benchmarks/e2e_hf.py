@@ -82,7 +82,7 @@ def hf_config(name: str):
 
 
 def resolve_args(args) -> str | None:
-    """Fill ``--model``'s defaults into ``args`` (``--vocab``, ``--methods``); one line saying what does not fit, or None.
+    """Fill ``--model``'s defaults into ``args`` (``--vocab``, ``--methods``); one line on what does not fit, or None.
 
     An HF model's data vocabulary is its own (our Llama's: 32000); its methods are ``odc`` and the
     HF baselines (``fsdp2`` / ``ddp`` are our Llama's: the same wrapping on different models).

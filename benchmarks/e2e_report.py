@@ -87,7 +87,8 @@ def report(results: list[dict], meta: dict) -> str:
         "(close to compute s: the host, not the GPU, sets the pace); optimizer-step s: the step including the wait "
         "for the other ranks",
         "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc / reserved GiB (+heap) | "
-        "step s (min-max) | rank cost max/mean | compute s per rank | host-issue s per rank | optimizer-step s per rank | final loss |",
+        "step s (min-max) | rank cost max/mean | compute s per rank | host-issue s per rank | "
+        "optimizer-step s per rank | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] in ("fsdp2", "hf_fsdp2")}

@@ -76,8 +76,8 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--batch $((4 * n)) --steps 2 --warmup 1 --timeout-s 180 --out $dir --commit $COMMIT $extra" ;;
     hf_8b_balanced)  # issue 24: 2 samples of 4096 tokens per GPU, compiled layers + recomputation for both
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads balanced --batch $((2 * n)) --steps 4" \
-           "--warmup 2 --activation-checkpointing --compile --methods odc hf_fsdp2 --profile odc hf_fsdp2 --keep-going" \
-           "--out $dir --commit $COMMIT $extra" ;;
+           "--warmup 2 --activation-checkpointing --compile --methods odc hf_fsdp2 --profile odc hf_fsdp2" \
+           "--keep-going --out $dir --commit $COMMIT $extra" ;;
     hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --activation-checkpointing --compile --methods odc hf_fsdp2 --keep-going --out $dir" \
