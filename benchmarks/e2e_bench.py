@@ -1,6 +1,7 @@
 """End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs.
 
     torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --size 1b --out results/e2e --commit <sha>
+    torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --model hf:llama3-8b --methods odc hf_fsdp2 ...
     python benchmarks/e2e_bench.py --cpu-ranks 2 --size tiny --steps 2 --warmup 1   # CPU smoke run
 
 Methods (each trains the same model from the same seed on the same micro-batches
@@ -11,6 +12,7 @@ with the same AdamW settings and clipping; warm-up steps are excluded):
 * ``fsdp2``: ``fully_shard`` per decoder layer + root, ``MixedPrecisionPolicy(bf16, fp32
   reduce)`` on GPUs;
 * ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs.
+* ``--model hf:<name>``: a Hugging Face model of real shapes; ``odc``, ``hf_fsdp2``, ``hf_ddp`` ([e2e-hf]).
 
 Every method runs the same step, ``odcfsdp.loop.train_step`` (micro-batches, then
 ``clip_grad_norm_``, ``torch.optim.AdamW`` over ``param_groups``, fused on GPUs,
@@ -41,7 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from e2e_report import chart, kernel_summary, report, step_profiler  # noqa: E402  (benchmarks/ on sys.path)
+from e2e_hf import HF_METHODS, bench_model, resolve_args, wrap_hf  # noqa: E402  (benchmarks/ on path)
+from e2e_report import chart, kernel_summary, report, step_profiler  # noqa: E402
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution
@@ -50,13 +53,9 @@ from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
-from odcfsdp.models import Llama, llama_config
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
-from odcfsdp.models.llama import DecoderLayer
 
 NO_DECAY = ("*norm*",)
-
-
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
 # odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
 # accumulators (mp_policy reduce_dtype, [precision]), or both ("lean").
@@ -90,6 +89,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     clip and step on a gradient N times smaller, and the runs would not train the same thing).
     """
     cuda = device.type == "cuda"
+    if method in HF_METHODS:
+        return wrap_hf(method, model, bench_model(args).units, device)
     if method.startswith("odc"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -100,7 +101,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            param_dtype=None if bf16_reduce else compute,
                            prefetch=0 if ablation == "prefetch0" else args.prefetch,
                            overlap_push=ablation != "no_overlap",
-                           units=() if ablation == "module_hooks" else (DecoderLayer,),
+                           units=() if ablation == "module_hooks" else bench_model(args).units,
                            gather_masters=ablation in ("gather_masters", "lean"),
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
@@ -148,11 +149,9 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     rank, world = dist.get_rank(), dist.get_world_size()
     source, cap = workload_source(workload, args.vocab, args.seed, args.pool, args.seq, args.cap,
                                   args.balanced_micro_samples)
-    cfg = llama_config(args.size, args.vocab, activation_checkpointing=args.activation_checkpointing,
-                       compile=bool(args.compile), compile_backend=args.compile or "inductor",
-                       attention_backend=args.attention)
-    flops = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params())  # MFU
-    cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params(), args.attention_cost_factor)
+    bm = bench_model(args)  # our Llama or an HF model (e2e_hf)
+    flops = CostModel.for_transformer(bm.layers, bm.dim, bm.matmul_params)  # MFU
+    cost = CostModel.for_transformer(bm.layers, bm.dim, bm.matmul_params, args.attention_cost_factor)
     gc.collect()  # the previous run's objects must be gone before this one is measured
     cuda = device.type == "cuda"
     if cuda:
@@ -162,11 +161,12 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         # method is timed (once per process; see [attention-kernels])
         all_steps = args.warmup + args.steps + (method in args.profile) + args.memory_breakdown
         warm_attention([source[i].truncated(cap + 1).n_inputs for i in range(all_steps * args.batch)],
-                       cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device, cfg.attention_backend)
+                       bm.heads, bm.kv_heads, bm.head_dim, device, args.attention)
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = Llama(cfg)
+        model = bm.build()
     wrapped, autocast, loss_scale, no_sync = wrap(method, model, device, args)
+    bm.finish(wrapped)  # HF models: per-layer compile after wrapping (the CLI's order)
     opt = optimizer_for(method, wrapped, device, args)
     try:
         if cuda:  # after wrapping: building the full model first is the same for every method, not counted
@@ -288,7 +288,7 @@ def main_worker(args) -> list[dict] | None:
     if device.type == "cuda" and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
         # NVSHMEM's heap is sized once per process, by the first model; the variants' fp32 rows need the most
         # (fp32 rows + fp32 accumulators: 8 bytes per parameter / N, plus slack for padding and NVSHMEM's own use).
-        per_rank = -(-llama_config(args.size, args.vocab).num_params() // dist.get_world_size())
+        per_rank = -(-bench_model(args).params // dist.get_world_size())
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(per_rank * 8 * 1.05) + (256 << 20))
     for w, m, b in runs_for(args.workloads, args.methods, args.ablate, args.variants):
         try:
@@ -308,10 +308,10 @@ def main_worker(args) -> list[dict] | None:
 
 def write_outputs(results: list[dict], failed: list[dict], args, device: torch.device, final: bool) -> None:
     """JSON + markdown (+ PNG at the end) under ``--out``, rewritten after every run: a cut-off run keeps its part."""
-    cfg = llama_config(args.size, args.vocab)
+    bm = bench_model(args)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "world_size": dist.get_world_size(), "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "command": args.command, "size": args.size, "params": cfg.num_params(), "steps": args.steps,
+            "command": args.command, "size": args.size, "model": bm.label, "params": bm.params, "steps": args.steps,
             "warmup": args.warmup, "batch": args.batch, "args": vars(args), "complete": final, "failed": failed}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -324,10 +324,12 @@ def write_outputs(results: list[dict], failed: list[dict], args, device: torch.d
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="1b")
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--size", default="1b", help="our Llama's size (--model llama)")
+    p.add_argument("--model", default="llama", help="llama (ours) or hf:<name>; --model-path: a local HF config")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--vocab", type=int, default=None, help="the data's vocabulary (default: an HF model's, else 32000)")
     p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
-    p.add_argument("--methods", nargs="+", default=["odc", "odc_collective", "fsdp2", "ddp"])
+    p.add_argument("--methods", nargs="+", default=None, help="default: odc odc_collective fsdp2 ddp; HF: odc hf_fsdp2")
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
     p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,
@@ -372,6 +374,8 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.compile and "module_hooks" in args.ablate:
         p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
+    if problem := resolve_args(args):  # --model's defaults (vocabulary, methods) and misfits
+        p.error(problem)
     args.command = "benchmarks/e2e_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:])
     return args
 

@@ -67,7 +67,8 @@ def report(results: list[dict], meta: dict) -> str:
         "# End-to-end training: odcfsdp vs PyTorch FSDP2 vs DDP", "",
         f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
         f"- command: `{meta['command']}`",
-        f"- model: Llama {meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} measured steps after "
+        f"- model: {meta.get('model') or 'Llama ' + meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} "
+        f"measured steps after "
         f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch; balanced: "
         f"{meta['args'].get('balanced_micro_samples', 1)} sample(s) of {meta['args'].get('seq')} tokens per micro-batch; "
         f"PYTORCH_CUDA_ALLOC_CONF={meta['args'].get('alloc_conf') or '(default)'}",
@@ -85,21 +86,24 @@ def report(results: list[dict], meta: dict) -> str:
         "summed over the measured steps; host-issue s: the part of it until the host had queued the last kernel "
         "(close to compute s: the host, not the GPU, sets the pace); optimizer-step s: the step including the wait "
         "for the other ranks",
-        "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc GiB (+heap) | step s (min-max) | "
-        "rank cost max/mean | compute s per rank | host-issue s per rank | optimizer-step s per rank | final loss |",
+        "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc / reserved GiB (+heap) | "
+        "step s (min-max) | rank cost max/mean | compute s per rank | host-issue s per rank | "
+        "optimizer-step s per rank | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] == "fsdp2"}
+    base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] in ("fsdp2", "hf_fsdp2")}
     for r in results:
         ratio = f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        mem = "-" if r["peak_alloc_gib"] is None else f"{r['peak_alloc_gib']:.1f} (+{r['nvshmem_heap_gib']:.1f})"
+        mem = "-" if r["peak_alloc_gib"] is None else (f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} "
+                                                        f"(+{r['nvshmem_heap_gib']:.1f})")
         lines.append(
             f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {mem} | "
             f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | {r['rank_cost_max_over_mean']:.3f} | "
             f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | "
             f"{', '.join(f'{x:.1f}' for x in r.get('rank_host_s', []))} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
             f"{r['losses'][-1]:.4f} |")
+    lines += balance_bound(results)
     for f in meta.get("failed", []):
         lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
     profiled = [r for r in results if (r.get("profile") or {}).get("device_ms_by_kind")]  # GPU kernels only
@@ -118,6 +122,21 @@ def report(results: list[dict], meta: dict) -> str:
                          f"{'-' if busy is None else f'{busy / 1e3:.2f}'} | " + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
     lines += memory_report(results)
     return "\n".join(lines) + "\n"
+
+
+def balance_bound(results: list[dict]) -> list[str]:
+    """Per workload, odc + lb_mini's speed-up over FSDP2 + lb_micro against the most balancing can win at this
+    world size: FSDP2's busiest-rank cost over the mean cost (its ``rank cost max/mean``)."""
+    out = []
+    for w in dict.fromkeys(r["workload"] for r in results):
+        runs = {(r["method"], r["balance"]): r for r in results if r["workload"] == w}
+        base = runs.get(("fsdp2", "lb_micro")) or runs.get(("hf_fsdp2", "lb_micro"))
+        odc = runs.get(("odc", "lb_mini"))
+        if base and odc:
+            speedup, bound = odc["tokens_per_s"] / base["tokens_per_s"], base["rank_cost_max_over_mean"]
+            out.append(f"\n- {w}: odc lb_mini / {base['method']} lb_micro = {speedup:.3f}x; balance bound "
+                       f"({base['method']}'s rank cost max/mean) {bound:.3f}x: {speedup / bound:.1%} of it")
+    return out
 
 
 # Rows of the peak table, in this order (then any other category a rule produced); see odcfsdp/memory.py.

@@ -6,7 +6,9 @@
 Per run and workload: odcfsdp nvshmem (lb_mini on the long-tailed workload, where it ran, else
 lb_micro) against PyTorch FSDP2 + lb_micro, and the other methods' ratios, read from the files as
 written by ``e2e_bench.py``; nothing is typed in by hand. A run without one of them (an odc-only
-A/B run) shows "-" there. Post-processing only: it runs anywhere (CPU), on committed results.
+A/B run) shows "-" there. A run of a Hugging Face model (``--model hf:<name>``) has ``hf_fsdp2`` /
+``hf_ddp`` in the FSDP2 / DDP columns and its model named in the run column. Post-processing only: it
+runs anywhere (CPU), on committed results.
 """
 
 from __future__ import annotations
@@ -31,15 +33,15 @@ def rows(path: Path) -> list[str]:
 def _row(path: Path, meta: dict, results: list[dict]) -> str:
     """One workload's row (``results``: that workload's runs)."""
     runs = {(r["method"], r["balance"]): r for r in results}
-    fsdp2 = runs.get(("fsdp2", "lb_micro"))
+    fsdp2 = runs.get(("fsdp2", "lb_micro")) or runs.get(("hf_fsdp2", "lb_micro"))
     odc = runs.get(("odc", "lb_mini")) or runs.get(("odc", "lb_micro"))
 
     def ratio(method: str, balance: str = "lb_micro") -> str:
-        r = runs.get((method, balance))
+        r = runs.get((method, balance)) or runs.get((f"hf_{method}", balance))
         return f"{r['tokens_per_s'] / fsdp2['tokens_per_s']:.2f}x" if r and fsdp2 else "-"
 
     def mem(r: dict | None) -> str:
-        if not r:
+        if not r or r["peak_alloc_gib"] is None:  # a CPU run has no peak
             return "-"
         heap = r.get("nvshmem_heap_gib")
         return f"{r['peak_alloc_gib']:.1f}" + (f" + {heap:.1f}" if heap else "")
@@ -48,13 +50,14 @@ def _row(path: Path, meta: dict, results: list[dict]) -> str:
         return "-" if not r or r.get("mfu") is None else f"{r['mfu']:.1%}"
 
     losses = [r["losses"][-1] for r in results]
+    model = f" ({meta['model']})" if meta.get("model", "").startswith("HF") else ""
     odc_tps = f"{odc['tokens_per_s']:.0f} ({odc['balance']})" if odc else "-"
     fsdp2_tps = f"{fsdp2['tokens_per_s']:.0f}" if fsdp2 else "-"
     odc_vs = ratio("odc", odc["balance"]) if odc else "-"
     micro_vs = ratio("odc", "lb_micro") if odc and odc["balance"] == "lb_mini" else "-"
     return (f"| {results[0]['workload']} | {meta['world_size']} | {meta['commit']} | {odc_tps} | {fsdp2_tps} | "
             f"{odc_vs} | {micro_vs} | {ratio('odc_collective')} | {ratio('ddp')} | {mfu(odc)} / {mfu(fsdp2)} | "
-            f"{mem(odc)} / {mem(fsdp2)} | {min(losses):.3f}-{max(losses):.3f} | `{path.parent.name}` |")
+            f"{mem(odc)} / {mem(fsdp2)} | {min(losses):.3f}-{max(losses):.3f} | `{path.parent.name}`{model} |")
 
 
 def scaling(paths: list[Path]) -> list[str]:
@@ -83,12 +86,17 @@ def summary(paths: list[Path]) -> str:
     return "\n".join([*lines, "", *scaling(paths)]) + "\n"
 
 
-def main(argv=None) -> None:
-    """Print the summary of the given ``e2e_bench.json`` files (and write it to ``--out``)."""
+def parse(argv=None) -> argparse.Namespace:
+    """The command line: ``e2e_bench.json`` files, ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=None, help="also write the markdown to this file")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Print the summary of the given ``e2e_bench.json`` files (and write it to ``--out``)."""
+    args = parse(argv)
     text = summary(args.files)
     print(text, end="")
     if args.out:

@@ -9,7 +9,10 @@
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
-# best_fit.py --merge). Results go to OUT/<section>_n<GPUs>/; each lane is packed into
+# best_fit.py --merge), hf_8b_balanced, hf_8b_longtail (the HF Llama-3.1-8B shape: odc vs hf_fsdp2),
+# hf_1b_vs_llama_1b (HF Llama-3.2-1B shape vs our 1B, same workload, one call; fits one GPU),
+# hf_finetune_longtail (the CLI on long-tailed chats next to the e2e bench's odc run of the same model;
+# fits one GPU). Results go to OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
@@ -26,7 +29,8 @@ export ODC_COMMIT=$COMMIT
 declare -A LIMIT=([tests]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
-                  [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400)
+                  [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
+                  [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570)
 
 section_cmd() {  # section, gpus in lane, port, dir
   local s=$1 n=$2 port=$3 dir=$4 extra
@@ -70,6 +74,25 @@ section_cmd() {  # section, gpus in lane, port, dir
     best_fit_8b_longtail_odc|best_fit_8b_longtail_fsdp2)  # 4 long-tailed samples (8K-64K) per GPU
       echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 8b --workloads longtail --methods ${s##*_}" \
            "--batch $((4 * n)) --steps 2 --warmup 1 --timeout-s 180 --out $dir --commit $COMMIT $extra" ;;
+    hf_8b_balanced)  # issue 24: 2 samples of 4096 tokens per GPU, compiled layers + recomputation for both
+      echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads balanced --batch $((2 * n)) --steps 4" \
+           "--warmup 2 --activation-checkpointing --compile --methods odc hf_fsdp2 --profile odc hf_fsdp2" \
+           "--keep-going --out $dir --commit $COMMIT $extra" ;;
+    hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro
+      echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
+           "--warmup 1 --activation-checkpointing --compile --methods odc hf_fsdp2 --keep-going --out $dir" \
+           "--commit $COMMIT $extra" ;;
+    hf_1b_vs_llama_1b)  # the same long-tailed samples (128256-token vocabulary) through our 1B and the HF 1B shape
+      local e2e="benchmarks/e2e_bench.py --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
+            flags="--activation-checkpointing --compile --keep-going --commit $COMMIT $extra"
+      echo "$run $e2e --size 1b --vocab 128256 --methods odc fsdp2 --out $dir/llama $flags;" \
+           "$run $e2e --model hf:llama-1b --methods odc hf_fsdp2 hf_ddp --out $dir/hf $flags;" \
+           "python3 benchmarks/e2e_summary.py $dir/llama/e2e_bench.json $dir/hf/e2e_bench.json --out $dir/summary.md" ;;
+    hf_finetune_longtail)  # the e2e bench's odc on the HF 1B shape, then the CLI on long-tailed chats of that model
+      echo "$run benchmarks/e2e_bench.py --model hf:llama-1b --workloads longtail --batch $((4 * n)) --steps 3" \
+           "--warmup 1 --activation-checkpointing --compile --methods odc --out $dir/e2e --commit $COMMIT;" \
+           "python3 benchmarks/hf_finetune_check.py --size llama-1b --chats longtail --gpus $n --steps 8" \
+           "--e2e $dir/e2e/e2e_bench.json --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac
 }

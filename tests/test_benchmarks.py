@@ -3,7 +3,8 @@
 GPU benchmarks run their CPU path (gloo ranks + the shm transport, wall-clock timing, tiny sizes) or, where
 the measured thing is a CUDA kernel, everything around it; the post-processing scripts run on committed
 results. ``hf_attention_bench.py`` is run by tests/test_hf.py, ``e2e_bench.py`` (and its ``e2e_report.py``)
-by tests/test_e2e_bench.py; ``test_every_benchmark_is_run`` keeps this list complete.
+by tests/test_e2e_bench.py, its HF models (``e2e_hf.py``) by tests/test_e2e_hf.py; ``test_every_benchmark_is_run``
+keeps this list complete.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import step_sim  # noqa: E402
 
 RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
                  "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
-                 "step_sim_fit.py": "benchmarks/step_sim.py", "step_sim_report.py": "benchmarks/step_sim.py"}
+                 "step_sim_fit.py": "benchmarks/step_sim.py", "step_sim_report.py": "benchmarks/step_sim.py",
+                 "e2e_hf.py": "tests/test_e2e_hf.py"}
 
 
 @pytest.fixture(scope="module")
@@ -171,13 +173,20 @@ def _suite_sections() -> list[str]:
 
 
 def _check_suite_command(section: str, cmd: str) -> None:
-    """The command a section runs is one that today's scripts, tests and configs accept."""
+    """The command a section runs is one that today's scripts, tests and configs accept (each of a ``;`` chain)."""
+    if ";" in cmd:
+        for part in cmd.split(";"):
+            _check_suite_command(section, part)
+        return
     words = shlex.split(cmd)
     scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks/") and w.endswith(".py")]
     if scripts:
+        import hf_finetune_check
+
         i = scripts[0]
         module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
-                  "e2e_bench": e2e_bench, "best_fit": best_fit}[Path(words[i]).stem]
+                  "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
+                  "hf_finetune_check": hf_finetune_check}[Path(words[i]).stem]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
     elif "pytest" in words:
         files = [w for w in words if w.startswith("tests/")]
@@ -200,7 +209,8 @@ def test_gpu_suite(out):
     script = BENCH / "gpu_suite.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     sections = _suite_sections()
-    assert {"tests", "comm", "optim", "checkpoint", "train1b", "e2e_balanced"} <= set(sections)
+    assert {"tests", "comm", "optim", "checkpoint", "train1b", "e2e_balanced", "hf_8b_balanced", "hf_8b_longtail",
+            "hf_1b_vs_llama_1b", "hf_finetune_longtail"} <= set(sections)
     env = {**os.environ, "DRY_RUN": "1"}
     run = subprocess.run(["bash", str(script), str(out / "suite"), "abc1234", "0,1:" + ",".join(sections),
                           "2,3,4,5:comm,e2e_longtail"], capture_output=True, text=True, env=env, timeout=60)
@@ -235,6 +245,27 @@ def test_hf_finetune_check(out):
     assert finite_positive(res["summary"]["tokens_per_s"])
     assert "| first-step loss: odcfsdp / transformers (fp32) |" in (d / "hf_finetune_check.md").read_text()
     assert not (d / "work").exists()
+
+
+def test_hf_finetune_check_longtail(out):
+    """--chats longtail: LongAlign-like lengths (scaled to the CPU's 256-token micro-batches), the first loss still
+    transformers', and the e2e bench's figures (--e2e) in the report next to the CLI's."""
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    import hf_finetune_check
+
+    d = out / "hf_finetune_longtail"
+    e2e = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))[-1]
+    hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2", "--chats",
+                            "longtail", "--e2e", str(e2e)])
+    res = json.loads((d / "hf_finetune_check.json").read_text())
+    assert res["first_loss_rel_diff"] < 1e-5, res
+    want, got = res["target_tokens"], res["chat_tokens"]
+    assert len(want) == got["count"] == 16 and all(8 <= n <= 256 for n in want)  # 1K-64K scaled by 256 / 64K
+    assert got["max"] <= 257 and abs(got["mean"] - sum(want) / len(want)) <= 0.1 * got["mean"] + 20
+    runs = json.loads(e2e.read_text())["results"]
+    md = (d / "hf_finetune_check.md").read_text()
+    assert md.count("| e2e bench, ") == len(runs) == len(res["e2e"]["runs"])
+    assert "| CLI (`odcfsdp.train`), cpu x 2 |" in md and "Chats: longtail, 16 of " in md
 
 
 def test_hf_load_memory(out):
