@@ -164,9 +164,10 @@ def test_attention_dropout_drops_in_training_only(tmp_path):
 
 
 def test_compiled_layers_do_not_recompile_for_new_documents(tmp_path):
-    """Decoder layers compiled as `model.compile=true` does: after three micro-batches (static shapes, one document
-    (dynamo specialises sizes 1), dynamic shapes) new numbers and lengths of documents compile nothing more (a list
-    of lengths recompiled at every one), and losses and gradients equal the eager model's."""
+    """Decoder layers compiled as `model.compile=true` does: after two micro-batches (static shapes, then dynamic)
+    new numbers and lengths of documents compile nothing more, one-document micro-batches included (a size-1
+    lengths tensor would be specialised; a list of lengths recompiled at every one), and losses and gradients
+    equal the eager model's."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -177,7 +178,7 @@ def test_compiled_layers_do_not_recompile_for_new_documents(tmp_path):
         layer.compile(backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     frames = []
-    for lengths in ([5, 7], [12], [9, 3, 4], [2, 6, 3, 8, 4], [3] * 7, [4, 11]):
+    for lengths in ([5, 7], [9, 3, 4], [12], [2, 6, 3, 8, 4], [3] * 7, [4, 11], [20]):
         tokens = torch.randint(0, 64, (1, sum(lengths)), generator=g)
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
         losses = []
@@ -190,7 +191,7 @@ def test_compiled_layers_do_not_recompile_for_new_documents(tmp_path):
         for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=name)
         frames.append(counters["frames"]["total"])
-    assert frames[2] == frames[-1], frames
+    assert frames[1] == frames[-1], frames
 
 
 def test_padded_generation_matches_plain_transformers(tmp_path):

@@ -132,7 +132,9 @@ class HFCausalLM(nn.Module):
         if self.model.config._attn_implementation == DOCUMENT_ATTENTION and (doc_lengths is not None or
                                                                             document_ids is not None):
             if doc_lengths is not None:
-                lengths = torch.tensor(doc_lengths)  # a tensor: compiled layers do not guard on its values
+                # a tensor: compiled layers do not guard on its values; the trailing 0 keeps its size above 1
+                # (see [hf-document-attention], 5.)
+                lengths = torch.tensor([*doc_lengths, 0])
             else:  # each row's runs of equal ids, zero-padded to the longest list
                 rows = [torch.unique_consecutive(r, return_counts=True)[1] for r in document_ids.cpu()]
                 lengths = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
