@@ -39,7 +39,7 @@ section_cmd() {  # section, gpus in lane, port, dir
   case $s in
     tests)
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py" \
-           "tests/test_standard_loop.py" \
+           "tests/test_standard_loop.py tests/test_loss.py" \
            "tests/test_gpu.py -q -p no:cacheprovider --junitxml=$dir/gpu_tests.xml $extra" ;;
     comm) echo "$run benchmarks/comm_bench.py --iters 20 --out $dir --commit $COMMIT $extra" ;;
     optim) echo "python3 benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;
