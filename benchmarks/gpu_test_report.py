@@ -18,7 +18,7 @@ from pathlib import Path
 
 COMMAND = (
     "ODC_RESULTS=$OUT/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py "
-    "tests/test_standard_loop.py tests/test_gpu.py --junitxml=$OUT/gpu_tests.xml"
+    "tests/test_standard_loop.py tests/test_loss.py tests/test_gpu.py --junitxml=$OUT/gpu_tests.xml"
 )
 
 
