@@ -34,6 +34,29 @@ import torch
 import torch.distributed as dist
 
 
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM stopped a run before its ranks could finish a step (start-up), or a second Ctrl-C.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: nothing on the way (Hydra's job runner
+    included) mistakes it for an error. ``exit_code`` is ``128 + signum``, as a shell reports a
+    process that such a signal ended.
+    """
+
+    def __init__(self, signum: int, again: bool = False):
+        super().__init__(signum, again)
+        self.signum, self.again = signum, again
+        self.exit_code = 128 + signum
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"{'interrupted again' if self.again else 'interrupted'} ({name})"
+
+
+def raise_interrupted(signum: int, _frame) -> None:
+    """A signal handler: raise ``Interrupted`` in the main thread."""
+    raise Interrupted(signum)
+
+
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
 CUDA_BACKENDS = "cuda:nccl,cpu:gloo"
 
@@ -89,18 +112,23 @@ def _context(backend: str):
     if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["odcfsdp"])  # read when the server starts: the first call in this process
+    # read when the server starts (the first call in this process); `import odcfsdp` alone imports nothing heavy
+    ctx.set_forkserver_preload(["odcfsdp.sharding", "odcfsdp.optim"])
     return ctx
 
 
-def _forward_signals(signals: tuple[int, ...], procs) -> list:
-    """Pass ``signals`` on to ``procs`` while they run; returns the (signal, previous handler) pairs to restore."""
+def _forward_signals(signals: tuple[int, ...], procs, received: list[int]) -> list:
+    """Pass ``signals`` on to ``procs`` while they run, appending each to ``received``; a second SIGINT raises
+    ``Interrupted(again=True)`` instead. Returns the (signal, previous handler) pairs to restore."""
     import threading
 
     if not signals or threading.current_thread() is not threading.main_thread():
         return []
 
     def forward(sig, _frame):
+        received.append(sig)
+        if sig == signal.SIGINT and received.count(sig) > 1:  # Ctrl-C twice: end now (spawn kills the ranks)
+            raise Interrupted(sig, again=True)
         for p in procs:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, sig)
@@ -108,9 +136,12 @@ def _forward_signals(signals: tuple[int, ...], procs) -> list:
     return [(sig, signal.signal(sig, forward)) for sig in signals]
 
 
-def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None) -> None:
+def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None,
+            own_group=False) -> None:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
+        os.setpgid(0, 0)
     if env is not None:  # the caller's environment now, not the fork server's at its start
         os.environ.clear()
         os.environ.update(env)
@@ -157,6 +188,10 @@ def spawn(
     ``max(1, cpus // world_size)`` intra-op threads so ranks do not oversubscribe.
     Signals in ``forward`` (e.g. SIGTERM) received by this process while it waits are
     passed on to every worker instead of ending this process (called from the main thread).
+    With SIGINT among them the workers get their own process group, so that a terminal's Ctrl-C
+    reaches them once, through this process, and a second Ctrl-C raises ``Interrupted`` here
+    (the workers are killed). A worker that fails or dies after a forwarded signal raises
+    ``Interrupted`` too (it was stopped before it could finish a step), not ``RuntimeError``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -169,12 +204,14 @@ def spawn(
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ)))
+                    args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ),
+                          signal.SIGINT in forward))
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    forwarded = _forward_signals(forward, procs)
+    received: list[int] = []
+    forwarded = _forward_signals(forward, procs, received)
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -185,12 +222,16 @@ def spawn(
                 # A queue is flushed before its process exits, so an exited rank with nothing
                 # delivered after a full second of silence has died without a result.
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+                if dead and received:
+                    raise Interrupted(received[0])
                 if dead:
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
                                        "without a result")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
                 continue
+            if not ok and received:
+                raise Interrupted(received[0])
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -205,7 +246,7 @@ def spawn(
     return [out[r] for r in range(world_size)]
 
 
-__all__ = ["free_port", "init_torchrun", "spawn"]
+__all__ = ["Interrupted", "free_port", "init_torchrun", "raise_interrupted", "spawn"]
 
 
 def run_benchmark_ranks(worker: Callable[[Any, torch.device | None], Any], args: Any, cpu_ranks: int,
