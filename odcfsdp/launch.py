@@ -25,6 +25,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -33,28 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-
-class Interrupted(BaseException):
-    """SIGINT / SIGTERM stopped a run before its ranks could finish a step (start-up), or a second Ctrl-C.
-
-    A ``BaseException``, as ``KeyboardInterrupt`` is: nothing on the way (Hydra's job runner
-    included) mistakes it for an error. ``exit_code`` is ``128 + signum``, as a shell reports a
-    process that such a signal ended.
-    """
-
-    def __init__(self, signum: int, again: bool = False):
-        super().__init__(signum, again)
-        self.signum, self.again = signum, again
-        self.exit_code = 128 + signum
-
-    def __str__(self) -> str:
-        name = signal.Signals(self.signum).name
-        return f"{'interrupted again' if self.again else 'interrupted'} ({name})"
-
-
-def raise_interrupted(signum: int, _frame) -> None:
-    """A signal handler: raise ``Interrupted`` in the main thread."""
-    raise Interrupted(signum)
+from .interrupts import Interrupted
 
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
@@ -107,13 +87,25 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _context(backend: str):
-    """The multiprocessing context for workers: a fork server that preloads odcfsdp for gloo, else spawn."""
+def _context(backend: str, fn: Callable):
+    """The multiprocessing context for workers: a fork server that preloads odcfsdp for gloo, else spawn.
+
+    The server also preloads ``fn``'s module when it is odcfsdp's (for ``python -m odcfsdp.train``, the
+    odcfsdp modules that the caller imported): a worker then starts in a fraction of a second, the
+    window in which a signal would end it with multiprocessing's bootstrap traceback.
+    """
     if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # read when the server starts (the first call in this process); `import odcfsdp` alone imports nothing heavy
-    ctx.set_forkserver_preload(["odcfsdp.sharding", "odcfsdp.optim"])
+    name = fn.__module__
+    if name == "__main__":  # `python -m odcfsdp.train`: workers run that module again (as __mp_main__), and
+        # runpy warns if it is loaded already: preload what it imported of odcfsdp instead
+        main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
+        own = sorted(m for m in sys.modules if m.startswith("odcfsdp.") and m != main)
+    else:
+        own = [name] if name.startswith("odcfsdp.") else []
+    ctx.set_forkserver_preload(["odcfsdp.sharding", "odcfsdp.optim", *own])
     return ctx
 
 
@@ -195,7 +187,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context(backend)
+    ctx = _context(backend, fn)
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
@@ -208,13 +200,15 @@ def spawn(
                           signal.SIGINT in forward))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     received: list[int] = []
-    forwarded = _forward_signals(forward, procs, received)
+    forwarded = _forward_signals(forward, procs, received)  # before starting: no window without it
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
+        for p in procs:
+            if received:  # stopped while starting: start no more (the started ones got the signal)
+                raise Interrupted(received[0])
+            p.start()
+        deadline = time.monotonic() + timeout
         while len(out) < world_size:
             try:
                 rank, ok, payload = results.get(timeout=1.0)
@@ -239,6 +233,8 @@ def spawn(
         for sig, handler in forwarded:
             signal.signal(sig, handler)
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=10 if len(out) == world_size else 0.5)
             if p.is_alive():
                 p.kill()
@@ -246,7 +242,7 @@ def spawn(
     return [out[r] for r in range(world_size)]
 
 
-__all__ = ["Interrupted", "free_port", "init_torchrun", "raise_interrupted", "spawn"]
+__all__ = ["free_port", "init_torchrun", "spawn"]
 
 
 def run_benchmark_ranks(worker: Callable[[Any, torch.device | None], Any], args: Any, cpu_ranks: int,

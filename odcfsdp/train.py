@@ -23,6 +23,11 @@ import signal
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # the command line: a signal while torch and Hydra load ends with one line
+    from odcfsdp.interrupts import exit_during_imports, install
+
+    install(exit_during_imports)
+
 import hydra
 import torch
 import torch.distributed as dist
@@ -30,7 +35,8 @@ from omegaconf import OmegaConf
 
 from .cli import check_given, check_overrides, given_keys, help_text
 from .config import TrainConfig, config_from, register, resolve, validate
-from .launch import Interrupted, init_torchrun, raise_interrupted, spawn
+from .interrupts import Interrupted, install, raise_interrupted
+from .launch import init_torchrun, spawn
 from .preflight import preflight
 from .trainer import NonFiniteError, train
 
@@ -114,22 +120,14 @@ def _hydra_main(cfg) -> None:
         sys.exit(1)
 
 
-def _interrupted(e: Interrupted) -> None:
-    """One line for a run that a signal ended before its ranks could stop after a step; exit 128 + the signal."""
-    what = ("stopped at once: steps after the last checkpoint are lost (continue with checkpoint.resume=auto)"
-            if e.again else "during start-up, before training: nothing to save")
-    print(f"{chr(10) if sys.stderr.isatty() else ''}{e}: {what}", file=sys.stderr)  # a terminal's bar is mid-line
-    sys.exit(e.exit_code)
-
-
 def main() -> None:
     """Console-script entry point (``odcfsdp-train``)."""
-    signal.signal(signal.SIGTERM, raise_interrupted)  # one line, not a traceback, until the ranks take over
-    signal.signal(signal.SIGINT, raise_interrupted)
+    install(raise_interrupted)  # one line, not a traceback, until the ranks take over
     try:
         _main(sys.argv[1:])
-    except Interrupted as e:
-        _interrupted(e)
+    except Interrupted as e:  # before the ranks trained, or a second Ctrl-C: exit 128 + the signal's number
+        print(f"{chr(10) if sys.stderr.isatty() else ''}{e.message()}", file=sys.stderr)  # a bar may be mid-line
+        sys.exit(e.exit_code)
 
 
 def _main(args: list[str]) -> None:

@@ -30,7 +30,7 @@ from .checkpoint import (
 from .config import TrainConfig, resolve, validate
 from .data.jsonl import JsonlSource
 from .data.tokenizer import load_tokenizer
-from .launch import Interrupted
+from .interrupts import Interrupted
 from .loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
 from .mfu import mfu, peak_tflops
