@@ -8,6 +8,7 @@ imports torch and Hydra: nothing has started, so it prints its line and exits.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -41,9 +42,13 @@ def raise_interrupted(signum: int, _frame) -> None:
 
 
 def exit_during_imports(signum: int, _frame) -> None:
-    """A signal handler for while modules load: ``Interrupted``'s line on stderr, exit 128 + signum."""
-    print(Interrupted(signum).message(), file=sys.stderr)
-    sys.exit(128 + signum)
+    """A signal handler for while modules load: ``Interrupted``'s line on stderr, exit 128 + signum at once.
+
+    ``os._exit``, not ``sys.exit``: nothing has started that needs cleaning up, and a library's bare
+    ``except:`` around an import would swallow ``SystemExit`` (the run would go on).
+    """
+    print(Interrupted(signum).message(), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def install(handler) -> None:

@@ -109,9 +109,11 @@ def _context(backend: str, fn: Callable):
     return ctx
 
 
-def _forward_signals(signals: tuple[int, ...], procs, received: list[int]) -> list:
+def _forward_signals(signals: tuple[int, ...], procs, received: list[int], started: set[int]) -> list:
     """Pass ``signals`` on to ``procs`` while they run, appending each to ``received``; a second SIGINT raises
-    ``Interrupted(again=True)`` instead. Returns the (signal, previous handler) pairs to restore."""
+    ``Interrupted(again=True)`` instead. A worker not yet ``started`` (still in multiprocessing's bootstrap, where
+    a KeyboardInterrupt prints a traceback) gets SIGTERM, which ends it silently. Returns the (signal, previous
+    handler) pairs to restore."""
     import threading
 
     if not signals or threading.current_thread() is not threading.main_thread():
@@ -121,9 +123,9 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int]) -> li
         received.append(sig)
         if sig == signal.SIGINT and received.count(sig) > 1:  # Ctrl-C twice: end now (spawn kills the ranks)
             raise Interrupted(sig, again=True)
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, sig)
+                os.kill(p.pid, sig if r in started or sig != signal.SIGINT else signal.SIGTERM)
 
     return [(sig, signal.signal(sig, forward)) for sig in signals]
 
@@ -134,21 +136,23 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         _die_with_parent(parent_pid)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
-    if env is not None:  # the caller's environment now, not the fork server's at its start
-        os.environ.clear()
-        os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.set_num_threads(threads)
-    from .sharding.watchdog import set_fatal_handler
-
-    def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
-        results.put((rank, False, f"RuntimeError: {message}"))
-        results.close()
-        results.join_thread()
-
-    set_fatal_handler(report_fatal)
     try:
+        if own_group:  # from here on a forwarded SIGINT is a KeyboardInterrupt reported below, not a traceback
+            results.put((rank, None, b""))
+        if env is not None:  # the caller's environment now, not the fork server's at its start
+            os.environ.clear()
+            os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.set_num_threads(threads)
+        from .sharding.watchdog import set_fatal_handler
+
+        def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
+            results.put((rank, False, f"RuntimeError: {message}"))
+            results.close()
+            results.join_thread()
+
+        set_fatal_handler(report_fatal)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         # The parent hosts the store (see spawn): a stopped rank 0 must not take it down.
@@ -173,6 +177,7 @@ def spawn(
     backend: str = "gloo",
     timeout: float = 300.0,
     forward: tuple[int, ...] = (),
+    received: list[int] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return results by rank.
 
@@ -184,6 +189,7 @@ def spawn(
     reaches them once, through this process, and a second Ctrl-C raises ``Interrupted`` here
     (the workers are killed). A worker that fails or dies after a forwarded signal raises
     ``Interrupted`` too (it was stopped before it could finish a step), not ``RuntimeError``.
+    The signals forwarded are appended to ``received`` when the caller passes a list.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -200,8 +206,9 @@ def spawn(
                           signal.SIGINT in forward))
         for r in range(world_size)
     ]
-    received: list[int] = []
-    forwarded = _forward_signals(forward, procs, received)  # before starting: no window without it
+    received = [] if received is None else received
+    started: set[int] = set()  # workers past their bootstrap (own_group workers say so first)
+    forwarded = _forward_signals(forward, procs, received, started)  # before starting: no window without it
     out: dict[int, Any] = {}
     try:
         for p in procs:
@@ -224,21 +231,26 @@ def spawn(
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
                 continue
+            if ok is None:
+                started.add(rank)
+                continue
             if not ok and received:
                 raise Interrupted(received[0])
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
-        for sig, handler in forwarded:
-            signal.signal(sig, handler)
-        for p in procs:
-            if p.pid is None:  # never started
-                continue
-            p.join(timeout=10 if len(out) == world_size else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:  # still forwarding while the workers exit: a second Ctrl-C here ends the wait (they die with us)
+            for p in procs:
+                if p.pid is None:  # never started
+                    continue
+                p.join(timeout=10 if len(out) == world_size else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        finally:
+            for sig, handler in forwarded:
+                signal.signal(sig, handler)
     return [out[r] for r in range(world_size)]
 
 

@@ -55,6 +55,13 @@ def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
         return e
 
 
+def _again(signum: int, _frame) -> None:
+    """A second signal after the ranks stopped and saved: nothing is left to clean up, so end here (even in the
+    interpreter's exit handlers, where an exception would print a traceback)."""
+    print(Interrupted(signum, again=True).message(), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def run(cfg: TrainConfig) -> None:
     """Start ranks as needed (torchrun's, or spawned locally) and train."""
     validate(cfg)
@@ -66,10 +73,13 @@ def run(cfg: TrainConfig) -> None:
             dist.destroy_process_group()
     elif cfg.run.world_size > 1:
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        received: list[int] = []
         try:
             results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
                             backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600,
-                            forward=(signal.SIGTERM, signal.SIGINT))
+                            forward=(signal.SIGTERM, signal.SIGINT), received=received)
+            # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted)
+            install(_again if received else signal.SIG_IGN)
         except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
             log = Path(cfg.run.out_dir) / "error.log"
             log.parent.mkdir(parents=True, exist_ok=True)
