@@ -17,8 +17,10 @@ and exit code 2, as for invalid values:
   ``k`` (``optim.kwargs.<k>``; ``odcfsdp.config.validate`` checks it against the class);
 * keys under a dict-valued field (``model.overrides``, ``optim.kwargs``) are free, and added
   with Hydra's ``++`` so that they need no ``+``;
-* after composition, an override the run would not read (``unused_key``) is refused, as is
-  giving both ``run.steps`` and ``run.epochs``.
+* after composition, an override the run would not read (``unused_key``) is refused when it
+  belongs to another kind of run (another model, optimizer or data source), and reported in a
+  ``note:`` line when it sets a mode that is off (LoRA's keys with ``model.lora.r=0``: a sweep
+  over the mode holds them); giving both ``run.steps`` and ``run.epochs`` is refused.
 """
 
 from __future__ import annotations
@@ -181,12 +183,17 @@ def given_keys(overrides: list[str]) -> list[str]:
     return keys
 
 
-def check_given(cfg: TrainConfig, keys: list[str]) -> None:
-    """``ValueError`` for a given key the run would not read, or for both ``run.steps`` and ``run.epochs``."""
+def check_given(cfg: TrainConfig, keys: list[str]) -> list[str]:
+    """``ValueError`` for a given key of another kind of run (``unused_key``), or for both ``run.steps`` and
+    ``run.epochs``; returns the notes (one line each) for given keys of a mode that is off."""
     if "run.steps" in keys and "run.epochs" in keys:
         raise ValueError("run.steps and run.epochs are both given: give one (run.epochs sets the steps from the "
                          "number of samples and data.batch_size)")
+    notes = []
     for key in keys:
-        why = unused_key(cfg, key)
-        if why:
-            raise ValueError(f"{key} is not used by this run: {why} (drop it)")
+        unused = unused_key(cfg, key)
+        if unused and unused[1]:
+            raise ValueError(f"{key} is not used by this run: {unused[0]} (drop it)")
+        if unused:
+            notes.append(f"note: {key} is not used by this run: {unused[0]}")
+    return notes

@@ -262,31 +262,36 @@ def _under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(prefix + ".")
 
 
-def unused_key(cfg: TrainConfig, key: str) -> str | None:
-    """Why the run ``cfg`` does not read ``key`` (a dotted config key), or None when it does.
+def unused_key(cfg: TrainConfig, key: str) -> tuple[str, bool] | None:
+    """Why the run ``cfg`` does not read ``key`` (a dotted config key), and whether that is an error; None when it
+    reads it.
 
-    Used to reject command-line overrides that would be silently ignored (``model.size`` of an
-    HF model, ``optim.betas`` of SGD, ``data.vocab_size`` of JSONL data, ...).
+    An error (the command line refuses the override): a key of another kind of run, which can
+    only be a mistake (``model.size`` of an HF model, ``optim.betas`` of SGD, ``data.vocab_size``
+    of JSONL data). Not an error (the command line reports it and goes on): a setting of a mode
+    that is off (``model.lora.alpha`` with ``model.lora.r=0``, ``optim.min_lr_ratio`` with a
+    constant schedule, ``run.max_skipped`` with ``run.on_nonfinite=stop``), which a sweep over
+    the mode holds on purpose.
     """
     source, name = data_source(cfg), cfg.model.name
     if source != "synthetic" and any(_under(key, f"data.{k}") for k in
                                      ("vocab_size", "lengths", "prompt_fraction", "pool_tokens")):
-        return "it shapes synthetic data and this run reads data.path"
+        return "it shapes synthetic data and this run reads data.path", True
     if source == "synthetic" and key == "data.tokenizer_path":
-        return "synthetic data is not tokenized (set data.path to train on a JSONL file)"
+        return "synthetic data is not tokenized (set data.path to train on a JSONL file)", True
     specs = model_specs()
     model_key = key.split(".")[1] if key.startswith("model.") and key.count(".") else None
     if model_key in {k for s in specs.values() for k in s.reads} - set(specs[name].reads):
         readers = "|".join(n for n, s in specs.items() if model_key in s.reads)
-        return f"only model.name={readers} reads it, this run has model.name={name}"
-    if key.startswith("model.lora.") and key != "model.lora.r" and not cfg.model.lora.r:
-        return "LoRA is off (model.lora.r > 0 turns it on)"
+        return f"only model.name={readers} reads it, this run has model.name={name}", True
     if key.startswith("optim.") and key.split(".")[1] in OPTIMIZER_KEYS:
         arg = key.split(".")[1]
         if arg not in optimizer_keywords(optimizer_class(cfg.optim.name)):
-            return f"torch.optim.{cfg.optim.name} takes no argument {arg!r}"
+            return f"torch.optim.{cfg.optim.name} takes no argument {arg!r}", True
+    if key.startswith("model.lora.") and key != "model.lora.r" and not cfg.model.lora.r:
+        return "LoRA is off (model.lora.r > 0 turns it on)", False
     if key == "optim.min_lr_ratio" and cfg.optim.schedule != "cosine":
-        return "only optim.schedule=cosine reads it"
+        return "only optim.schedule=cosine reads it", False
     if key == "run.max_skipped" and cfg.run.on_nonfinite != "skip":
-        return "only run.on_nonfinite=skip reads it"
+        return "only run.on_nonfinite=skip reads it", False
     return None

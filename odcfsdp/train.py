@@ -115,11 +115,14 @@ def _hydra_main(cfg) -> None:
     _multirun_job_dir(cfg)
     try:
         validate(cfg)
-        check_given(cfg, given_keys(list(HydraConfig.get().overrides.task)))
+        notes = check_given(cfg, given_keys(list(HydraConfig.get().overrides.task)))
         preflight(cfg, torchrun="RANK" in os.environ)
     except ValueError as e:  # a configuration error: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(note, file=sys.stderr)
     try:
         run(cfg)
     except NonFiniteError as e:
