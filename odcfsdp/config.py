@@ -95,7 +95,7 @@ class OptimConfig:
     ``optim.kwargs``): ``optim.name=SGD optim.momentum=0.9``."""
 
     name: str = "AdamW"  # a torch.optim class: AdamW | Adam | SGD | Adagrad | RMSprop | ... (any torch.optim.Optimizer)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the optimizer's other keyword arguments, e.g. {momentum: 0.9}
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the optimizer's other keyword arguments: {momentum: 0.9}
     lr: float = 1e-2  # peak learning rate (the schedule scales it)
     weight_decay: float = 0.1  # decoupled weight decay of matrices (none for optim.no_decay's parameters)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam-family moment decay rates
@@ -123,7 +123,7 @@ class RunConfig:
     """The run itself: length, seed, where it writes, how it is measured."""
 
     steps: int = 60  # optimizer steps (global minibatches) of the run; the schedule spans them
-    epochs: float | None = None  # instead of run.steps: passes over a JSONL file (steps = ceil(epochs * samples / batch))
+    epochs: float | None = None  # instead of run.steps: passes over the JSONL data (steps: ceil(epochs*samples/batch))
     stop_after: int | None = None  # stop after this step (as if preempted); the schedule still spans `steps`
     seed: int = 0  # model initialisation, data order and synthetic data
     out_dir: str = "runs/default"  # under --multirun, unless set: each job's own Hydra directory

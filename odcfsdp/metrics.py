@@ -107,6 +107,7 @@ class ProgressBar:
         return f"{bar}{row['step']}/{self.total} loss {loss} {row['tokens_per_s']:.0f} tok/s{mfu} eta {eta:.0f}s"
 
     def update(self, row: dict) -> None:
+        """Show ``row``'s step (redrawn on a terminal; a whole line at the steps a log keeps)."""
         self.pending = None
         if self.tty:
             print(f"\r{self.line(row)} ", end="", file=sys.stderr, flush=True)
@@ -117,6 +118,7 @@ class ProgressBar:
             self.pending = row  # printed by close() if it is the last
 
     def close(self) -> None:
+        """End the progress: a newline after a terminal's bar, or a log's last step if it was not shown."""
         if self.tty:
             print(file=sys.stderr)
         elif self.pending is not None:  # a run that stopped early: its last step

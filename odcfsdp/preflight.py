@@ -4,8 +4,9 @@
 against the world: the files a run reads exist and parse, the directories it writes are
 writable, a resume path is a checkpoint, the world size fits the machine, and ``run.out_dir``
 does not already hold another run (a run's history is never overwritten unless ``run.overwrite``
-says so: ``checkpoint.resume=auto`` continues a run only from one of its checkpoints). Each failure is a ``ValueError`` whose one line names the
-key and the fix; ``python -m odcfsdp.train`` prints it and exits with code 2, as for config errors.
+says so: ``checkpoint.resume=auto`` continues a run only from one of its checkpoints). Each
+failure is a ``ValueError`` whose one line names the key and the fix; ``python -m odcfsdp.train``
+prints it and exits with code 2, as for config errors.
 """
 
 from __future__ import annotations

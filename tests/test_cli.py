@@ -51,11 +51,13 @@ def test_data_path_alone_trains_on_the_file(tmp_path, texts):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["+optim.lrr=1e-3"], "optim.lrr is not a key of optim nor an argument of torch.optim.AdamW: did you mean optim.lr?"),
+    (["+optim.lrr=1e-3"], "optim.lrr is not a key of optim nor an argument of torch.optim.AdamW: did you mean "
+                          "optim.lr?"),
     (["optim.lrr=1e-3"], "did you mean optim.lr?"),
     (["+run.stepz=3"], "run.stepz is not a key: did you mean run.steps?"),
     (["++data.batchsize=3"], "data.batchsize is not a key: did you mean data.batch_size?"),
-    (["data.source=synthetic", "data.path=texts.jsonl"], "drop data.source (a data.path means jsonl) or drop data.path"),
+    (["data.source=synthetic", "data.path=texts.jsonl"], "drop data.source (a data.path means jsonl) or drop "
+                                                          "data.path"),
     (["data.path=texts.jsonl", "data.vocab_size=100"], "data.vocab_size is not used by this run: it shapes synthetic"),
     (["model.lora.alpha=8"], "model.lora.alpha is not used by this run: only model.name=hf reads it"),
     (["model.path=somewhere"], "model.path is not used by this run: only model.name=hf reads it"),
@@ -77,7 +79,8 @@ def test_settings_of_a_mode_that_is_off_are_reported(tmp_path):
     proc = cli("optim.schedule=constant", "optim.min_lr_ratio=0.5", "run.steps=1", "run.world_size=1",
                "run.out_dir=run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stderr.splitlines()[0] == "note: optim.min_lr_ratio is not used by this run: only optim.schedule=cosine reads it"
+    assert proc.stderr.splitlines()[0] == ("note: optim.min_lr_ratio is not used by this run: only "
+                                           "optim.schedule=cosine reads it")
 
 
 def test_resume_auto_never_overwrites_a_run_without_checkpoints(tmp_path):
@@ -204,9 +207,9 @@ def test_lora_adapter_export_records_an_absolute_base_path(tmp_path):
 
     save_pretrained_model(tmp_path / "base", "llama")
     write_jsonl(tmp_path / "chat.jsonl", chat_records(8))
-    proc = cli("model.name=hf", "model.path=base", "data.path=chat.jsonl", "model.lora.r=2", "model.lora.export=adapter",
-               "run.export_hf=true", "run.steps=1", "run.world_size=1", "data.batch_size=4", "run.out_dir=run",
-               cwd=tmp_path)
+    proc = cli("model.name=hf", "model.path=base", "data.path=chat.jsonl", "model.lora.r=2",
+               "model.lora.export=adapter", "run.export_hf=true", "run.steps=1", "run.world_size=1",
+               "data.batch_size=4", "run.out_dir=run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     adapter = json.loads((tmp_path / "run" / "hf" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str((tmp_path / "base").resolve())

@@ -27,7 +27,8 @@ def test_bundle_runs_without_torch(tmp_path):
     proc = without(["torch"], "odcfsdp.bundle", "--help", cwd=ROOT)
     assert proc.returncode == 0 and "--python-version" in proc.stdout, proc.stderr[-2000:]
     proc = without(["torch"], "odcfsdp.bundle", "--out", str(tmp_path / "w"), "--python-version", "3", cwd=ROOT)
-    assert proc.returncode == 1 and proc.stderr.strip() == "error: --python-version='3' must look like 3.12", proc.stderr
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "error: --python-version='3' must look like 3.12"
     check = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import odcfsdp\n"
                             "try:\n    odcfsdp.ODCShard\nexcept ImportError:\n    print('needs torch')"],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
