@@ -167,8 +167,8 @@ def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) 
             key, state = "optim.kwargs." + key.removeprefix("optim."), "free"
         if state == "unknown":
             raise ValueError(f"{key} is not a key: {_closest(key)}(python -m odcfsdp.train --help lists them all)")
-        if state == "free" and prefix != "~":
-            prefix = "++"  # a new key of a dict-valued field: added, or replaced if a preset set it
+        if (state == "free" or isinstance(node, dict)) and prefix != "~":
+            prefix = "++"  # a dict-valued field or a key in one: added, or replaced if a preset set it
         out.append(f"{prefix}{key}{value}")
     return out
 

@@ -74,6 +74,15 @@ def test_unknown_and_unused_keys_fail_at_start_in_one_line(tmp_path, texts, args
     assert not (tmp_path / "runs").exists()  # no rank started, nothing written
 
 
+def test_dict_valued_keys_need_no_plus(tmp_path):
+    """model.overrides and optim.kwargs take new keys as typed (Hydra alone wants `+` or `++` for them)."""
+    proc = cli("model.overrides={n_layers:1}", "model.overrides.n_heads=2", "optim.kwargs={amsgrad:true}",
+               "run.steps=1", "run.world_size=1", "run.out_dir=run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "overrides:\n    n_layers: 1\n    n_heads: 2\n" in saved and "kwargs:\n    amsgrad: true\n" in saved
+
+
 def test_settings_of_a_mode_that_is_off_are_reported(tmp_path):
     """A key of a mode that is off (a sweep over the mode holds it on purpose): one note line, and the run goes on."""
     proc = cli("optim.schedule=constant", "optim.min_lr_ratio=0.5", "run.steps=1", "run.world_size=1",
