@@ -6,6 +6,10 @@ overridden on the command line (``balance.kind=lb_micro model.size=1b``) and swe
 with ``--multirun``. Experiment presets live as YAML in the repository's
 ``configs/`` folder (``+experiment=<name>``). ``validate`` checks the values Hydra
 cannot (choices, ranges, combinations) and names the key and the allowed values.
+``resolve`` makes the values that follow from others explicit (``data.source=auto`` is jsonl
+when ``data.path`` is set); ``unused_key`` says which keys a run does not read, for the
+command line's checks of its overrides ([cli-keys] in ``cli.py``). Each field's trailing
+comment is its one-line help (``--help`` prints it), so keep it to what the key does.
 
 The ``shard`` group is derived from ``ODCShard``'s arguments ([derived-shard-config] in
 ``shard_config.py``); ``model.name``'s values and the checks of the keys each model reads

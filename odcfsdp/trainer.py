@@ -1,10 +1,11 @@
 """The run loop: ``train(cfg)`` on the current process group, resuming, the run's summary.
 
 Each step is ``odcfsdp.loop``'s (the standard PyTorch loop: micro-batches, then
-``clip_grad_norm_``, ``torch.optim.AdamW``, the LR schedule, ``zero_grad``); per-rank
+``clip_grad_norm_``, the ``optim.name`` optimizer (AdamW by default), the LR schedule, ``zero_grad``); per-rank
 compute and wait times, the loss and the throughput are gathered once afterwards and
 written by rank 0. The pieces come from ``odcfsdp.builders``; starting ranks and the
-command line are ``odcfsdp.train``'s.
+command line are ``odcfsdp.train``'s. SIGTERM or SIGINT during the loop stops every rank after
+the same step with a checkpoint (``_StopFlag``; a second SIGINT ends at once).
 """
 
 from __future__ import annotations
