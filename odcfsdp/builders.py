@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, data_source
 from .data.balance import CostModel
 from .data.jsonl import JsonlSource
 from .data.lengths import LengthDistribution
 from .data.synthetic import SyntheticSFT
 from .data.tokenizer import load_tokenizer
 from .specs import BuiltModel, model_spec
-from .optim import param_groups
+from .optim import optimizer_class, optimizer_keywords, param_groups
 from .schedule import warmup_cosine
 from .shard_config import shard_arguments
 from .sharding import ODCShard
@@ -26,7 +26,7 @@ from .sharding.transport import capabilities
 def build_source(cfg: TrainConfig):
     """The sample source and its vocabulary size."""
     d = cfg.data
-    if d.source == "synthetic":
+    if data_source(cfg) == "synthetic":
         lengths = LengthDistribution(d.lengths, cfg.run.seed)
         return SyntheticSFT(d.vocab_size, lengths, cfg.run.seed, d.pool_tokens, d.prompt_fraction), d.vocab_size
     tokenizer = load_tokenizer(tokenizer_path(cfg))
@@ -42,7 +42,7 @@ def jsonl_source(cfg: TrainConfig, path: str, tokenizer=None, seed: int = 0) -> 
 
 def vocab_size(cfg: TrainConfig) -> int:
     """The vocabulary the run's data uses (``build_source``'s, without reading the data)."""
-    return cfg.data.vocab_size if cfg.data.source == "synthetic" else load_tokenizer(tokenizer_path(cfg)).vocab_size
+    return cfg.data.vocab_size if data_source(cfg) == "synthetic" else load_tokenizer(tokenizer_path(cfg)).vocab_size
 
 
 def tokenizer_path(cfg: TrainConfig) -> str | None:
@@ -86,12 +86,23 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     return model, flops, cost
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):
-    """``torch.optim.AdamW`` over ``param_groups`` (no decay for ``optim.no_decay``) and its ``LambdaLR`` schedule."""
+def optimizer_arguments(cfg: TrainConfig, device: torch.device) -> dict:
+    """The keyword arguments of ``optim.name``'s class: the ``optim`` keys it takes, then ``optim.kwargs``.
+
+    ``fused`` defaults to torch's fused kernels on CUDA (None otherwise: torch's own choice).
+    """
     o = cfg.optim
-    fused = device.type == "cuda" if o.fused is None else o.fused
-    opt = torch.optim.AdamW(param_groups(model, no_decay=list(o.no_decay)), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                            weight_decay=o.weight_decay, fused=fused or None)
+    takes = optimizer_keywords(optimizer_class(o.name))
+    named = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(o.betas), "eps": o.eps,
+             "fused": (device.type == "cuda" if o.fused is None else o.fused) or None}
+    return {**{k: v for k, v in named.items() if k in takes}, **o.kwargs}
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):
+    """``optim.name``'s ``torch.optim`` class over ``param_groups`` (no decay for ``optim.no_decay``) and its
+    ``LambdaLR`` schedule (default: ``torch.optim.AdamW``)."""
+    o = cfg.optim
+    opt = optimizer_class(o.name)(param_groups(model, no_decay=list(o.no_decay)), **optimizer_arguments(cfg, device))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
     return opt, sched

@@ -6,6 +6,10 @@ overridden on the command line (``balance.kind=lb_micro model.size=1b``) and swe
 with ``--multirun``. Experiment presets live as YAML in the repository's
 ``configs/`` folder (``+experiment=<name>``). ``validate`` checks the values Hydra
 cannot (choices, ranges, combinations) and names the key and the allowed values.
+``resolve`` makes the values that follow from others explicit (``data.source=auto`` is jsonl
+when ``data.path`` is set); ``unused_key`` says which keys a run does not read, for the
+command line's checks of its overrides ([cli-keys] in ``cli.py``). Each field's trailing
+comment is its one-line help (``--help`` prints it), so keep it to what the key does.
 
 The ``shard`` group is derived from ``ODCShard``'s arguments ([derived-shard-config] in
 ``shard_config.py``); ``model.name``'s values and the checks of the keys each model reads
@@ -14,8 +18,9 @@ come from the model specs ([model-specs] in ``odcfsdp/specs``).
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -26,6 +31,7 @@ from .data.balance import BALANCERS
 from .data.formats import FORMAT_CHOICES
 from .data.lengths import KINDS as LENGTH_KINDS
 from .data.lengths import LengthConfig
+from .optim import optimizer_class, optimizer_keywords
 from .specs import model_specs
 from .shard_config import OFFLOAD_CHOICES, ShardConfig
 from .sharding.transport import COMM_CHOICES, capabilities
@@ -38,7 +44,8 @@ class LoraSettings:
     r: int = 0  # adapter rank; 0: no LoRA (every weight is trained)
     alpha: float = 16.0  # scale alpha / r of the adapters' product
     dropout: float = 0.0  # dropout on the adapters' input
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # names of the modules that get adapters
     export: str = "merged"  # run.export_hf writes: merged (a plain model, adapters folded in) | adapter (PEFT files)
 
 
@@ -80,8 +87,8 @@ class FieldsConfig:
 class DataConfig:
     """Where samples come from and how a global minibatch is cut into micro-batches."""
 
-    source: str = "synthetic"  # synthetic | jsonl
-    path: str | None = None  # jsonl: the file
+    source: str = "auto"  # auto (jsonl when data.path is set, else synthetic) | synthetic | jsonl
+    path: str | None = None  # a JSONL file of samples (implies data.source=jsonl)
     format: str = "auto"  # jsonl: auto (each record's fields) | messages | sharegpt | alpaca | prompt_completion | text
     fields: FieldsConfig = field(default_factory=FieldsConfig)  # jsonl: the file's own column names (see FieldsConfig)
     tokenizer_path: str | None = None  # jsonl: a local HF tokenizer (default: model.path's for name=hf, else bytes)
@@ -98,33 +105,41 @@ class DataConfig:
 class BalanceConfig:
     """How each minibatch is split over ranks (see odcfsdp/data/balance.py)."""
 
-    kind: str = "lb_mini"  # none | lb_micro | lb_mini
+    kind: str = "lb_mini"  # none | lb_micro (equal micro-batch counts) | lb_mini (balanced cost; one-sided comm)
     cost_a: float | None = None  # cost per s^2; None: from the model's FLOPs (times attention_cost_factor)
     cost_b: float | None = None  # cost per s; None: from the model's FLOPs
     attention_cost_factor: float = 1.0  # an attention FLOP's time over a matmul FLOP's (1.8 fitted on H200, cuDNN)
 
 
+#: ``optim`` keys that are keyword arguments of the optimizer (passed when its class takes them), not loop settings.
+OPTIMIZER_KEYS = ("lr", "weight_decay", "betas", "eps", "fused")
+
+
 @dataclass
 class OptimConfig:
-    """``torch.optim.AdamW`` over ``odcfsdp.param_groups`` and its schedule (linear warm-up, then constant or cosine)."""
+    """A ``torch.optim`` optimizer by name over ``odcfsdp.param_groups`` and its schedule (warm-up, then constant or
+    cosine). Any other key ``optim.<k>=v`` on the command line is the optimizer's keyword argument ``k`` (kept in
+    ``optim.kwargs``): ``optim.name=SGD optim.momentum=0.9``."""
 
-    lr: float = 1e-2
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    max_norm: float | None = 1.0
-    warmup_steps: int = 5
-    schedule: str = "cosine"  # constant | cosine
-    min_lr_ratio: float = 0.1
-    no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])
-    fused: bool | None = None  # torch's fused AdamW kernels; None: on CUDA
+    name: str = "AdamW"  # a torch.optim class: AdamW | Adam | SGD | Adagrad | RMSprop | ... (any torch.optim.Optimizer)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the optimizer's other keyword arguments: {momentum: 0.9}
+    lr: float = 1e-2  # peak learning rate (the schedule scales it)
+    weight_decay: float = 0.1  # decoupled weight decay of matrices (none for optim.no_decay's parameters)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam-family moment decay rates
+    eps: float = 1e-8  # Adam-family denominator term
+    max_norm: float | None = 1.0  # clip the global gradient norm to this; None: no clipping (the norm is still logged)
+    warmup_steps: int = 5  # linear warm-up of the learning rate over this many steps
+    schedule: str = "cosine"  # after warm-up: constant | cosine (down to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.1  # schedule=cosine: the final learning rate over the peak
+    no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias"])  # parameter-name globs without decay
+    fused: bool | None = None  # torch's fused optimizer kernels, where the optimizer has them; None: on CUDA
 
 
 @dataclass
 class CheckpointConfig:
     """Sharded checkpoints of the run (see odcfsdp/checkpoint)."""
 
-    dir: str | None = None  # default: <run.out_dir>/checkpoints
+    dir: str | None = None  # where checkpoints go; default: <run.out_dir>/checkpoints
     interval: int = 0  # save every this many steps (and at the last step); 0: never
     resume: str = "none"  # none | auto (the latest complete checkpoint in dir, if any) | <checkpoint path>
     keep_last: int = 3  # complete checkpoints kept; 0 keeps all
@@ -134,9 +149,10 @@ class CheckpointConfig:
 class RunConfig:
     """The run itself: length, seed, where it writes, how it is measured."""
 
-    steps: int = 60
+    steps: int = 60  # optimizer steps (global minibatches) of the run; the schedule spans them
+    epochs: float | None = None  # instead of run.steps: passes over the JSONL data (steps: ceil(epochs*samples/batch))
     stop_after: int | None = None  # stop after this step (as if preempted); the schedule still spans `steps`
-    seed: int = 0
+    seed: int = 0  # model initialisation, data order and synthetic data
     out_dir: str = "runs/default"  # under --multirun, unless set: each job's own Hydra directory
     overwrite: bool = False  # start afresh in an out_dir that already holds a run (its metrics are replaced)
     world_size: int = 2  # ranks started on this machine when not under torchrun (CPU)
@@ -170,8 +186,36 @@ def register() -> None:
 
 
 def config_from(overrides: dict) -> TrainConfig:
-    """A ``TrainConfig`` from nested override values (the defaults elsewhere)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides))
+    """A ``TrainConfig`` from nested override values (the defaults elsewhere), ``resolve``d."""
+    return resolve(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides)))
+
+
+def data_source(cfg: TrainConfig) -> str:
+    """The data source the run reads: ``data.source``, where ``auto`` is jsonl when ``data.path`` is set."""
+    if cfg.data.source == "auto":
+        return "jsonl" if cfg.data.path else "synthetic"
+    return cfg.data.source
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the values that depend on others made explicit (``data.source=auto``); returns it."""
+    cfg.data.source = data_source(cfg)
+    return cfg
+
+
+def _optimizer_checks(o: OptimConfig) -> None:
+    """``optim.name`` is a torch.optim optimizer that takes every key of ``optim.kwargs``."""
+    cls = optimizer_class(o.name)
+    takes = optimizer_keywords(cls)
+    named = {f.name for f in fields(OptimConfig)}
+    for key in o.kwargs:
+        if key in named:
+            raise ValueError(f"optim.kwargs.{key} repeats the key optim.{key}: set optim.{key} instead")
+        if key not in takes:
+            close = difflib.get_close_matches(key, sorted(named - {"kwargs"} | set(takes)), n=1)
+            hint = f"did you mean optim.{close[0]}? " if close else ""
+            raise ValueError(f"optim.{key} is not a key of optim nor an argument of torch.optim.{o.name}: {hint}"
+                             f"its arguments are {takes}")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -184,7 +228,10 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.lora.r and not specs[cfg.model.name].lora:
         raise ValueError(f"model.lora.r > 0 needs model.name={'|'.join(n for n, s in specs.items() if s.lora)} "
                          "(adapters through PEFT)")
-    choice("data.source", cfg.data.source, ("synthetic", "jsonl"))
+    choice("data.source", cfg.data.source, ("auto", "synthetic", "jsonl"))
+    if cfg.data.source == "synthetic" and cfg.data.path:
+        raise ValueError(f"data.path={cfg.data.path!r} is not read with data.source=synthetic: drop data.source "
+                         "(a data.path means jsonl) or drop data.path")
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
     choice("data.format", cfg.data.format, FORMAT_CHOICES)
@@ -193,6 +240,7 @@ def validate(cfg: TrainConfig) -> None:
     positive("data.micro_batch_tokens", cfg.data.micro_batch_tokens)
     positive("data.vocab_size", cfg.data.vocab_size)
     choice("balance.kind", cfg.balance.kind, BALANCERS)
+    _optimizer_checks(cfg.optim)
     choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
     positive("optim.lr", cfg.optim.lr, allow_zero=True)
     if len(cfg.optim.betas) != 2:
@@ -215,6 +263,10 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.checkpoint.resume:
         raise ValueError("checkpoint.resume must be none, auto or a checkpoint path")
     positive("run.steps", cfg.run.steps)
+    if cfg.run.epochs is not None:
+        positive("run.epochs", cfg.run.epochs)
+        if data_source(cfg) != "jsonl":
+            raise ValueError("run.epochs needs a JSONL data.path (synthetic data has no end): use run.steps")
     if cfg.run.stop_after is not None:
         positive("run.stop_after", cfg.run.stop_after)
     positive("run.world_size", cfg.run.world_size)
@@ -224,7 +276,7 @@ def validate(cfg: TrainConfig) -> None:
     positive("run.max_skipped", cfg.run.max_skipped)
     if cfg.run.eval_interval and not cfg.data.eval_path:
         raise ValueError("run.eval_interval needs data.eval_path=<held-out file.jsonl>")
-    if cfg.data.eval_path and cfg.data.source != "jsonl":
+    if cfg.data.eval_path and data_source(cfg) != "jsonl":
         raise ValueError("data.eval_path needs data.source=jsonl (the held-out file is read with the same tokenizer)")
     choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
     if not capabilities(cfg.shard.comm).uneven_micro_batches and cfg.balance.kind != "lb_micro":
@@ -232,3 +284,42 @@ def validate(cfg: TrainConfig) -> None:
             f"shard.comm={cfg.shard.comm} needs equal micro-batch counts per rank: use balance.kind=lb_micro, "
             f"or a one-sided transport (shard.comm=auto) for balance.kind={cfg.balance.kind}"
         )
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def unused_key(cfg: TrainConfig, key: str) -> tuple[str, bool] | None:
+    """Why the run ``cfg`` does not read ``key`` (a dotted config key), and whether that is an error; None when it
+    reads it.
+
+    An error (the command line refuses the override): a key of another kind of run, which can
+    only be a mistake (``model.size`` of an HF model, ``optim.betas`` of SGD, ``data.vocab_size``
+    of JSONL data). Not an error (the command line reports it and goes on): a setting of a mode
+    that is off (``model.lora.alpha`` with ``model.lora.r=0``, ``optim.min_lr_ratio`` with a
+    constant schedule, ``run.max_skipped`` with ``run.on_nonfinite=stop``), which a sweep over
+    the mode holds on purpose.
+    """
+    source, name = data_source(cfg), cfg.model.name
+    if source != "synthetic" and any(_under(key, f"data.{k}") for k in
+                                     ("vocab_size", "lengths", "prompt_fraction", "pool_tokens")):
+        return "it shapes synthetic data and this run reads data.path", True
+    if source == "synthetic" and key == "data.tokenizer_path":
+        return "synthetic data is not tokenized (set data.path to train on a JSONL file)", True
+    specs = model_specs()
+    model_key = key.split(".")[1] if key.startswith("model.") and key.count(".") else None
+    if model_key in {k for s in specs.values() for k in s.reads} - set(specs[name].reads):
+        readers = "|".join(n for n, s in specs.items() if model_key in s.reads)
+        return f"only model.name={readers} reads it, this run has model.name={name}", True
+    if key.startswith("optim.") and key.split(".")[1] in OPTIMIZER_KEYS:
+        arg = key.split(".")[1]
+        if arg not in optimizer_keywords(optimizer_class(cfg.optim.name)):
+            return f"torch.optim.{cfg.optim.name} takes no argument {arg!r}", True
+    if key.startswith("model.lora.") and key != "model.lora.r" and not cfg.model.lora.r:
+        return "LoRA is off (model.lora.r > 0 turns it on)", False
+    if key == "optim.min_lr_ratio" and cfg.optim.schedule != "cosine":
+        return "only optim.schedule=cosine reads it", False
+    if key == "run.max_skipped" and cfg.run.on_nonfinite != "skip":
+        return "only run.on_nonfinite=skip reads it", False
+    return None

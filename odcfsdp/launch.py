@@ -25,6 +25,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -32,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from .interrupts import Interrupted
 
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
@@ -84,48 +87,72 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _context(backend: str):
-    """The multiprocessing context for workers: a fork server that preloads odcfsdp for gloo, else spawn."""
+def _context(backend: str, fn: Callable):
+    """The multiprocessing context for workers: a fork server that preloads odcfsdp for gloo, else spawn.
+
+    The server also preloads ``fn``'s module when it is odcfsdp's (for ``python -m odcfsdp.train``, the
+    odcfsdp modules that the caller imported): a worker then starts in a fraction of a second, the
+    window in which a signal would end it with multiprocessing's bootstrap traceback.
+    """
     if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["odcfsdp"])  # read when the server starts: the first call in this process
+    # read when the server starts (the first call in this process); `import odcfsdp` alone imports nothing heavy
+    name = fn.__module__
+    if name == "__main__":  # `python -m odcfsdp.train`: workers run that module again (as __mp_main__), and
+        # runpy warns if it is loaded already: preload what it imported of odcfsdp instead
+        main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
+        own = sorted(m for m in sys.modules if m.startswith("odcfsdp.") and m != main)
+    else:
+        own = [name] if name.startswith("odcfsdp.") else []
+    ctx.set_forkserver_preload(["odcfsdp.sharding", "odcfsdp.optim", *own])
     return ctx
 
 
-def _forward_signals(signals: tuple[int, ...], procs) -> list:
-    """Pass ``signals`` on to ``procs`` while they run; returns the (signal, previous handler) pairs to restore."""
+def _forward_signals(signals: tuple[int, ...], procs, received: list[int], started: set[int]) -> list:
+    """Pass ``signals`` on to ``procs`` while they run, appending each to ``received``; a second SIGINT raises
+    ``Interrupted(again=True)`` instead. A worker not yet ``started`` (still in multiprocessing's bootstrap, where
+    a KeyboardInterrupt prints a traceback) gets SIGTERM, which ends it silently. Returns the (signal, previous
+    handler) pairs to restore."""
     import threading
 
     if not signals or threading.current_thread() is not threading.main_thread():
         return []
 
     def forward(sig, _frame):
-        for p in procs:
+        received.append(sig)
+        if sig == signal.SIGINT and received.count(sig) > 1:  # Ctrl-C twice: end now (spawn kills the ranks)
+            raise Interrupted(sig, again=True)
+        for r, p in enumerate(procs):
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, sig)
+                os.kill(p.pid, sig if r in started or sig != signal.SIGINT else signal.SIGTERM)
 
     return [(sig, signal.signal(sig, forward)) for sig in signals]
 
 
-def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None) -> None:
+def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None,
+            own_group=False) -> None:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
-    if env is not None:  # the caller's environment now, not the fork server's at its start
-        os.environ.clear()
-        os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.set_num_threads(threads)
-    from .sharding.watchdog import set_fatal_handler
-
-    def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
-        results.put((rank, False, f"RuntimeError: {message}"))
-        results.close()
-        results.join_thread()
-
-    set_fatal_handler(report_fatal)
+    if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
+        os.setpgid(0, 0)
     try:
+        if own_group:  # from here on a forwarded SIGINT is a KeyboardInterrupt reported below, not a traceback
+            results.put((rank, None, b""))
+        if env is not None:  # the caller's environment now, not the fork server's at its start
+            os.environ.clear()
+            os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.set_num_threads(threads)
+        from .sharding.watchdog import set_fatal_handler
+
+        def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
+            results.put((rank, False, f"RuntimeError: {message}"))
+            results.close()
+            results.join_thread()
+
+        set_fatal_handler(report_fatal)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         # The parent hosts the store (see spawn): a stopped rank 0 must not take it down.
@@ -150,6 +177,7 @@ def spawn(
     backend: str = "gloo",
     timeout: float = 300.0,
     forward: tuple[int, ...] = (),
+    received: list[int] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return results by rank.
 
@@ -157,10 +185,15 @@ def spawn(
     ``max(1, cpus // world_size)`` intra-op threads so ranks do not oversubscribe.
     Signals in ``forward`` (e.g. SIGTERM) received by this process while it waits are
     passed on to every worker instead of ending this process (called from the main thread).
+    With SIGINT among them the workers get their own process group, so that a terminal's Ctrl-C
+    reaches them once, through this process, and a second Ctrl-C raises ``Interrupted`` here
+    (the workers are killed). A worker that fails or dies after a forwarded signal raises
+    ``Interrupted`` too (it was stopped before it could finish a step), not ``RuntimeError``.
+    The signals forwarded are appended to ``received`` when the caller passes a list.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context(backend)
+    ctx = _context(backend, fn)
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
@@ -169,15 +202,20 @@ def spawn(
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ)))
+                    args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ),
+                          signal.SIGINT in forward))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    forwarded = _forward_signals(forward, procs)
+    received = [] if received is None else received
+    started: set[int] = set()  # workers past their bootstrap (own_group workers say so first)
+    forwarded = _forward_signals(forward, procs, received, started)  # before starting: no window without it
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
+        for p in procs:
+            if received:  # stopped while starting: start no more (the started ones got the signal)
+                raise Interrupted(received[0])
+            p.start()
+        deadline = time.monotonic() + timeout
         while len(out) < world_size:
             try:
                 rank, ok, payload = results.get(timeout=1.0)
@@ -185,23 +223,34 @@ def spawn(
                 # A queue is flushed before its process exits, so an exited rank with nothing
                 # delivered after a full second of silence has died without a result.
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+                if dead and received:
+                    raise Interrupted(received[0])
                 if dead:
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
                                        "without a result")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
                 continue
+            if ok is None:
+                started.add(rank)
+                continue
+            if not ok and received:
+                raise Interrupted(received[0])
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
-        for sig, handler in forwarded:
-            signal.signal(sig, handler)
-        for p in procs:
-            p.join(timeout=10 if len(out) == world_size else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:  # still forwarding while the workers exit: a second Ctrl-C here ends the wait (they die with us)
+            for p in procs:
+                if p.pid is None:  # never started
+                    continue
+                p.join(timeout=10 if len(out) == world_size else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        finally:
+            for sig, handler in forwarded:
+                signal.signal(sig, handler)
     return [out[r] for r in range(world_size)]
 
 

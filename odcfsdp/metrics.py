@@ -80,24 +80,46 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr: step, loss, throughput, MFU, ETA."""
+    """Progress on stderr: step, loss, throughput, MFU, ETA.
 
-    def __init__(self, total: int, width: int = 28, first_step: int = 1):
+    On a terminal, one line redrawn in place (``\\r``); to a file or a pipe (a job's log), whole
+    lines instead: the first and last step, every ``total // 20``-th, and every step with an
+    ``eval_loss``, so a log reads line by line and stays short.
+    """
+
+    def __init__(self, total: int, width: int = 28, first_step: int = 1, tty: bool | None = None):
         self.total, self.width, self.start, self.first = total, width, time.perf_counter(), first_step
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.every = max(1, total // 20)
+        self.pending: dict | None = None
 
-    def update(self, row: dict) -> None:
+    def line(self, row: dict) -> str:
+        """The progress text of ``row`` (without the bar on a file or pipe)."""
         done = row["step"] / self.total
         run_share = (row["step"] - self.first + 1) / (self.total - self.first + 1)
         filled = int(self.width * done)
         elapsed = time.perf_counter() - self.start
         eta = elapsed / run_share - elapsed if run_share else 0.0
         mfu = f" mfu {row['mfu']:.1%}" if row.get("mfu") is not None else ""
-        mfu += f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-        print(
-            f"\r[{'#' * filled}{'-' * (self.width - filled)}] {row['step']}/{self.total} loss {row['loss']:.4f} "
-            f"{row['tokens_per_s']:.0f} tok/s{mfu} eta {eta:.0f}s ",
-            end="", file=sys.stderr, flush=True,
-        )
+        mfu += f" eval {row['eval_loss']:.4f}" if row.get("eval_loss") is not None else ""
+        bar = f"[{'#' * filled}{'-' * (self.width - filled)}] " if self.tty else "step "
+        loss = "nan" if row["loss"] is None else f"{row['loss']:.4f}"
+        return f"{bar}{row['step']}/{self.total} loss {loss} {row['tokens_per_s']:.0f} tok/s{mfu} eta {eta:.0f}s"
+
+    def update(self, row: dict) -> None:
+        """Show ``row``'s step (redrawn on a terminal; a whole line at the steps a log keeps)."""
+        self.pending = None
+        if self.tty:
+            print(f"\r{self.line(row)} ", end="", file=sys.stderr, flush=True)
+        elif (row["step"] in (self.first, self.total) or row["step"] % self.every == 0
+              or row.get("eval_loss") is not None):
+            print(self.line(row), file=sys.stderr, flush=True)
+        else:
+            self.pending = row  # printed by close() if it is the last
 
     def close(self) -> None:
-        print(file=sys.stderr)
+        """End the progress: a newline after a terminal's bar, or a log's last step if it was not shown."""
+        if self.tty:
+            print(file=sys.stderr)
+        elif self.pending is not None:  # a run that stopped early: its last step
+            print(self.line(self.pending), file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """Charts of a run: ``python -m odcfsdp.plot RUN_DIR [--out DIR]`` (needs matplotlib).
 
-Writes ``loss.png`` (loss and gradient norm per step) and ``ranks.png`` (per rank:
+Writes ``loss.png`` (loss per step, the held-out ``eval_loss`` where the run evaluated, and the
+gradient norm) and ``ranks.png`` (per rank:
 time computing its micro-batches vs time waiting for the others at the optimizer
 step, summed over the steps after warm-up) next to the run's ``metrics.jsonl``.
 """
@@ -8,6 +9,7 @@ step, summed over the steps after warm-up) next to the run's ``metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .metrics import read_metrics
@@ -21,7 +23,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, warmup: int
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plotting needs matplotlib: pip install 'odcfsdp[plot]'") from e
+        raise ImportError("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from e
     rows = read_metrics(run_dir)
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -30,6 +32,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, warmup: int
     fig, ax = plt.subplots(figsize=(7, 4))
     nan = float("nan")
     ax.plot(steps, [nan if r["loss"] is None else r["loss"] for r in rows], label="loss")
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if evals:  # run.eval_interval: the held-out loss, on the training loss's axis
+        ax.plot(*zip(*evals), "o-", color="tab:green", label="eval loss (held out)")
     bad = [r["step"] for r in rows if r.get("nonfinite")]
     for k, step in enumerate(bad):  # minibatches whose update was not applied (non-finite loss or gradient)
         ax.axvline(step, color="tab:red", alpha=0.4, lw=1, label="non-finite (skipped)" if k == 0 else None)
@@ -72,7 +77,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
     parser.add_argument("--warmup", type=int, default=0, help="steps left out of the per-rank chart")
     args = parser.parse_args()
-    for path in plot_run(args.run_dir, args.out, args.warmup):
+    try:
+        paths = plot_run(args.run_dir, args.out, args.warmup)
+    except (ImportError, FileNotFoundError) as e:  # no matplotlib, no run: one line naming the fix
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for path in paths:
         print(path)
 
 

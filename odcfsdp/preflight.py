@@ -2,9 +2,12 @@
 
 ``validate`` (``config.py``) checks values against each other; ``preflight`` checks them
 against the world: the files a run reads exist and parse (every record in its data format,
-``odcfsdp/data/formats.py``), the directories it writes are writable, a resume path is a checkpoint, the world size fits the machine, and ``run.out_dir``
-does not already hold another run. Each failure is a ``ValueError`` whose one line names the
-key and the fix; ``python -m odcfsdp.train`` prints it and exits with code 2, as for config errors.
+``odcfsdp/data/formats.py``), the directories it writes are writable, a resume path is a
+checkpoint, the world size fits the machine, and ``run.out_dir`` does not already hold another
+run (a run's history is never overwritten unless ``run.overwrite`` says so:
+``checkpoint.resume=auto`` continues a run only from one of its checkpoints). Each failure is a
+``ValueError`` whose one line names the key and the fix; ``python -m odcfsdp.train`` prints it and
+exits with code 2, as for config errors.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .checkpoint import latest_checkpoint
 from .config import DataConfig, TrainConfig
 from .data.formats import parse
 from .data.jsonl import read_records
@@ -73,6 +77,12 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
     if used_run_dir(r.out_dir) and ck.resume == "none" and not r.overwrite:
         raise ValueError(f"run.out_dir={r.out_dir!r} already holds a run: choose another run.out_dir, continue it "
                          "with checkpoint.resume=auto, or replace it with run.overwrite=true")
+    ck_dir = ck.dir or Path(r.out_dir) / "checkpoints"
+    if used_run_dir(r.out_dir) and ck.resume == "auto" and not r.overwrite and latest_checkpoint(ck_dir) is None:
+        # a fresh start here would replace the run's metrics, config and summary, and leave its export stale
+        raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} no "
+                         "checkpoint to continue it from: choose another run.out_dir, or replace the run with "
+                         "run.overwrite=true")
     if not torchrun and r.world_size > 1:
         import torch
 

@@ -6,9 +6,14 @@ and writes ``runs/default/metrics.jsonl``. Under ``torchrun`` it uses the ranks
 torchrun started (NCCL + nvshmem on GPUs).
 
 This module is the command line and the ranks: Hydra's main, configuration errors
-as one line, starting ranks (torchrun's, or spawned locally) and reporting their
-failures. The run itself is ``odcfsdp.trainer.train``; its pieces come from
-``odcfsdp.builders``.
+as one line (exit code 2; ``odcfsdp.cli`` checks the keys, [cli-keys]), starting ranks
+(torchrun's, or spawned locally) and reporting their failures (1). The run itself is
+``odcfsdp.trainer.train``; its pieces come from ``odcfsdp.builders``.
+
+Interrupts: SIGTERM or a first Ctrl-C (SIGINT) during the run make every rank finish its
+step and save a checkpoint, one line says so, exit code 0 (continue with
+``checkpoint.resume=auto``); before the ranks train (start-up) there is nothing to save: one
+line and exit code 128 + the signal's number (143, 130). A second Ctrl-C ends at once (130).
 """
 
 from __future__ import annotations
@@ -18,12 +23,19 @@ import signal
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # the command line: a signal while torch and Hydra load ends with one line
+    from odcfsdp.interrupts import exit_during_imports, install
+
+    install(exit_during_imports)
+
 import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from .config import TrainConfig, config_from, register, validate
+from .cli import check_given, check_overrides, given_keys, help_text
+from .config import TrainConfig, config_from, register, resolve, validate
+from .interrupts import Interrupted, install, raise_interrupted
 from .launch import init_torchrun, spawn
 from .preflight import preflight
 from .trainer import NonFiniteError, train
@@ -43,6 +55,13 @@ def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
         return e
 
 
+def _again(signum: int, _frame) -> None:
+    """A second signal after the ranks stopped and saved: nothing is left to clean up, so end here (even in the
+    interpreter's exit handlers, where an exception would print a traceback)."""
+    print(Interrupted(signum, again=True).message(), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def run(cfg: TrainConfig) -> None:
     """Start ranks as needed (torchrun's, or spawned locally) and train."""
     validate(cfg)
@@ -54,15 +73,20 @@ def run(cfg: TrainConfig) -> None:
             dist.destroy_process_group()
     elif cfg.run.world_size > 1:
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        received: list[int] = []
         try:
             results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                            backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600, forward=(signal.SIGTERM,))
+                            backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600,
+                            forward=(signal.SIGTERM, signal.SIGINT), received=received)
+            # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted)
+            install(_again if received else signal.SIG_IGN)
         except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
             log = Path(cfg.run.out_dir) / "error.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             log.write_text(str(e))
-            lines = [line for line in str(e).splitlines() if line.strip()]
-            raise RankError(f"{lines[0].rstrip(':')}: {lines[-1].strip()} (traceback in {log})") from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+            raise RankError(f"{head} (traceback in {log})") from None
         if isinstance(results[0], NonFiniteError):
             raise results[0]
     else:
@@ -85,14 +109,20 @@ def _multirun_job_dir(cfg: TrainConfig) -> None:
 
 @hydra.main(version_base="1.3", config_name="train", config_path=None)
 def _hydra_main(cfg) -> None:
-    cfg = OmegaConf.to_object(cfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = resolve(OmegaConf.to_object(cfg))
     _multirun_job_dir(cfg)
     try:
         validate(cfg)
+        notes = check_given(cfg, given_keys(list(HydraConfig.get().overrides.task)))
         preflight(cfg, torchrun="RANK" in os.environ)
     except ValueError as e:  # a configuration error: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(note, file=sys.stderr)
     try:
         run(cfg)
     except NonFiniteError as e:
@@ -105,12 +135,29 @@ def _hydra_main(cfg) -> None:
 
 def main() -> None:
     """Console-script entry point (``odcfsdp-train``)."""
+    install(raise_interrupted)  # one line, not a traceback, until the ranks take over
+    try:
+        _main(sys.argv[1:])
+    except Interrupted as e:  # before the ranks trained, or a second Ctrl-C: exit 128 + the signal's number
+        print(f"{chr(10) if sys.stderr.isatty() else ''}{e.message()}", file=sys.stderr)  # a bar may be mid-line
+        sys.exit(e.exit_code)
+
+
+def _main(args: list[str]) -> None:
     register()
+    if "--help" in args or "-h" in args:
+        print(help_text(CONFIGS_DIR))
+        return
+    try:
+        args = check_overrides(args, groups=tuple(p.name for p in CONFIGS_DIR.iterdir() if p.is_dir())
+                               if CONFIGS_DIR.is_dir() else ())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     defaults = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
                 "hydra/hydra_logging=disabled"]
     if CONFIGS_DIR.is_dir():  # source checkout: experiment presets under configs/
         defaults.append(f"hydra.searchpath=[file://{CONFIGS_DIR}]")
-    args = sys.argv[1:]
     given = {a.split("=")[0] for a in args}
     extra = [d for d in defaults if d.split("=")[0] not in given]
     # Hydra wants the overrides contiguous: put ours right before the user's first one.

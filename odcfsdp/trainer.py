@@ -1,16 +1,19 @@
 """The run loop: ``train(cfg)`` on the current process group, resuming, the run's summary.
 
 Each step is ``odcfsdp.loop``'s (the standard PyTorch loop: micro-batches, then
-``clip_grad_norm_``, ``torch.optim.AdamW``, the LR schedule, ``zero_grad``); per-rank
+``clip_grad_norm_``, the ``optim.name`` optimizer (AdamW by default), the LR schedule, ``zero_grad``); per-rank
 compute and wait times, the loss and the throughput are gathered once afterwards and
 written by rank 0. The pieces come from ``odcfsdp.builders``; starting ranks and the
-command line are ``odcfsdp.train``'s.
+command line are ``odcfsdp.train``'s. SIGTERM or SIGINT during the loop stops every rank after
+the same step with a checkpoint (``_StopFlag``; a second SIGINT ends at once).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import resource
+import shutil
 import signal
 import sys
 import threading
@@ -25,7 +28,8 @@ from .builders import build_optimizer, build_sharded_model, build_source, jsonl_
 from .checkpoint import (
     CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
 )
-from .config import TrainConfig, validate
+from .config import TrainConfig, resolve, validate
+from .interrupts import Interrupted
 from .loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
 from .mfu import mfu, peak_tflops
@@ -38,10 +42,15 @@ class NonFiniteError(RuntimeError):
 
 def train(cfg: TrainConfig) -> list[dict]:
     """Run ``cfg`` on the current process group; return the per-step metrics (on every rank)."""
-    validate(cfg)
+    validate(resolve(cfg))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = pick_device(cfg)
     source, vocab = build_source(cfg)
+    if cfg.run.epochs is not None:  # the schedule, the bar and the end all read run.steps: set it once, here
+        cfg.run.steps = math.ceil(cfg.run.epochs * source.num_samples / cfg.data.batch_size)
+        if rank == 0:
+            print(f"run.epochs={cfg.run.epochs:g} over {source.num_samples} samples of {cfg.data.path} at "
+                  f"data.batch_size={cfg.data.batch_size}: {cfg.run.steps} steps", file=sys.stderr)
     model, flops, cost = build_sharded_model(cfg, vocab, device)
     if model.mesh.replicas > 1 and rank == 0:
         print(f"hybrid sharding: {model.mesh.replicas} replicas x {model.world_size} ranks "
@@ -55,6 +64,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     ck_dir = Path(ck.dir or Path(cfg.run.out_dir) / "checkpoints")
     start = resume(cfg, ck_dir, model, opt, sched)
 
+    if rank == 0 and start == 0:
+        _clear_outputs(Path(cfg.run.out_dir))
     writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard, first_step=start + 1) if rank == 0 else None
     if writer:
         (writer.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -63,8 +74,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     metrics = []
     end = min(cfg.run.steps, cfg.run.stop_after or cfg.run.steps)
     nonfinite: list[int] = []  # steps whose update was not applied
-    in_a_row, stopped, preempted = 0, None, None
-    terminate = _TerminationFlag()  # SIGTERM: finish this step, checkpoint, exit cleanly (every rank alike)
+    in_a_row, stopped, preempted, signum = 0, None, None, 0
+    terminate = _StopFlag()  # SIGTERM / Ctrl-C: finish this step, checkpoint, exit cleanly (every rank alike)
     for step in range(start, end):
         minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
         model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
@@ -73,8 +84,8 @@ def train(cfg: TrainConfig) -> list[dict]:
         my_sizes = minibatch.my_sizes()
         table = gather_stats([out["loss"], out["compute_s"], model.sync_wait_s, len(minibatch.mine),
                               sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
-                              float(terminate.raised)],
-                             model.mesh.device, model.mesh.everyone.group)  # the termination flag rides along: no extra meeting
+                              float(terminate.signum)],
+                             model.mesh.device, model.mesh.everyone.group)  # the stop flag rides along: no extra meeting
         row = _step_row(step, out, table, minibatch.global_targets, lr, peak, world, device)
         in_a_row = 0 if out["finite"] else in_a_row + 1
         if not out["finite"]:
@@ -82,7 +93,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             nonfinite.append(step + 1)
             if cfg.run.on_nonfinite == "stop" or in_a_row >= cfg.run.max_skipped:
                 stopped = _nonfinite_message(cfg, row, in_a_row)
-        if held_out is not None and not stopped and ((step + 1) % cfg.run.eval_interval == 0 or step + 1 == end):
+        every = cfg.run.eval_interval
+        if held_out is not None and not stopped and ((every and (step + 1) % every == 0) or step + 1 == end):
             row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.everyone.group)
         metrics.append(row)
         if writer:
@@ -90,9 +102,9 @@ def train(cfg: TrainConfig) -> list[dict]:
             bar.update(row)
         if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
             break
-        if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM: all stop after this step
-            preempted = step + 1
-        if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or (preempted and ck.dir):
+        if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM / SIGINT: all stop after this step
+            preempted, signum = step + 1, int(table[:, 7].max().item())  # SIGTERM (15) names a mix of both
+        if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or preempted:  # resumable when stopped
             save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
                             config=OmegaConf.to_container(OmegaConf.structured(cfg)),
                             extra={"samples_consumed": (step + 1) * batch})
@@ -107,14 +119,13 @@ def train(cfg: TrainConfig) -> list[dict]:
     if writer and metrics:
         bar.close()
         writer.close()
-        _write_summary(writer, metrics, cfg.run.warmup_steps, nonfinite, stopped, preempted)
+        _write_summary(writer, metrics, cfg, nonfinite, stopped, preempted, signum)
     model.close()
     if stopped:
         raise NonFiniteError(stopped)
     if preempted and rank == 0:
-        saved = f"checkpoint saved in {ck_dir}; continue with checkpoint.resume=auto" if (
-            ck.dir or ck.interval) else "no checkpoint (set checkpoint.dir to save one on SIGTERM)"
-        print(f"terminated (SIGTERM) after step {preempted}: {saved}", file=sys.stderr)
+        print(f"{_stopped_by(signum)} after step {preempted}: checkpoint saved in {ck_dir}; continue with "
+              "checkpoint.resume=auto", file=sys.stderr)
     return metrics
 
 
@@ -143,10 +154,39 @@ def _nonfinite_message(cfg: TrainConfig, row: dict, in_a_row: int) -> str:
                " (run.on_nonfinite=skip skips such minibatches instead)"))
 
 
-def _write_summary(writer: MetricsWriter, metrics: list[dict], warmup: int, nonfinite: list[int], stopped: str | None,
-                   preempted: int | None) -> None:
-    """Rank 0 at the end: ``summary.json`` next to the metrics, and one line saying what the run did."""
-    summary = {**summarize(metrics, warmup), "nonfinite_steps": nonfinite, "stopped": stopped,
+#: what a run writes into run.out_dir besides metrics.jsonl and config.yaml (which are rewritten as it goes)
+OUTPUTS = ("summary.json", "error.log", "loss.png", "ranks.png", "hf")
+
+
+def _clear_outputs(out_dir: Path) -> None:
+    """A run that starts at step 0 (``run.overwrite=true`` over an old one) leaves nothing of the old run behind:
+    no summary, plots or export that would describe it (checkpoints stay: saving moves later steps aside)."""
+    for name in OUTPUTS:
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _stopped_by(signum: int) -> str:
+    """How a run stopped by a signal says so: ``terminated (SIGTERM)`` or ``interrupted (SIGINT, Ctrl-C)``."""
+    return "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (SIGINT, Ctrl-C)"
+
+
+def _write_summary(writer: MetricsWriter, metrics: list[dict], cfg: TrainConfig, nonfinite: list[int],
+                   stopped: str | None, preempted: int | None, signum: int) -> None:
+    """Rank 0 at the end: ``summary.json`` next to the metrics, and one line saying what the run did.
+
+    The summary says which steps this invocation ran against the steps asked for, and why it
+    ended where it did (``end``), apart from the steps its throughput figures cover.
+    """
+    last = metrics[-1]["step"]
+    end = ("stopped: " + stopped if stopped else f"{_stopped_by(signum)} after step {preempted}" if preempted
+           else f"run.stop_after={cfg.run.stop_after}" if last < cfg.run.steps else "completed run.steps")
+    summary = {"steps_requested": cfg.run.steps, "first_step": metrics[0]["step"], "last_step": last,
+               "steps_run": len(metrics), "end": end,
+               **summarize(metrics, cfg.run.warmup_steps), "nonfinite_steps": nonfinite, "stopped": stopped,
                "preempted_after_step": preempted}
     (writer.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False))
     print(f"wrote {writer.path}: loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}, "
@@ -186,7 +226,11 @@ def summarize(metrics: list[dict], warmup: int) -> dict:
     rows = metrics[warmup:] or metrics
     step_s = [r["step_s"] for r in rows]
     return {
-        "steps": len(rows), "tokens_per_s": sum(r["tokens"] for r in rows) / sum(step_s),
+        "timed_steps": len(rows),
+        "timed_steps_are": (f"steps {rows[0]['step']}-{rows[-1]['step']}: the throughput figures leave out the first "
+                            f"{len(metrics) - len(rows)} step(s) of this invocation (run.warmup_steps: compilation, "
+                            "allocator and cache warm-up)"),
+        "tokens_per_s": sum(r["tokens"] for r in rows) / sum(step_s),
         "mfu": (sum(r["mfu"] * r["step_s"] for r in rows) / sum(step_s)) if rows[0]["mfu"] is not None else None,
         "step_s_mean": sum(step_s) / len(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s),
         "final_loss": metrics[-1]["loss"], "peak_alloc_gib": max(r["peak_alloc_gib"] for r in metrics),
@@ -194,22 +238,31 @@ def summarize(metrics: list[dict], warmup: int) -> dict:
     }
 
 
-class _TerminationFlag:
-    """Records SIGTERM (what schedulers send before preempting) instead of dying at once (main thread only)."""
+class _StopFlag:
+    """Records the first SIGTERM (what schedulers send before preempting) or SIGINT (Ctrl-C) instead of dying at once.
+
+    The run stops after the step every rank is in (the flag rides on the step's statistics) and
+    saves a checkpoint. A second SIGINT ends at once (``Interrupted``). A signal this process
+    ignores stays ignored. Main thread only (Python's signal handlers live there).
+    """
 
     def __init__(self):
-        self.raised = False
-        self._previous = None
+        self.signum = 0
+        self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._set)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._set)
 
-    def _set(self, _sig, _frame) -> None:
-        self.raised = True
+    def _set(self, sig, _frame) -> None:
+        if self.signum and sig == signal.SIGINT:  # Ctrl-C twice
+            raise Interrupted(sig, again=True)
+        self.signum = self.signum or sig
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def _peak_memory_gib(device: torch.device) -> tuple[float, float]:

@@ -9,12 +9,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "odcfsdp"
 # Lower layers first; a module may import only from its own layer or lower ones (README: Layout).
 LAYERS = [
-    ["kernels", "schedule", "mfu", "metrics", "checks", "data", "bundle"],
+    ["kernels", "schedule", "mfu", "metrics", "checks", "data", "bundle", "interrupts"],
     ["sharding", "models", "optim", "launch", "plot"],
     ["checkpoint", "memory", "loop"],
     ["specs"],
     ["shard_config", "config"],
-    ["preflight", "builders"],
+    ["preflight", "builders", "cli"],
     ["trainer", "export"],
     ["train"],
 ]

@@ -51,6 +51,9 @@ class HFCausalLM(nn.Module):
         path = Path(config_path)
         if not path.exists():
             raise FileNotFoundError(f"{config_path!r} does not exist (a local Hugging Face model directory is needed)")
+        # absolute: the config's name_or_path is what a LoRA adapter export records as its base model, read later
+        # from wherever the adapter is loaded (PEFT's base_model_name_or_path)
+        path = path.resolve()
         config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path), local_files_only=True)
         if vocab_size is not None and vocab_size > config.vocab_size:
             config.vocab_size = vocab_size

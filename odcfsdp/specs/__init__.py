@@ -69,6 +69,8 @@ class ModelSpec:
         tokenizer_path: ``tokenizer_path(cfg)``: the tokenizer the model comes with, used
             when ``data.tokenizer_path`` is not set (None: bytes).
         lora: whether ``model.lora`` adapters (PEFT) are supported.
+        reads: the ``model.*`` keys only this kind of model reads (``size``, ``path``, ...); an
+            override of another spec's key is rejected as unused (``odcfsdp.config.unused_key``).
     """
 
     name: str
@@ -78,6 +80,7 @@ class ModelSpec:
     finish: Callable[..., None] | None = None
     tokenizer_path: Callable[[Any], str | None] = _no_tokenizer
     lora: bool = False
+    reads: tuple[str, ...] = ()
 
 
 @functools.cache

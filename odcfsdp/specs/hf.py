@@ -68,4 +68,4 @@ def tokenizer_path(cfg) -> str | None:
 
 
 SPEC = ModelSpec(name="hf", build=build, validate=validate, pretrained=pretrained, finish=finish,
-                 tokenizer_path=tokenizer_path, lora=True)
+                 tokenizer_path=tokenizer_path, lora=True, reads=("path", "hf_config", "lora"))

@@ -24,4 +24,4 @@ def validate(cfg) -> None:
                          "parameters gathered when they start)")
 
 
-SPEC = ModelSpec(name="llama", build=build, validate=validate)
+SPEC = ModelSpec(name="llama", build=build, validate=validate, reads=("size", "overrides"))

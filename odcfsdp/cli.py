@@ -1,0 +1,199 @@
+"""What ``python -m odcfsdp.train`` says about its keys: ``--help``, and the checks of command-line overrides.
+
+Design note [cli-keys]
+----------------------
+The typed config (``odcfsdp/config.py``) is the one list of keys and of what each does: a
+field's help is its ``metadata["help"]`` (the derived ``shard`` keys, [derived-shard-config]),
+else the comment that ends the field's line, else its entry in the class docstring's
+``Attributes:``. ``--help`` prints every key with its default and that line, and the
+experiment presets with their first comment line.
+
+Overrides are checked before Hydra composes the config, so that each mistake is one line
+and exit code 2, as for invalid values:
+
+* a key that is no field is refused with the closest key (Hydra would otherwise suggest
+  ``+key=value``, which it then adds and the typed config silently drops);
+* ``optim.<k>=v`` for a ``k`` that is no ``optim`` field is the optimizer's keyword argument
+  ``k`` (``optim.kwargs.<k>``; ``odcfsdp.config.validate`` checks it against the class);
+* keys under a dict-valued field (``model.overrides``, ``optim.kwargs``) are free, and added
+  with Hydra's ``++`` so that they need no ``+``;
+* after composition, an override the run would not read (``unused_key``) is refused when it
+  belongs to another kind of run (another model, optimizer or data source), and reported in a
+  ``note:`` line when it sets a mode that is off (LoRA's keys with ``model.lora.r=0``: a sweep
+  over the mode holds them); giving both ``run.steps`` and ``run.epochs`` is refused.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import io
+import re
+import tokenize
+from pathlib import Path
+from typing import Any
+
+from .config import TrainConfig, unused_key
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """One line of help per field of the dataclass ``cls`` (metadata, end-of-line comment, or docstring)."""
+    docs = {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.metadata.get("help")}
+    try:
+        source = inspect.cleandoc("\n" + inspect.getsource(cls))
+    except (OSError, TypeError):  # a class made at run time (ShardConfig): no source to read
+        source = ""
+    if source:
+        comments = {tok.start[0]: tok.string.lstrip("# ").strip()
+                    for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+        for node in ast.parse(source).body[0].body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in comments:
+                docs.setdefault(node.target.id, comments[node.end_lineno])
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    if "Attributes:" in doc:
+        for name, text in re.findall(r"^ {4}(\w+): (.+)$", doc.split("Attributes:")[1], re.M):
+            docs.setdefault(name, text.strip())
+    return docs
+
+
+def _value(v: Any) -> str:
+    """A default as one would type it on the command line."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def key_table(node: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) of every leaf key of the config tree under ``node`` (default: ``TrainConfig()``)."""
+    node = TrainConfig() if node is None else node
+    docs = field_docs(type(node))
+    rows = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += key_table(value, f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", _value(value), docs.get(f.name, "")))
+    return rows
+
+
+def presets(configs_dir: Path) -> list[tuple[str, str]]:
+    """(name, first comment line) of each experiment preset under ``configs_dir/experiment``."""
+    out = []
+    for path in sorted((configs_dir / "experiment").glob("*.yaml")):
+        lines = [ln.lstrip("# ").strip() for ln in path.read_text().splitlines()
+                 if ln.startswith("#") and "@package" not in ln]
+        out.append((path.stem, lines[0] if lines else ""))
+    return out
+
+
+def _sentence(text: str) -> str:
+    """The first sentence of ``text``, on one line."""
+    text = " ".join(text.replace("``", "").split())
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text[:end.start() + 1] if end else text
+
+
+def help_text(configs_dir: Path) -> str:
+    """``python -m odcfsdp.train --help``: usage, the experiment presets, every key with its default and help."""
+    out = ["usage: python -m odcfsdp.train [+experiment=NAME] [KEY=VALUE ...] [--multirun KEY=A,B ...]",
+           "       torchrun --nproc-per-node=N -m odcfsdp.train [KEY=VALUE ...]",
+           "",
+           "Trains as the keys below say (Hydra overrides); with none, a tiny Llama on synthetic data on 2 CPU ranks.",
+           "Any other optim.<k>=v is the optimizer's keyword argument k (optim.name=SGD optim.momentum=0.9).",
+           "Ctrl-C or SIGTERM: the ranks finish the step and save a checkpoint (resume: checkpoint.resume=auto);",
+           "a second Ctrl-C ends at once.", ""]
+    found = presets(configs_dir) if configs_dir.is_dir() else []
+    out.append(f"experiment presets (+experiment=NAME, from {configs_dir}):" if found else
+               "experiment presets: none (they are in a source checkout's configs/experiment/)")
+    width = max((len(n) for n, _ in found), default=0)
+    out += [f"  {name:<{width}}  {text}" for name, text in found]
+    out.append("")
+    out.append("keys (KEY=DEFAULT  what it does):")
+    rows = key_table()
+    width = min(48, max(len(k) + len(d) + 1 for k, d, _ in rows))
+    group = None
+    for key, default, text in rows:
+        if key.split(".")[0] != group:
+            group = key.split(".")[0]
+            cls = type(getattr(TrainConfig(), group))
+            out.append(f" {group}: {_sentence(cls.__doc__ or '')}")
+        out.append(f"  {f'{key}={default}':<{width}}  {_sentence(text)}")
+    return "\n".join(out)
+
+
+def _node_at(key: str) -> tuple[str, Any]:
+    """How far ``key`` is a config key: ("ok" | "free" | "unknown", the last node or the unknown part's parent)."""
+    node: Any = TrainConfig()
+    parts = key.split(".")
+    for k, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return ("free" if isinstance(node, dict) else "unknown"), (".".join(parts[:k]), node)
+        node = getattr(node, part)
+    return "ok", (key, node)
+
+
+def _closest(key: str) -> str:
+    keys = [k for k, _, _ in key_table()]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return f"did you mean {close[0]}? " if close else ""
+
+
+def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) -> list[str]:
+    """The command line with its overrides checked and rewritten as [cli-keys] says; ``ValueError`` for an unknown key.
+
+    ``groups`` are config groups (``+experiment=NAME``), not keys of the tree.
+    """
+    out = []
+    for arg in args:
+        m = re.fullmatch(r"(\+\+|\+|~)?([\w.\[\]-]+)(=.*)?", arg, re.S)
+        if arg.startswith("-") or not m or (m[3] is None and m[1] != "~"):
+            out.append(arg)  # a flag (--multirun), or not an override
+            continue
+        prefix, key, value = m[1] or "", m[2], m[3] or ""
+        if key.split(".")[0] in ("hydra", *groups):
+            out.append(arg)
+            continue
+        state, (where, node) = _node_at(key)
+        if state == "unknown" and where == "optim":  # an optimizer keyword argument
+            key, state = "optim.kwargs." + key.removeprefix("optim."), "free"
+        if state == "unknown":
+            raise ValueError(f"{key} is not a key: {_closest(key)}(python -m odcfsdp.train --help lists them all)")
+        if (state == "free" or isinstance(node, dict)) and prefix != "~":
+            prefix = "++"  # a dict-valued field or a key in one: added, or replaced if a preset set it
+        out.append(f"{prefix}{key}{value}")
+    return out
+
+
+def given_keys(overrides: list[str]) -> list[str]:
+    """The config keys that Hydra overrides (``key=value``, ``+key=...``, ``~key``) set, in order."""
+    keys = []
+    for o in overrides:
+        key = re.sub(r"^(\+\+|\+|~)", "", o.split("=")[0])
+        if key and not key.startswith("hydra.") and key != "experiment" and key not in keys:
+            keys.append(key)
+    return keys
+
+
+def check_given(cfg: TrainConfig, keys: list[str]) -> list[str]:
+    """``ValueError`` for a given key of another kind of run (``unused_key``), or for both ``run.steps`` and
+    ``run.epochs``; returns the notes (one line each) for given keys of a mode that is off."""
+    if "run.steps" in keys and "run.epochs" in keys:
+        raise ValueError("run.steps and run.epochs are both given: give one (run.epochs sets the steps from the "
+                         "number of samples and data.batch_size)")
+    notes = []
+    for key in keys:
+        unused = unused_key(cfg, key)
+        if unused and unused[1]:
+            raise ValueError(f"{key} is not used by this run: {unused[0]} (drop it)")
+        if unused:
+            notes.append(f"note: {key} is not used by this run: {unused[0]}")
+    return notes

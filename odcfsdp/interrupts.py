@@ -1,0 +1,57 @@
+"""SIGINT / SIGTERM as exceptions and one-line exits (no torch: ``python -m odcfsdp.train`` installs these first).
+
+``Interrupted`` is raised where a signal ends something that cannot stop cleanly after a
+step: the command line before its ranks train, spawned ranks that died from it, a second
+Ctrl-C. ``exit_during_imports`` is the handler of the few seconds in which the command line
+imports torch and Hydra: nothing has started, so it prints its line and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM stopped a run before its ranks could finish a step (start-up), or a second Ctrl-C.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: nothing on the way (Hydra's job runner
+    included) mistakes it for an error. ``exit_code`` is ``128 + signum``, as a shell reports a
+    process that such a signal ended.
+    """
+
+    def __init__(self, signum: int, again: bool = False):
+        super().__init__(signum, again)
+        self.signum, self.again = signum, again
+        self.exit_code = 128 + signum
+
+    def __str__(self) -> str:
+        return f"{'interrupted again' if self.again else 'interrupted'} ({signal.Signals(self.signum).name})"
+
+    def message(self) -> str:
+        """The one line the command line ends with."""
+        return f"{self}: " + ("stopped at once: steps after the last checkpoint are lost (continue with "
+                              "checkpoint.resume=auto)" if self.again else "during start-up, before training: "
+                              "nothing to save")
+
+
+def raise_interrupted(signum: int, _frame) -> None:
+    """A signal handler: raise ``Interrupted`` in the main thread."""
+    raise Interrupted(signum)
+
+
+def exit_during_imports(signum: int, _frame) -> None:
+    """A signal handler for while modules load: ``Interrupted``'s line on stderr, exit 128 + signum at once.
+
+    ``os._exit``, not ``sys.exit``: nothing has started that needs cleaning up, and a library's bare
+    ``except:`` around an import would swallow ``SystemExit`` (the run would go on).
+    """
+    print(Interrupted(signum).message(), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+def install(handler) -> None:
+    """``handler`` for SIGTERM and SIGINT."""
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

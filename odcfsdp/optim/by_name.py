@@ -1,0 +1,27 @@
+"""Optimizers chosen by name: any ``torch.optim.Optimizer`` subclass and the keyword arguments it takes."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+
+import torch
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """``torch.optim.<name>``; a ``ValueError`` naming ``optim.name`` and the closest names otherwise."""
+    cls = getattr(torch.optim, name, None)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+        return cls
+    known = sorted(n for n, c in vars(torch.optim).items()
+                   if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
+    close = [k for k in known if k.lower() == name.lower()] or difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise ValueError(f"optim.name={name!r} is not a torch.optim optimizer: {hint}choose one of {tuple(known)}")
+
+
+def optimizer_keywords(cls: type[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """The keyword arguments ``cls`` takes besides the parameters (``lr``, ``momentum``, ...), in signature order."""
+    params = inspect.signature(cls.__init__).parameters
+    return tuple(n for n, p in params.items() if n not in ("self", "params")
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))

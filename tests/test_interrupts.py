@@ -1,0 +1,109 @@
+"""Signals to `python -m odcfsdp.train` (issue 25): SIGTERM / Ctrl-C during start-up end with one line and 128 + the
+signal's number; a first Ctrl-C mid-run checkpoints and exits 0 (resumable), a second ends at once; a rank that dies
+is named once. Subprocesses with bounded time, exit codes asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import _alive, _ranks_of
+
+
+def start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.out_dir=run", *args], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{what} did not happen"
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return err
+
+
+def trained_steps(tmp_path: Path) -> int:
+    path = tmp_path / "run" / "metrics.jsonl"
+    return path.read_text().count("\n") if path.is_file() else 0
+
+
+@pytest.mark.parametrize("sig, when", [("SIGTERM", "imports"), ("SIGTERM", "ranks"), ("SIGINT", "ranks")])
+def test_a_signal_during_start_up_ends_with_one_line(tmp_path, sig, when):
+    """While torch loads, or once the ranks exist but before they train (a large synthetic pool keeps them busy
+    generating it): one line naming the signal, exit code 128 + its number, no traceback, nothing trained."""
+    proc = start(tmp_path, "data.pool_tokens=30000000")
+    if when == "imports":  # torch's library is mapped: train.py is importing it, after its first lines
+        wait_for(lambda: "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text(), proc, "importing torch")
+    else:
+        wait_for(lambda: len(_ranks_of(proc.pid)) == 2, proc, "two ranks")
+    ranks = _ranks_of(proc.pid)
+    proc.send_signal(getattr(signal, sig))
+    err = finish(proc)
+    assert trained_steps(tmp_path) == 0, "the signal came after training started: make the start-up longer"
+    assert proc.returncode == 128 + getattr(signal, sig), err[-2000:]
+    assert err.strip().splitlines() == [f"interrupted ({sig}): during start-up, before training: nothing to save"]
+    time.sleep(1)
+    assert not [r for r in ranks if _alive(r)]
+
+
+def test_first_ctrl_c_checkpoints_and_resumes_second_ends_at_once(tmp_path):
+    """SIGINT once mid-run: every rank finishes the step, a checkpoint is saved, one line, exit 0, and
+    checkpoint.resume=auto goes on from there to the end; SIGINT twice: exit 130 at once, no traceback."""
+    common = ["run.steps=40", "data.micro_batch_tokens=1024"]
+    proc = start(tmp_path, *common)
+    wait_for(lambda: trained_steps(tmp_path) >= 2, proc, "training")
+    proc.send_signal(signal.SIGINT)
+    err = finish(proc)
+    cut = trained_steps(tmp_path)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"interrupted (SIGINT, Ctrl-C) after step {cut}: checkpoint saved in run/checkpoints" in err
+    assert "Traceback" not in err and cut < 40
+    assert (tmp_path / "run" / "checkpoints" / f"step_{cut:08d}" / "manifest.json").is_file()
+
+    again = start(tmp_path, *common, "checkpoint.resume=auto")
+    wait_for(lambda: trained_steps(tmp_path) >= cut + 2, again, "training after the resume")
+    ranks = _ranks_of(again.pid)
+    again.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # a pending signal sent twice is delivered once: give the first its handler
+    again.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    err = finish(again, timeout=30)
+    assert again.returncode == 130 and time.monotonic() - t0 < 15, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted again (SIGINT)")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > cut  # resumed where it stopped
+    time.sleep(1)
+    assert not [r for r in ranks if _alive(r)]
+
+
+def test_a_rank_that_dies_is_named_once(tmp_path):
+    """SIGKILL to rank 1 mid-run (rank 0 stopped, so that only the death can be reported): exit code 1 and one error
+    line naming it, not the same clause twice; no rank left."""
+    proc = start(tmp_path, "run.steps=100000")
+    wait_for(lambda: trained_steps(tmp_path) >= 2, proc, "training")
+    ranks = _ranks_of(proc.pid)
+    os.kill(ranks[0], signal.SIGSTOP)
+    os.kill(ranks[1], signal.SIGKILL)
+    err = finish(proc)
+    for r in ranks:
+        if _alive(r):
+            os.kill(r, signal.SIGKILL)
+    assert proc.returncode == 1, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank(s) [1] exited with code(s) [-9] without a result (traceback in run/error.log)"], err
