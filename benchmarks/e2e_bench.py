@@ -58,16 +58,15 @@ from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
 NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
 # odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
-# accumulators (mp_policy reduce_dtype, [precision]), or both ("lean").
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload")  # offload: CPUOffloadPolicy (host masters, CPU step)
+# accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
+# FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload")
 
 
 def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
              variants: list[str] = ()) -> list[tuple[str, str, str]]:
-    """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini.
-
-    Each ablation or variant adds an ``odc-<name>`` run with odc's first balancer.
-    """
+    """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini. Each ablation
+    or variant adds an ``odc-<name>`` run with odc's first balancer (``offload`` also ``fsdp2-offload``)."""
     out = []
     for w in workloads:
         for m in methods:
@@ -76,6 +75,7 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
             out += [(w, m, b) for b in balancers]
             if m == "odc":
                 out += [(w, f"odc-{a}", balancers[0]) for a in (*ablate, *variants)]
+            out += [(w, "fsdp2-offload", "lb_micro")] if m == "fsdp2" and "offload" in variants else []
     return out
 
 
@@ -106,11 +106,12 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
         return sharded, contextlib.nullcontext, 1.0, None
-    if method == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if method in ("fsdp2", "fsdp2-offload"):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
-        kwargs = {"mp_policy": mp} if mp else {}
+        kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if cuda else {}
+        if method.endswith("offload"):
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)
         for layer in model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)

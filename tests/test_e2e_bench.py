@@ -56,11 +56,15 @@ def test_compiled_layers_with_recomputation_train_the_same_model(tmp_path):
 
 def test_memory_variants_train_the_same_model(tmp_path):
     """``--variants``: odc with the fp32 masters gathered and bf16 gradient accumulators trains what odc trains
-    (on CPU the compute is fp32, so only the bf16 sums differ: losses within bf16 rounding)."""
+    (on CPU the compute is fp32, so only the bf16 sums differ: losses within bf16 rounding); with ``offload`` odc and
+    FSDP2 (``fsdp2-offload``, the baseline) step on host masters and train what they train without it."""
     e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "2", "--warmup", "1",
                     "--batch", "8", "--seq", "64", "--pool", "20000", "--group-bytes", "8192", "--methods", "odc",
-                    "--workloads", "balanced", "--variants", "lean", "--out", str(tmp_path)])
+                    "fsdp2", "--workloads", "balanced", "--variants", "lean", "offload", "--out", str(tmp_path)])
     runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["results"]}
-    assert set(runs) == {"odc", "odc-lean"}
+    assert set(runs) == {"odc", "odc-lean", "odc-offload", "fsdp2", "fsdp2-offload"}
     for a, b in zip(runs["odc-lean"]["losses"], runs["odc"]["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b)
+    for method in ("odc", "fsdp2"):
+        for a, b in zip(runs[f"{method}-offload"]["losses"], runs[method]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), method

@@ -280,3 +280,16 @@ def test_loss_with_targets_equals_plain_transformers(tmp_path, arch):
     grads = {n: p.grad for n, p in model.model.named_parameters()}
     for name, p in plain.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_lora_on_the_head_falls_back_to_logits_and_loss(tmp_path):
+    """LoRA on ``lm_head`` replaces the fused head with PEFT's wrapper: ``targets=`` then takes the logits + loss
+    path (a scalar, equal to the loss of the model's own logits), not the fused head's."""
+    pytest.importorskip("peft")
+    model, _ = tiny_hf(tmp_path)
+    model.add_lora(4, 8, 0.0, ["q_proj", "lm_head"])
+    docs, mb = packed((6, 9, 4))
+    loss = model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths, targets=mb.targets)
+    logits = model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)
+    assert loss.dim() == 0
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[0], mb.targets[0], reduction="sum"))

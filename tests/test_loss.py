@@ -113,3 +113,20 @@ def test_bf16_on_cuda_matches_the_unfused_loss():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-2)
     for g, r in zip(grads, ref_grads):
         assert (g.float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()
+
+
+def test_under_no_grad_no_gradient_is_computed(monkeypatch):
+    """Evaluation runs under ``no_grad`` with parameters that require grad: the fused head computes the loss only
+    (no fp32 weight-gradient accumulator, no extra matmul)."""
+    import odcfsdp.models.loss as loss_module
+
+    calls = []
+    monkeypatch.setattr(loss_module, "_accumulate_weight_grad", lambda *a: calls.append(1))
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    t = torch.tensor([1, -100, 3, 10, 0, 2])
+    with torch.no_grad():
+        out = linear_cross_entropy(h, w, t)
+    assert calls == [] and not out.requires_grad
+    torch.testing.assert_close(out, causal_lm_loss(F.linear(h, w)[None], t[None]).detach())
+    linear_cross_entropy(h, w, t).backward()
+    assert calls and w.grad is not None  # the spy is on the path: grad mode computes it

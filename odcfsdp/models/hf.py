@@ -143,8 +143,9 @@ class HFCausalLM(nn.Module):
                 lengths = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
             kwargs[DOC_LENGTHS_KWARG] = lengths
         with lengths_given() if kwargs else contextlib.nullcontext():
-            if targets is not None and self.fused_loss:
-                causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            # The head may have been replaced since (LoRA on lm_head wraps it): fused only while it is ours.
+            if targets is not None and self.fused_loss and isinstance(causal.lm_head, LinearCrossEntropyHead):
                 hidden = causal.model(input_ids=tokens, position_ids=positions, use_cache=False,
                                       **kwargs).last_hidden_state
                 return causal.lm_head(hidden, targets)

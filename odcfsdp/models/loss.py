@@ -51,14 +51,24 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, normalizer: floa
     return loss if normalizer is None else loss / normalizer
 
 
+_ADDMM_OUT_DTYPE: list[bool] = []  # whether torch.addmm takes out_dtype on CUDA (torch >= 2.8), once known
+
+
 def _accumulate_weight_grad(grad_w: torch.Tensor, p: torch.Tensor, h: torch.Tensor) -> None:
     """``grad_w += p^T h`` into an fp32 accumulator, the product's own accumulation in fp32 too."""
     if p.dtype == grad_w.dtype:
         grad_w.addmm_(p.t(), h)
-    elif p.is_cuda:  # bf16 inputs, fp32 output without an fp32 (V, H) temporary
-        torch.addmm(grad_w, p.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-    else:
-        grad_w += (p.t() @ h).to(grad_w.dtype)
+        return
+    if p.is_cuda and _ADDMM_OUT_DTYPE != [False]:  # bf16 inputs, fp32 output without an fp32 (V, H) temporary
+        try:
+            torch.addmm(grad_w, p.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+            _ADDMM_OUT_DTYPE[:] = [True]
+            return
+        except (TypeError, RuntimeError):  # older torch: no out_dtype (fails before writing anything)
+            if _ADDMM_OUT_DTYPE == [True]:
+                raise
+            _ADDMM_OUT_DTYPE[:] = [False]
+    grad_w += (p.t() @ h).to(grad_w.dtype)
 
 
 def _chunk_loss_and_grad(z: torch.Tensor, t: torch.Tensor, with_grad: bool):
@@ -95,22 +105,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Steps 1-4 of [linear-cross-entropy] in forward; backward scales the kept gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_rows: int):
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows: int, grad_enabled: bool):
         # The compute dtype is autocast's where it is on (the unfused head's F.linear would run in it),
         # else the weight's; autocast is then off inside, so every op below runs in the dtype it names.
         device_type = hidden.device.type
         on = torch.is_autocast_enabled(device_type)
         cdt = torch.get_autocast_dtype(device_type) if on else weight.dtype
         with torch.autocast(device_type, enabled=False):
-            return _LinearCrossEntropy._forward(ctx, hidden, weight, bias, targets, chunk_rows, cdt)
+            return _LinearCrossEntropy._forward(ctx, hidden, weight, bias, targets, chunk_rows, cdt, grad_enabled)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, bias, targets, chunk_rows: int, cdt: torch.dtype):
+    def _forward(ctx, hidden, weight, bias, targets, chunk_rows: int, cdt: torch.dtype, grad_enabled: bool):
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1).to(h.device)
+        # needs_input_grad follows requires_grad, not grad mode: under no_grad (evaluation) nothing is computed
+        needs = [grad_enabled and n for n in ctx.needs_input_grad]
         w, b = weight.to(cdt), None if bias is None else bias.to(cdt)
         acc = torch.promote_types(cdt, torch.float32)  # fp32, or float64 for a float64 model
-        needs = ctx.needs_input_grad
         grad_h = torch.empty_like(h) if needs[0] else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and needs[2] else None
@@ -140,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = None if grad_h is None else (grad_h * grad_out.to(grad_h.dtype)).reshape(ctx.hidden_shape)
         dw = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[0])
         db = None if grad_b is None else (grad_b * grad_out).to(ctx.dtypes[1])
-        return dh, dw, db, None, None
+        return dh, dw, db, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -156,7 +167,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without its "
                          f"last dimension")
     chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows, torch.is_grad_enabled())
 
 
 class LinearCrossEntropyHead(nn.Linear):
