@@ -121,7 +121,7 @@ class OptimConfig:
     cosine). Any other key ``optim.<k>=v`` on the command line is the optimizer's keyword argument ``k`` (kept in
     ``optim.kwargs``): ``optim.name=SGD optim.momentum=0.9``."""
 
-    name: str = "AdamW"  # a torch.optim class: AdamW | Adam | SGD | Adagrad | RMSprop | ... (any torch.optim.Optimizer)
+    name: str = "AdamW"  # a torch.optim class with an element-wise step: AdamW | Adam | SGD | Adagrad | RMSprop | ...
     kwargs: dict[str, Any] = field(default_factory=dict)  # the optimizer's other keyword arguments: {momentum: 0.9}
     lr: float = 1e-2  # peak learning rate (the schedule scales it)
     weight_decay: float = 0.1  # decoupled weight decay of matrices (none for optim.no_decay's parameters)
@@ -305,8 +305,8 @@ def unused_key(cfg: TrainConfig, key: str) -> tuple[str, bool] | None:
     if source != "synthetic" and any(_under(key, f"data.{k}") for k in
                                      ("vocab_size", "lengths", "prompt_fraction", "pool_tokens")):
         return "it shapes synthetic data and this run reads data.path", True
-    if source == "synthetic" and key == "data.tokenizer_path":
-        return "synthetic data is not tokenized (set data.path to train on a JSONL file)", True
+    if source == "synthetic" and any(_under(key, f"data.{k}") for k in ("tokenizer_path", "format", "fields")):
+        return "synthetic data is not read from a file (set data.path to train on a JSONL file)", True
     specs = model_specs()
     model_key = key.split(".")[1] if key.startswith("model.") and key.count(".") else None
     if model_key in {k for s in specs.values() for k in s.reads} - set(specs[name].reads):

@@ -170,6 +170,12 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
             dist.destroy_process_group()
 
 
+def _ended_by_signal(payload: str) -> bool:
+    """Whether a rank's failure traceback ends in the interrupt a forwarded signal raises, not in an error."""
+    last = payload.strip().splitlines()[-1] if payload.strip() else ""
+    return last.startswith(("KeyboardInterrupt", "odcfsdp.interrupts.Interrupted", "Interrupted"))
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -223,7 +229,7 @@ def spawn(
                 # A queue is flushed before its process exits, so an exited rank with nothing
                 # delivered after a full second of silence has died without a result.
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if dead and received:
+                if dead and received and all(procs[r].exitcode == -received[0] for r in dead):  # the signal ended them
                     raise Interrupted(received[0])
                 if dead:
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
@@ -234,10 +240,11 @@ def spawn(
             if ok is None:
                 started.add(rank)
                 continue
-            if not ok and received:
+            if not ok and received and _ended_by_signal(payload):
                 raise Interrupted(received[0])
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            if not ok:  # a real failure, even after a signal (e.g. the checkpoint a signal asks for could not be saved)
+                after = f" after {signal.Signals(received[0]).name}" if received else ""
+                raise RuntimeError(f"rank {rank} failed{after}:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         try:  # still forwarding while the workers exit: a second Ctrl-C here ends the wait (they die with us)

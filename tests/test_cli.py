@@ -66,6 +66,9 @@ def test_data_path_alone_trains_on_the_file(tmp_path, texts):
     (["optim.name=SGD", "optim.momentm=0.9"], "did you mean optim.momentum?"),
     (["data.path=texts.jsonl", "run.steps=3", "run.epochs=2"], "run.steps and run.epochs are both given"),
     (["run.epochs=2"], "run.epochs needs a JSONL data.path"),
+    (["data.format=alpaca"], "data.format is not used by this run: synthetic data is not read from a file"),
+    (["data.fields.prompt=question"], "data.fields.prompt is not used by this run: synthetic data is not read"),
+    (["optim.name=Muon"], "optim.name=Muon: torch.optim.Muon orthogonalises each whole matrix"),
 ])
 def test_unknown_and_unused_keys_fail_at_start_in_one_line(tmp_path, texts, args, message):
     """Hydra's `+key` append (which the typed config used to drop), typos, and keys this run would not read."""

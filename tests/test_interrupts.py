@@ -107,3 +107,23 @@ def test_a_rank_that_dies_is_named_once(tmp_path):
     assert proc.returncode == 1, err[-2000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank(s) [1] exited with code(s) [-9] without a result (traceback in run/error.log)"], err
+
+
+def test_a_failure_after_a_signal_is_an_error_not_an_interrupt():
+    """After a forwarded signal only a rank that the interrupt itself ended counts as interrupted; a rank that
+    failed otherwise (say, the checkpoint the signal asked for could not be written) is reported with its
+    traceback, not as 'nothing to save'."""
+    import traceback
+
+    from odcfsdp.interrupts import Interrupted
+    from odcfsdp.launch import _ended_by_signal
+
+    def tb(exc: BaseException) -> str:
+        try:
+            raise exc
+        except BaseException:  # noqa: BLE001
+            return traceback.format_exc()
+
+    assert _ended_by_signal(tb(KeyboardInterrupt())) and _ended_by_signal(tb(Interrupted(15)))
+    assert not _ended_by_signal(tb(OSError(28, "No space left on device")))
+    assert not _ended_by_signal("RuntimeError: the watchdog stopped rank 1") and not _ended_by_signal("")

@@ -8,13 +8,25 @@ import inspect
 import torch
 
 
+# torch.optim classes whose step is not element-wise over each parameter, which a sharded run cannot take: each
+# rank would step its shard as if it were the whole tensor (Muon orthogonalises, Adafactor factors by rows and
+# columns) or the loop cannot drive them (LBFGS needs a closure, SparseAdam sparse gradients).
+NOT_ELEMENTWISE = {"Adafactor": "factors its state by rows and columns of the whole tensor",
+                   "Muon": "orthogonalises each whole matrix", "LBFGS": "needs a closure and a line search",
+                   "SparseAdam": "needs sparse gradients"}
+
+
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """``torch.optim.<name>``; a ``ValueError`` naming ``optim.name`` and the closest names otherwise."""
+    """``torch.optim.<name>``; a ``ValueError`` naming ``optim.name`` and the closest names otherwise, or why
+    a sharded run cannot use it (``NOT_ELEMENTWISE``)."""
     cls = getattr(torch.optim, name, None)
+    if name in NOT_ELEMENTWISE:
+        raise ValueError(f"optim.name={name}: torch.optim.{name} {NOT_ELEMENTWISE[name]}, which a rank holding "
+                         "shards cannot do: choose an element-wise optimizer (AdamW, Adam, SGD, ...)")
     if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
         return cls
-    known = sorted(n for n, c in vars(torch.optim).items()
-                   if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
+    known = sorted(n for n, c in vars(torch.optim).items() if n not in NOT_ELEMENTWISE
+                   and isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
     close = [k for k in known if k.lower() == name.lower()] or difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]}? " if close else ""
     raise ValueError(f"optim.name={name!r} is not a torch.optim optimizer: {hint}choose one of {tuple(known)}")

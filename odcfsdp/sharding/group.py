@@ -177,8 +177,9 @@ class FlatGroup:
     def publish(self) -> None:
         """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide)."""
         if self.row is not self.master:
-            with torch.no_grad():  # from a pinned host master, queued: the host master changes only in the next
-                # optimizer step, after wait_host_copies, which comes after this copy on the same stream
+            with torch.no_grad():  # from a pinned host master, queued: every meeting ends in a host read of a
+                # tensor on this stream (_meet's all-gather .cpu()), so this copy is done before the host can
+                # change the master again (the next step, after the sync; or rows_changing, after its meeting)
                 self.row.copy_(self.master, non_blocking=self.offloaded and self._pin)
         self._published_version = self._versions()
 
@@ -319,7 +320,7 @@ class FlatGroup:
             sp.attach_grad()
 
     def wait_host_copies(self) -> None:
-        """Wait until this group's queued copies to and from host memory are done ([offload])."""
+        """Wait until the queued copies into this group's host gradient buffer are done ([offload])."""
         if self.offloaded and self.accumulator is not None and self.accumulator.is_cuda:
             torch.cuda.current_stream(self.accumulator.device).synchronize()
 
