@@ -9,8 +9,8 @@ with the same AdamW settings and clipping; warm-up steps are excluded):
 
 * ``odc``: ``ODCShard(comm="auto", units=(DecoderLayer,))`` (nvshmem on GPUs, shm on CPU);
 * ``odc_collective``: the same with ``comm="collective"`` (NCCL / gloo);
-* ``fsdp2``: ``fully_shard`` per decoder layer + root, ``MixedPrecisionPolicy(bf16, fp32
-  reduce)`` on GPUs;
+* ``fsdp2``: ``fully_shard`` per decoder layer (the last kept gathered) + root,
+  ``MixedPrecisionPolicy(bf16, fp32 reduce)`` on GPUs, torchtitan's way (``e2e_baselines.py``);
 * ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs.
 * ``--model hf:<name>``: a Hugging Face model of real shapes; ``odc``, ``hf_fsdp2``, ``hf_ddp`` ([e2e-hf]).
 
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import e2e_baselines  # noqa: E402  (benchmarks/ on path)
 from e2e_hf import HF_METHODS, bench_model, resolve_args, wrap_hf  # noqa: E402  (benchmarks/ on path)
 from e2e_report import chart, kernel_summary, report, step_profiler  # noqa: E402
 from odcfsdp import ODCShard, param_groups
@@ -106,22 +107,10 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
         return sharded, contextlib.nullcontext, 1.0, None
-    if method in ("fsdp2", "fsdp2-offload"):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if cuda else {}
-        if method.endswith("offload"):
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)
-        for layer in model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        return model, contextlib.nullcontext, float(dist.get_world_size()), None
+    if method in ("fsdp2", "fsdp2-offload"):  # torchtitan's way (e2e_baselines.py)
+        return e2e_baselines.fsdp2(model, list(model.layers), device, offload=method.endswith("offload"))
     if method == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-        return wrapped, autocast, float(dist.get_world_size()), wrapped.no_sync
+        return e2e_baselines.ddp(model, device)
     raise ValueError(f"unknown method {method!r}")
 
 

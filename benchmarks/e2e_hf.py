@@ -36,7 +36,6 @@ non-final micro-batches (1B: an 8B model's fp32 replicas with their AdamW states
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import tempfile
@@ -44,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import e2e_baselines  # noqa: E402 (benchmarks/ on path)
+
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from odcfsdp.models import Llama, llama_config
@@ -189,20 +189,8 @@ def decoder_layers(model: nn.Module, units: tuple[type[nn.Module], ...]) -> list
 
 def wrap_hf(method: str, model: nn.Module, units: tuple[type[nn.Module], ...], device: torch.device):
     """``hf_fsdp2`` / ``hf_ddp`` (see [e2e-hf]): the wrapped model, its autocast, loss scale and ``no_sync``."""
-    cuda = device.type == "cuda"
-    if method == "hf_fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if cuda else {}
-        layers = decoder_layers(model, units)
-        for i, layer in enumerate(layers):  # the last layer stays gathered: backward starts with it
-            fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
-        fully_shard(model, **kwargs)
-        return model, contextlib.nullcontext, float(dist.get_world_size()), None
+    if method == "hf_fsdp2":  # the same wrapping as our Llama's fsdp2 (e2e_baselines.py)
+        return e2e_baselines.fsdp2(model, decoder_layers(model, units), device)
     if method == "hf_ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-        return wrapped, autocast, float(dist.get_world_size()), wrapped.no_sync
+        return e2e_baselines.ddp(model, device)
     raise ValueError(f"unknown HF method {method!r}; choose one of {HF_METHODS}")

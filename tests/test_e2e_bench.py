@@ -1,4 +1,5 @@
-"""The end-to-end benchmark harness on CPU: every method trains the same thing, and the reports are written."""
+"""The end-to-end benchmark harness on CPU: every method (odc, and the baselines of e2e_baselines.py) trains the same
+thing, and the reports are written."""
 
 from __future__ import annotations
 
