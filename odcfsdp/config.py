@@ -124,7 +124,7 @@ class OptimConfig:
     name: str = "AdamW"  # a torch.optim class with an element-wise step: AdamW | Adam | SGD | Adagrad | RMSprop | ...
     kwargs: dict[str, Any] = field(default_factory=dict)  # the optimizer's other keyword arguments: {momentum: 0.9}
     lr: float = 1e-2  # peak learning rate (the schedule scales it)
-    weight_decay: float = 0.1  # decoupled weight decay of matrices (none for optim.no_decay's parameters)
+    weight_decay: float = 0.1  # of matrices (not optim.no_decay's); decoupled in AdamW, plain L2 in SGD and Adam
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam-family moment decay rates
     eps: float = 1e-8  # Adam-family denominator term
     max_norm: float | None = 1.0  # clip the global gradient norm to this; None: no clipping (the norm is still logged)

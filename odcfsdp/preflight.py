@@ -17,23 +17,32 @@ from pathlib import Path
 
 from .checkpoint import latest_checkpoint
 from .config import DataConfig, TrainConfig
-from .data.formats import parse
+from .data.formats import Chat, parse
 from .data.jsonl import read_records
 
 
 def _jsonl(key: str, path: str, data: DataConfig) -> None:
-    """Every record of the file parses in ``data.format`` (reading only: tokenizing is the ranks' work)."""
+    """Every record of the file parses in ``data.format``, and some record carries loss (reading only:
+    tokenizing, and so truncation to ``data.micro_batch_tokens``, is the ranks' work)."""
     fields = data.fields.mapping()
+    records = trained = 0
     try:
         for lineno, record in read_records(path, key):
             try:
-                parse(record, data.format, fields)
+                sample = parse(record, data.format, fields)
             except ValueError as e:
                 raise ValueError(f"{key}: {path}:{lineno}: {e}") from None
+            records += 1
+            trained += not isinstance(sample, Chat) or any(sample.loss)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
     except ValueError as e:
         raise ValueError(f"{key}: {e}" if not str(e).startswith(key) else str(e)) from None
+    if not records:
+        raise ValueError(f"{key}={path!r} holds no record (one JSON object per line)")
+    if not trained:
+        raise ValueError(f"{key}={path!r}: none of its {records} records carries loss (a chat trains on its assistant "
+                         "turns, and none has one)")
 
 
 def _writable(key: str, path: str | Path) -> None:

@@ -46,11 +46,17 @@ def train(cfg: TrainConfig) -> list[dict]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = pick_device(cfg)
     source, vocab = build_source(cfg)
+    if rank == 0 and getattr(source, "truncation_note", None):
+        print(source.truncation_note, file=sys.stderr)
     if cfg.run.epochs is not None:  # the schedule, the bar and the end all read run.steps: set it once, here
         cfg.run.steps = math.ceil(cfg.run.epochs * source.num_samples / cfg.data.batch_size)
         if rank == 0:
             print(f"run.epochs={cfg.run.epochs:g} over {source.num_samples} samples of {cfg.data.path} at "
-                  f"data.batch_size={cfg.data.batch_size}: {cfg.run.steps} steps", file=sys.stderr)
+                  f"data.batch_size={cfg.data.batch_size}: {cfg.run.steps} step{'s' * (cfg.run.steps != 1)}",
+                  file=sys.stderr)
+    if rank == 0 and cfg.optim.warmup_steps >= cfg.run.steps:
+        print(f"note: optim.warmup_steps={cfg.optim.warmup_steps} >= the run's {cfg.run.steps} steps: the learning "
+              f"rate never reaches optim.lr={cfg.optim.lr:g} (lower optim.warmup_steps)", file=sys.stderr)
     model, flops, cost = build_sharded_model(cfg, vocab, device)
     if model.mesh.replicas > 1 and rank == 0:
         print(f"hybrid sharding: {model.mesh.replicas} replicas x {model.world_size} ranks "

@@ -168,3 +168,38 @@ def test_a_file_that_fits_no_format_fails_at_start_in_one_line(tmp_path):
         "(messages), sharegpt (conversations), prompt_completion (prompt, completion), alpaca (instruction, output), "
         "text (text); name other columns with data.fields.<field>=<column> (e.g. data.fields.prompt=question)"]
     assert not (tmp_path / "run").exists()  # no rank started
+
+
+@pytest.mark.parametrize("lines, message", [
+    ("", "data.path='d.jsonl' holds no record (one JSON object per line)"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
+     "data.path='d.jsonl': none of its 3 records carries loss (a chat trains on its assistant turns, and none has one)"),
+])
+def test_a_file_with_nothing_to_train_on_fails_at_start_in_one_line(tmp_path, lines, message):
+    (tmp_path / "d.jsonl").write_text(lines)
+    proc = subprocess.run([sys.executable, "-m", "odcfsdp.train", "data.path=d.jsonl", "run.out_dir=run"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"error: {message}"], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_truncation_by_the_token_cap_is_said_and_named():
+    """A record whose answer lies past the cap is dropped, and when every record is, the error names the cap;
+    records it shortened are counted in the start-up note."""
+    chat = {"messages": [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "yes"}]}
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        only = Path(d) / "only.jsonl"
+        only.write_text(json.dumps(chat) + "\n")
+        with pytest.raises(ValueError, match=r"1 whose loss-bearing tokens all lie past the first 20 "
+                                             r"\(data.micro_batch_tokens=20 caps a sample's length: raise it\)"):
+            JsonlSource(str(only), TOK, 21)
+        f = Path(d) / "c.jsonl"
+        f.write_text(json.dumps(chat) + "\n" + json.dumps({"text": "a short one"}) + "\n")
+        source = JsonlSource(str(f), TOK, 21)
+        assert source.num_samples == 1 and source.truncation_note == (
+            f"note: {f}: 1 of 2 records are longer than 20 tokens and were truncated (1 lost every loss-bearing "
+            "token: dropped); data.micro_batch_tokens=20 caps a sample's length: raise it")
+        assert JsonlSource(str(f), TOK, 1000).truncation_note is None

@@ -67,17 +67,29 @@ class JsonlSource:
     def __init__(self, path: str, tokenizer, max_len: int, seed: int = 0, data_format: str = "auto",
                  fields: dict[str, str] | None = None):
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
-        dropped = 0
+        dropped = cut_off = truncated = 0  # no loss-bearing token; none left after truncation; truncated at all
         for lineno, record in read_records(path):
             ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}", data_format, fields)
+            truncated += len(ids) > max_len
+            lost = any(mask[1:]) and not any(mask[1:max_len])
             ids, mask = ids[:max_len], mask[:max_len]
             if len(ids) < 2 or not any(mask[1:]):
                 dropped += 1
+                cut_off += lost
                 continue
             self.records.append((torch.tensor(ids), torch.tensor(mask)))
+        cap = f"data.micro_batch_tokens={max_len - 1} caps a sample's length: raise it"
         if not self.records:
-            raise ValueError(f"{path} holds no usable record ({dropped} without any loss-bearing token)")
-        self.dropped = dropped
+            parts = [f"{dropped - cut_off} record(s) without any loss-bearing token"] if dropped > cut_off else []
+            parts += [f"{cut_off} whose loss-bearing tokens all lie past the first {max_len - 1} ({cap})"] if cut_off \
+                else []
+            raise ValueError(f"{path} holds no usable record: " + ("; ".join(parts) or "the file holds no record"))
+        self.dropped, self.truncated = dropped, truncated
+        # The run's start-up note: samples the cap shortened (or emptied of loss-bearing tokens and dropped).
+        self.truncation_note = None if not truncated else (
+            f"note: {path}: {truncated} of {len(self.records) + dropped} records are longer than {max_len - 1} tokens "
+            f"and were truncated" + (f" ({cut_off} lost every loss-bearing token: dropped)" if cut_off else "")
+            + f"; {cap}")
         self.seed = seed
         self.num_samples = len(self.records)
         self._orders: dict[int, list[int]] = {}
