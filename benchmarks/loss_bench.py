@@ -67,6 +67,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(argv=None) -> dict:
+    """Run both methods on one random micro-batch; write and return the report (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--hidden", type=int, default=4096)
