@@ -229,7 +229,9 @@ def spawn(
                 # A queue is flushed before its process exits, so an exited rank with nothing
                 # delivered after a full second of silence has died without a result.
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if dead and received and all(procs[r].exitcode == -received[0] for r in dead):  # the signal ended them
+                # Ended by the forwarded signal (a rank still starting gets SIGTERM for a SIGINT, see _forward_signals)
+                ended = {-received[0], -signal.SIGTERM} if received else set()
+                if dead and all(procs[r].exitcode in ended for r in dead):
                     raise Interrupted(received[0])
                 if dead:
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
