@@ -48,7 +48,7 @@ from e2e_hf import HF_METHODS, bench_model, resolve_args, wrap_hf  # noqa: E402 
 from e2e_report import chart, kernel_summary, report, step_profiler  # noqa: E402
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
-from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution
+from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.loop import gather_stats, plan_step, train_step
@@ -128,9 +128,7 @@ def workload_source(workload: str, vocab: int, seed: int, pool: int, seq: int, c
     if workload == "balanced":
         lengths = LengthConfig(kind="fixed", min_len=seq + 1, max_len=seq + 1)
     else:  # LongAlign's 8K-64K spread, scaled so the longest sample just fits the cap
-        scale = (cap + 1) / LONGALIGN_BINS[-1][1]
-        lengths = LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)]
-                                                       for lo, hi in LONGALIGN_BINS])
+        lengths = longalign_lengths(cap)
     source = SyntheticSFT(vocab, LengthDistribution(lengths, seed), seed, pool_tokens=pool)
     return source, seq * per_micro if workload == "balanced" else cap
 

@@ -71,8 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multinode_cost_model import measured as measured_rates  # noqa: E402
 from multinode_cost_model import step_time as cost_model_step  # noqa: E402
 
-from odcfsdp.data.balance import CostModel, plan_minibatch  # noqa: E402
-from odcfsdp.data.lengths import LONGALIGN_BINS, LengthConfig, LengthDistribution  # noqa: E402
+from odcfsdp.data.balance import CostModel, _lpt, plan_minibatch  # noqa: E402
+from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = list[list[list[int]]]  # sizes[rank][micro_batch] = the positions of its samples
@@ -88,14 +88,8 @@ class Distribution:
     source: str
 
 
-def longalign(cap: int = 65536) -> LengthConfig:
-    """LongAlign's 8K-64K spread scaled so the longest sample just fits ``cap`` (e2e_bench's longtail workload)."""
-    scale = (cap + 1) / LONGALIGN_BINS[-1][1]
-    return LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)] for lo, hi in LONGALIGN_BINS])
-
-
 DISTRIBUTIONS = {
-    "longalign": Distribution("longalign", longalign(), 65536,
+    "longalign": Distribution("longalign", longalign_lengths(), 65536,
                               "LongAlign-10k's 8K-64K spread (Bai et al. 2024), odcfsdp.data.lengths' histogram; "
                               "the committed long-tailed e2e runs use it"),
     "swe": Distribution("swe", LengthConfig(kind="lognormal", min_len=2048, max_len=131072, median=30000, sigma=0.55),
@@ -195,18 +189,8 @@ def plans(sizes: list[int], n: int, cap: int, tm: TimeModel, study: bool = False
         costs = [cost(s) for s in sizes]
         out["odc_kk"] = _pack_shares(karmarkar_karp(costs, n), sizes, cap, cost)
         weights = [cost(s) + tm.c * s / cap for s in sizes]
-        out["odc_lpt_overhead"] = _pack_shares(_lpt(weights, n), sizes, cap, cost)
+        out["odc_lpt_overhead"] = _pack_shares([sorted(m) for m in _lpt(weights, n)], sizes, cap, cost)
     return out
-
-
-def _lpt(weights: list[float], n: int) -> list[list[int]]:
-    """Longest-processing-time-first on arbitrary weights (LB-Mini's rank assignment, ties by position)."""
-    loads, members = [0.0] * n, [[] for _ in range(n)]
-    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        b = min(range(n), key=lambda b: (loads[b], b))
-        loads[b] += weights[i]
-        members[b].append(i)
-    return [sorted(m) for m in members]
 
 
 def one_sided_step(plan: SIZES, tm: TimeModel, floor: float, opt_s: float) -> float:

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-from step_sim import (TimeModel, balance_bound, collective_step, longalign, minibatch_sizes, one_sided_step,
-                      overheads)
+from step_sim import TimeModel, _sizes, balance_bound, collective_step, minibatch_sizes, one_sided_step, overheads
 
 from odcfsdp.data.balance import CostModel, plan_minibatch, rank_costs
-from odcfsdp.data.lengths import LengthDistribution
+from odcfsdp.data.lengths import LengthDistribution, longalign_lengths
 from odcfsdp.models import llama_config
 
 E2E = Path(__file__).resolve().parents[1] / "results" / "e2e"
@@ -59,7 +58,7 @@ def replay(name: str) -> Run:
     meta, args = data["meta"], data["meta"]["args"]
     cfg = llama_config(meta["size"], args["vocab"])
     cost = CostModel.for_transformer(cfg.n_layers, cfg.dim, cfg.matmul_params(), args.get("attention_cost_factor", 1.0))
-    sampler = LengthDistribution(longalign(args["cap"]), args["seed"])
+    sampler = LengthDistribution(longalign_lengths(args["cap"]), args["seed"])
     run = Run(name, meta["size"], meta["world_size"], meta["batch"] // meta["world_size"], args["cap"])
     for r in data["results"]:
         rows = []
@@ -71,7 +70,7 @@ def replay(name: str) -> Run:
                     abs(g - w) > 1e-6 * w for g, w in zip(got, st["rank_cost"])):
                 raise ValueError(f"{name}: step {st['step']} of {r['method']}/{r['balance']} does not replay with "
                                  f"today's odcfsdp.data (balancers or lengths changed); fit on a run that does")
-            rows.append(([[[sizes[i] for i in mb] for mb in rank] for rank in plan], st))
+            rows.append((_sizes(plan, sizes), st))
         run.steps[(r["method"], r["balance"])] = rows
     return run
 

@@ -51,23 +51,24 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, normalizer: floa
     return loss if normalizer is None else loss / normalizer
 
 
-_ADDMM_OUT_DTYPE: list[bool] = []  # whether torch.addmm takes out_dtype on CUDA (torch >= 2.8), once known
+_addmm_out_dtype: bool | None = None  # whether torch.addmm takes out_dtype on CUDA (torch >= 2.8), once known
 
 
 def _accumulate_weight_grad(grad_w: torch.Tensor, p: torch.Tensor, h: torch.Tensor) -> None:
     """``grad_w += p^T h`` into an fp32 accumulator, the product's own accumulation in fp32 too."""
+    global _addmm_out_dtype
     if p.dtype == grad_w.dtype:
         grad_w.addmm_(p.t(), h)
         return
-    if p.is_cuda and _ADDMM_OUT_DTYPE != [False]:  # bf16 inputs, fp32 output without an fp32 (V, H) temporary
+    if p.is_cuda and _addmm_out_dtype is not False:  # bf16 inputs, fp32 output without an fp32 (V, H) temporary
         try:
             torch.addmm(grad_w, p.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-            _ADDMM_OUT_DTYPE[:] = [True]
+            _addmm_out_dtype = True
             return
         except (TypeError, RuntimeError):  # older torch: no out_dtype (fails before writing anything)
-            if _ADDMM_OUT_DTYPE == [True]:
+            if _addmm_out_dtype:
                 raise
-            _ADDMM_OUT_DTYPE[:] = [False]
+            _addmm_out_dtype = False
     grad_w += (p.t() @ h).to(grad_w.dtype)
 
 
@@ -92,9 +93,10 @@ def _chunk_loss_and_grad(z: torch.Tensor, t: torch.Tensor, with_grad: bool):
 _compiled_chunk = None
 
 
-def _chunk_fn(z: torch.Tensor):
+def _chunk_fn(like: torch.Tensor):
+    """Steps 2-3 for chunks on ``like``'s device: compiled on CUDA (once per process), eager elsewhere."""
     global _compiled_chunk
-    if not z.is_cuda:
+    if not like.is_cuda:
         return _chunk_loss_and_grad
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=True)
@@ -127,10 +129,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and needs[2] else None
         loss = torch.zeros((), dtype=acc, device=h.device)
         with_grad = grad_h is not None or grad_w is not None or grad_b is not None
+        chunk_fn = _chunk_fn(h)
         for start in range(0, h.shape[0], chunk_rows):
             hc, tc = h[start:start + chunk_rows].to(cdt), t[start:start + chunk_rows]
             z = F.linear(hc, w, b)                                      # 1
-            chunk_loss, p = _chunk_fn(z)(z, tc, with_grad)              # 2, 3
+            chunk_loss, p = chunk_fn(z, tc, with_grad)                  # 2, 3
             loss += chunk_loss
             if not with_grad:
                 continue

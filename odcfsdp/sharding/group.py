@@ -177,16 +177,13 @@ class FlatGroup:
     def publish(self) -> None:
         """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide)."""
         if self.row is not self.master:
+            # An offloaded master goes over as it is and is cast on the device (a copy_ across devices and dtypes
+            # casts on the host first: a CPU pass over the masters, then a pageable copy). From pinned memory the
+            # copy is queued: every meeting ends in a host read of a tensor on this stream (_meet's all-gather
+            # .cpu()), so it is done before the host can change the master again (the next step, after the sync;
+            # or rows_changing, after its meeting). Not offloaded, ``to`` returns the master itself.
             with torch.no_grad():
-                if self.offloaded and self.row.device != self.master.device:
-                    # From a pinned host master, queued: every meeting ends in a host read of a tensor on this
-                    # stream (_meet's all-gather .cpu()), so the copy is done before the host can change the master
-                    # again (the next step, after the sync; or rows_changing, after its meeting). The master goes
-                    # over as it is and is cast on the device: a copy_ across devices and dtypes casts on the host
-                    # first (one CPU pass over the masters, then a pageable copy).
-                    self.row.copy_(self.master.to(self.row.device, non_blocking=self._pin))
-                else:
-                    self.row.copy_(self.master)
+                self.row.copy_(self.master.to(self.row.device, non_blocking=self.offloaded and self._pin))
         self._published_version = self._versions()
 
     def _versions(self) -> tuple[int, ...]:
