@@ -113,16 +113,20 @@ def long_chats(n: int, tokenizer_dir: Path, cap: int, seed: int = 0) -> tuple[li
     return out, want
 
 
-def first_minibatch_loss(model_dir: Path, overrides: dict, device: str = "cuda",
-                         dtype: torch.dtype = torch.bfloat16) -> float:
-    """transformers' loss of the pretrained model on the run's first minibatch (``dtype``, each sample alone)."""
-    import transformers
-
+def run_source(overrides: dict):
+    """The run's config and its training samples, read as the CLI reads them (the chats tokenized once)."""
     from odcfsdp.builders import build_source
     from odcfsdp.config import config_from
 
     cfg = config_from(overrides)
-    source, _ = build_source(cfg)
+    return cfg, build_source(cfg)[0]
+
+
+def first_minibatch_loss(model_dir: Path, cfg, source, device: str = "cuda",
+                         dtype: torch.dtype = torch.bfloat16) -> float:
+    """transformers' loss of the pretrained model on the run's first minibatch (``dtype``, each sample alone)."""
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     samples = [source[i].truncated(cfg.data.micro_batch_tokens + 1) for i in range(cfg.data.batch_size)]
     total, targets = 0.0, sum(s.n_targets for s in samples)
@@ -156,12 +160,8 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def chat_tokens(tree: dict) -> dict:
+def chat_tokens(source) -> dict:
     """The training chats' token counts as the CLI reads them (truncated to the micro-batch): min / median / max."""
-    from odcfsdp.builders import build_source
-    from odcfsdp.config import config_from
-
-    source, _ = build_source(config_from(tree))
     n = sorted(source.length(i) for i in range(source.num_samples))
     return {"count": len(n), "min": n[0], "median": n[len(n) // 2], "max": n[-1], "mean": sum(n) / len(n)}
 
@@ -236,7 +236,8 @@ def main(argv=None) -> None:
         print(proc.stderr[-4000:])
         sys.exit(f"training failed with exit code {proc.returncode}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    want = first_minibatch_loss(model_dir, tree, device, dtype)
+    cfg, source = run_source(tree)
+    want = first_minibatch_loss(model_dir, cfg, source, device, dtype)
 
     import transformers
 
@@ -251,7 +252,7 @@ def main(argv=None) -> None:
            "losses": [r["loss"] for r in rows], "eval_losses": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
            "first_loss_transformers": want, "first_loss_rel_diff": abs(rows[0]["loss"] - want) / want,
            "export_loads": True, "tokenizer_has_template": bool(tok.chat_template), "summary": summary,
-           "chats": args.chats, "micro_batch_tokens": cap, "chat_tokens": chat_tokens(tree), "target_tokens": lengths,
+           "chats": args.chats, "micro_batch_tokens": cap, "chat_tokens": chat_tokens(source), "target_tokens": lengths,
            "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF", "") if not cpu else None,
            "e2e": e2e_figures(args.e2e) if args.e2e else None}
     (out / "hf_finetune_check.json").write_text(json.dumps(res, indent=1))

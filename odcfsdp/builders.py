@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import TrainConfig, data_source
+from .config import OPTIMIZER_KEYS, TrainConfig, data_source
 from .data.balance import CostModel
 from .data.jsonl import JsonlSource
 from .data.lengths import LengthDistribution
@@ -33,10 +33,9 @@ def build_source(cfg: TrainConfig):
     return jsonl_source(cfg, d.path, tokenizer, cfg.run.seed), tokenizer.vocab_size
 
 
-def jsonl_source(cfg: TrainConfig, path: str, tokenizer=None, seed: int = 0) -> JsonlSource:
+def jsonl_source(cfg: TrainConfig, path: str, tokenizer, seed: int = 0) -> JsonlSource:
     """The JSONL file at ``path`` (``data.path`` or ``data.eval_path``) read as ``data.format``, ``data.fields`` say."""
     d = cfg.data
-    tokenizer = tokenizer or load_tokenizer(tokenizer_path(cfg))
     return JsonlSource(path, tokenizer, d.micro_batch_tokens + 1, seed, d.format, d.fields.mapping())
 
 
@@ -86,15 +85,15 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     return model, flops, cost
 
 
-def optimizer_arguments(cfg: TrainConfig, device: torch.device) -> dict:
-    """The keyword arguments of ``optim.name``'s class: the ``optim`` keys it takes, then ``optim.kwargs``.
+def optimizer_arguments(cfg: TrainConfig, device: torch.device, cls: type[torch.optim.Optimizer]) -> dict:
+    """The keyword arguments of ``cls`` (``optim.name``'s class): the ``optim`` keys it takes, then ``optim.kwargs``.
 
     ``fused`` defaults to torch's fused kernels on CUDA (None otherwise: torch's own choice).
     """
     o = cfg.optim
-    takes = optimizer_keywords(optimizer_class(o.name))
-    named = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(o.betas), "eps": o.eps,
-             "fused": (device.type == "cuda" if o.fused is None else o.fused) or None}
+    takes = optimizer_keywords(cls)
+    named = {k: getattr(o, k) for k in OPTIMIZER_KEYS} | {
+        "betas": tuple(o.betas), "fused": (device.type == "cuda" if o.fused is None else o.fused) or None}
     return {**{k: v for k, v in named.items() if k in takes}, **o.kwargs}
 
 
@@ -102,7 +101,8 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devi
     """``optim.name``'s ``torch.optim`` class over ``param_groups`` (no decay for ``optim.no_decay``) and its
     ``LambdaLR`` schedule (default: ``torch.optim.AdamW``)."""
     o = cfg.optim
-    opt = optimizer_class(o.name)(param_groups(model, no_decay=list(o.no_decay)), **optimizer_arguments(cfg, device))
+    cls = optimizer_class(o.name)
+    opt = cls(param_groups(model, no_decay=list(o.no_decay)), **optimizer_arguments(cfg, device, cls))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
     return opt, sched

@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -188,6 +189,11 @@ def register() -> None:
 def config_from(overrides: dict) -> TrainConfig:
     """A ``TrainConfig`` from nested override values (the defaults elsewhere), ``resolve``d."""
     return resolve(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides)))
+
+
+def checkpoint_dir(cfg: TrainConfig) -> Path:
+    """Where the run's checkpoints go: ``checkpoint.dir``, else ``<run.out_dir>/checkpoints``."""
+    return Path(cfg.checkpoint.dir or Path(cfg.run.out_dir) / "checkpoints")
 
 
 def data_source(cfg: TrainConfig) -> str:

@@ -47,8 +47,19 @@ def exit_during_imports(signum: int, _frame) -> None:
     ``os._exit``, not ``sys.exit``: nothing has started that needs cleaning up, and a library's bare
     ``except:`` around an import would swallow ``SystemExit`` (the run would go on).
     """
-    print(Interrupted(signum).message(), file=sys.stderr, flush=True)
-    os._exit(128 + signum)
+    exit_now(Interrupted(signum))
+
+
+def exit_after_stop(signum: int, _frame) -> None:
+    """A signal handler for a second signal after the ranks stopped and saved: nothing is left to clean up, so end
+    here (even in the interpreter's exit handlers, where an exception would print a traceback)."""
+    exit_now(Interrupted(signum, again=True))
+
+
+def exit_now(stop: "Interrupted") -> None:
+    """``stop``'s line on stderr, then end the process with its exit code at once."""
+    print(stop.message(), file=sys.stderr, flush=True)
+    os._exit(stop.exit_code)
 
 
 def install(handler) -> None:

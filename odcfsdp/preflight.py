@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from .checkpoint import latest_checkpoint
-from .config import DataConfig, TrainConfig
+from .config import DataConfig, TrainConfig, checkpoint_dir
 from .data.formats import Chat, parse
 from .data.jsonl import read_records
 
@@ -86,7 +86,7 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
     if used_run_dir(r.out_dir) and ck.resume == "none" and not r.overwrite:
         raise ValueError(f"run.out_dir={r.out_dir!r} already holds a run: choose another run.out_dir, continue it "
                          "with checkpoint.resume=auto, or replace it with run.overwrite=true")
-    ck_dir = ck.dir or Path(r.out_dir) / "checkpoints"
+    ck_dir = checkpoint_dir(cfg)
     if used_run_dir(r.out_dir) and ck.resume == "auto" and not r.overwrite and latest_checkpoint(ck_dir) is None:
         # a fresh start here would replace the run's metrics, config and summary, and leave its export stale
         raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} no "

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from .cli import check_given, check_overrides, given_keys, help_text
 from .config import TrainConfig, config_from, register, resolve, validate
-from .interrupts import Interrupted, install, raise_interrupted
+from .interrupts import Interrupted, exit_after_stop, install, raise_interrupted
 from .launch import init_torchrun, spawn
 from .preflight import preflight
 from .trainer import NonFiniteError, train
@@ -55,13 +55,6 @@ def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
         return e
 
 
-def _again(signum: int, _frame) -> None:
-    """A second signal after the ranks stopped and saved: nothing is left to clean up, so end here (even in the
-    interpreter's exit handlers, where an exception would print a traceback)."""
-    print(Interrupted(signum, again=True).message(), file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
-
 def run(cfg: TrainConfig) -> None:
     """Start ranks as needed (torchrun's, or spawned locally) and train."""
     validate(cfg)
@@ -79,7 +72,7 @@ def run(cfg: TrainConfig) -> None:
                             backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600,
                             forward=(signal.SIGTERM, signal.SIGINT), received=received)
             # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted)
-            install(_again if received else signal.SIG_IGN)
+            install(exit_after_stop if received else signal.SIG_IGN)
         except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
             log = Path(cfg.run.out_dir) / "error.log"
             log.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from .builders import build_optimizer, build_sharded_model, build_source, jsonl_
 from .checkpoint import (
     CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
 )
-from .config import TrainConfig, resolve, validate
+from .config import TrainConfig, checkpoint_dir, resolve, validate
 from .interrupts import Interrupted
 from .loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
@@ -63,11 +63,11 @@ def train(cfg: TrainConfig) -> list[dict]:
               f"(shard.replicas; comm={model.transport.name} within a replica)", file=sys.stderr)
     held_out = None
     if cfg.data.eval_path:
-        held_out = jsonl_source(cfg, cfg.data.eval_path)
+        held_out = jsonl_source(cfg, cfg.data.eval_path, source.tokenizer)  # the tokenizer build_source loaded
     opt, sched = build_optimizer(cfg, model, device)
     peak = peak_tflops(device, cfg.run.peak_tflops)
     ck = cfg.checkpoint
-    ck_dir = Path(ck.dir or Path(cfg.run.out_dir) / "checkpoints")
+    ck_dir = checkpoint_dir(cfg)
     start = resume(cfg, ck_dir, model, opt, sched)
 
     if rank == 0 and start == 0:

@@ -66,6 +66,7 @@ class JsonlSource:
 
     def __init__(self, path: str, tokenizer, max_len: int, seed: int = 0, data_format: str = "auto",
                  fields: dict[str, str] | None = None):
+        self.tokenizer = tokenizer
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
         dropped = cut_off = truncated = 0  # no loss-bearing token; none left after truncation; truncated at all
         for lineno, record in read_records(path):
@@ -84,7 +85,7 @@ class JsonlSource:
             parts += [f"{cut_off} whose loss-bearing tokens all lie past the first {max_len - 1} ({cap})"] if cut_off \
                 else []
             raise ValueError(f"{path} holds no usable record: " + ("; ".join(parts) or "the file holds no record"))
-        self.dropped, self.truncated = dropped, truncated
+        self.dropped = dropped
         # The run's start-up note: samples the cap shortened (or emptied of loss-bearing tokens and dropped).
         self.truncation_note = None if not truncated else (
             f"note: {path}: {truncated} of {len(self.records) + dropped} records are longer than {max_len - 1} tokens "
