@@ -38,6 +38,18 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
     return err
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP has taken effect, not just been sent)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` sent to process ``pid`` waits there undelivered (the process is stopped)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    shared = next(line for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(int(shared.split()[1], 16) >> (sig - 1) & 1)
+
+
 def trained_steps(tmp_path: Path) -> int:
     path = tmp_path / "run" / "metrics.jsonl"
     return path.read_text().count("\n") if path.is_file() else 0
@@ -79,8 +91,14 @@ def test_first_ctrl_c_checkpoints_and_resumes_second_ends_at_once(tmp_path):
     again = start(tmp_path, *common, "checkpoint.resume=auto")
     wait_for(lambda: trained_steps(tmp_path) >= cut + 2, again, "training after the resume")
     ranks = _ranks_of(again.pid)
+    # The ranks are stopped, so that the first Ctrl-C cannot finish (a run that saved and exited before the second
+    # one arrived would be right to exit 0 or, during interpreter shutdown, die by the signal): the second Ctrl-C is
+    # sent once the launcher has forwarded the first (it is pending at both ranks), never merged with it.
+    for r in ranks:
+        os.kill(r, signal.SIGSTOP)
+    wait_for(lambda: all(_stopped(r) for r in ranks), again, "the ranks stopped")  # else a SIGINT could overtake it
     again.send_signal(signal.SIGINT)
-    time.sleep(0.05)  # a pending signal sent twice is delivered once: give the first its handler
+    wait_for(lambda: all(_pending(r, signal.SIGINT) for r in ranks), again, "the first Ctrl-C forwarded", timeout=30)
     again.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     err = finish(again, timeout=30)
