@@ -14,14 +14,22 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` after
   of every gradient) and ``torch.optim.AdamW(fused=True)`` over one fp32 tensor per parameter;
 * ``fsdp2_dtensor``: the same on DTensor parameters (a 1-rank mesh): FSDP2's dispatch overhead;
 * ``odc_torch``: ``fsdp2_dtensor`` plus what ODCShard adds after a torch optimizer's step:
-  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators;
+  publishing the fp32 masters into the bf16 rows peers read, and zeroing the fp32 accumulators
+  (on CUDA on a side stream, under the next forward, as ODCShard does: [streams] 5);
 * ``odc_gather_masters``: ``odc_torch`` with ``gather_masters=True``: peers read the masters, nothing
   is published ([gather-masters]);
 * ``odc_lean``: that plus bf16 accumulators (``mp_policy`` reduce_dtype): at the sync the bf16
   accumulator is cast into fp32 ``.grad``, after the step the bf16 accumulator is zeroed ([precision]).
 
-"bytes/param" counts the minimum traffic of each variant (every tensor read or written once per
-pass); GB/s = bytes moved / time, set against a device-to-device copy measured in the same call.
+Every timed step is followed by a stand-in of the next forward (``--forward-ms`` of back-to-back
+bf16 matmuls, compute-bound like a decoder layer's), for every variant alike: what is timed is the
+step's cost on the training loop's path, the stand-in's own time (measured alone) and the gradient
+refill subtracted. An odc variant's zeroing overlaps the stand-in and costs only the bandwidth it
+takes from it; on CPU there is no side stream and no stand-in.
+
+"bytes/param" counts the minimum traffic of each variant on the step's path (every tensor read or
+written once per pass; ``+4`` is the zeroing under the forward); GB/s = those bytes / time, set
+against a device-to-device copy measured in the same call.
 """
 
 from __future__ import annotations
@@ -43,10 +51,11 @@ HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, bf16 row)
     "fsdp2": 4 + 8 + 16 + 12,  # norm reads g; clip reads and writes g; AdamW reads p g m v, writes p m v
     "fsdp2_dtensor": 4 + 8 + 16 + 12,
-    "odc_torch": 4 + 8 + 16 + 12 + 6 + 4,  # + publish (read p, write row) + zero the accumulator
-    "odc_gather_masters": 4 + 8 + 16 + 12 + 4,  # + zero the accumulator; nothing published
-    "odc_lean": 4 + 8 + 16 + 12 + 6 + 2,  # + cast the bf16 accumulator into fp32 .grad, zero it
+    "odc_torch": 4 + 8 + 16 + 12 + 6,  # + publish (read p, write row)
+    "odc_gather_masters": 4 + 8 + 16 + 12,  # nothing published
+    "odc_lean": 4 + 8 + 16 + 12 + 6,  # + cast the bf16 accumulator into fp32 .grad
 }
+ZERO_BYTES = {"odc_torch": 4, "odc_gather_masters": 4, "odc_lean": 2}  # zeroing the accumulator (under the forward)
 
 
 def shard_shapes(size: str, vocab: int, world: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -92,6 +101,22 @@ def timed(fn, iters: int, warmup: int, device) -> list[float]:
             fn()
             out.append((time.perf_counter() - t) * 1e3)
     return out
+
+
+def forward_standin(device, ms: float):
+    """A function queueing about ``ms`` of compute-bound bf16 matmuls (a decoder layer's kind of work), standing in
+    for the forward that follows a step; None on CPU or for ``ms`` <= 0."""
+    if device.type != "cuda" or ms <= 0:
+        return None
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    w, y = torch.randn_like(x), torch.empty_like(x)
+    one = statistics.median(timed(lambda: torch.mm(x, w, out=y), 5, 2, device))
+    reps = max(1, round(ms / one))
+
+    def standin():
+        for _ in range(reps):
+            torch.mm(x, w, out=y)
+    return standin
 
 
 def copy_bandwidth(device, nbytes: int) -> float:
@@ -179,8 +204,10 @@ def run_size(size: str, args, device) -> dict:
         publish = name == "odc_torch"
         row_views, master_views, acc_views = group_views(rows), group_views(master), group_views(acc)
         acc16_views = group_views(acc16)
+        zeroed = acc16_views if name == "odc_lean" else acc_views
 
         refill = refill_of(name)
+        current = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
         def step():
             refill()
@@ -190,14 +217,25 @@ def run_size(size: str, args, device) -> dict:
             opt.step()
             if publish:
                 torch._foreach_copy_(row_views, master_views)
-            if name.startswith("odc"):
-                torch._foreach_zero_(acc16_views if name == "odc_lean" else acc_views)
+            if name.startswith("odc") and aside is None:
+                torch._foreach_zero_(zeroed)
+            elif name.startswith("odc"):  # ODCShard's zeroing: on its push stream, after the step read the gradients
+                aside.wait_stream(current)
+                with torch.cuda.stream(aside):
+                    torch._foreach_zero_(zeroed)
+            if standin is not None:
+                standin()  # the next forward
+            if aside is not None:
+                current.wait_stream(aside)  # the next refill writes what was zeroed
 
         ms = timed(step, args.iters, args.warmup, device)
         del opt, params, grads
         return ms
 
     refill_ms = {f: statistics.median(timed(f, args.iters, args.warmup, device)) for f in (refill_grads, refill_lean)}
+    standin = forward_standin(device, args.forward_ms)
+    standin_ms = statistics.median(timed(standin, args.iters, args.warmup, device)) if standin else 0.0
+    aside = torch.cuda.Stream(device) if device.type == "cuda" else None
     for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True),
                           ("odc_gather_masters", True), ("odc_lean", True)):
         if name in args.variants:
@@ -206,14 +244,17 @@ def run_size(size: str, args, device) -> dict:
                 torch.cuda.empty_cache()
 
     out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups),
-           "refill_ms": refill_ms[refill_grads], "variants": {}}
+           "refill_ms": refill_ms[refill_grads], "standin_ms": standin_ms, "variants": {}}
     for name, ms in results.items():
-        refill = refill_ms[refill_of(name)]  # every variant first refills its gradients (not counted)
-        med = statistics.median(ms) - refill
+        # every variant first refills its gradients and ends with the stand-in forward (neither counted)
+        extra = refill_ms[refill_of(name)] + standin_ms
+        med = statistics.median(ms) - extra
         out["variants"][name] = {
-            "ms_median": med, "ms_min": min(ms) - refill, "ms_max": max(ms) - refill, "refill_ms": refill,
-            "bytes_per_param": BYTES_PER_PARAM[name],
-            "gb_per_s": BYTES_PER_PARAM[name] * total / med / 1e6,
+            "ms_median": med, "ms_min": min(ms) - extra, "ms_max": max(ms) - extra,
+            "refill_ms": refill_ms[refill_of(name)],
+            "bytes_per_param": BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0)),
+            "zero_bytes_per_param_aside": ZERO_BYTES.get(name, 0) if aside else 0,
+            "gb_per_s": (BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))) * total / med / 1e6,
         }
     return out
 
@@ -225,16 +266,20 @@ def report(res: list[dict], meta: dict) -> str:
              f"- command: `{meta['command']}`",
              f"- shards of rank 0 of {meta['world']} ranks (dim-0), groups of {meta['group_bytes'] >> 20} MiB; "
              f"copy bandwidth measured in the same call: {meta['copy_gb_s']:.0f} GB/s (read + write)",
-             "- ms: median of the timed steps, the gradient refill every step starts with subtracted; "
-             "GB/s: the variant's minimum traffic / time", "",
+             "- ms: median of the timed steps, each followed by a stand-in of the next forward "
+             f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it), the "
+             "stand-in's own time and the gradient refill subtracted; GB/s: the variant's minimum traffic on the "
+             "step's path / time (+N: bytes zeroed under the forward)", "",
              "| size | params on rank | variant | ms (min-max) | bytes/param | GB/s | % of copy | vs fsdp2 |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res:
         base = r["variants"].get("fsdp2", {}).get("ms_median")
         for name, v in r["variants"].items():
             ratio = f"{v['ms_median'] / base:.2f}x" if base else "-"
+            aside = f" +{v['zero_bytes_per_param_aside']}" if v.get("zero_bytes_per_param_aside") else ""
             lines.append(f"| {r['size']} | {r['params_on_rank'] / 1e9:.2f}B | {name} | {v['ms_median']:.1f} "
-                         f"({v['ms_min']:.1f}-{v['ms_max']:.1f}) | {v['bytes_per_param']} | {v['gb_per_s']:.0f} | "
+                         f"({v['ms_min']:.1f}-{v['ms_max']:.1f}) | {v['bytes_per_param']}{aside} | "
+                         f"{v['gb_per_s']:.0f} | "
                          f"{v['gb_per_s'] / meta['copy_gb_s']:.0%} | {ratio} |")
     return "\n".join(lines) + "\n"
 
@@ -247,6 +292,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--group-bytes", type=int, default=32 << 20)
     p.add_argument("--variants", nargs="+", default=list(BYTES_PER_PARAM), choices=list(BYTES_PER_PARAM))
+    p.add_argument("--forward-ms", type=float, default=50.0,
+                   help="length of the stand-in forward after every step (CUDA; 0: none)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="")
@@ -263,6 +310,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world": args.world,
             "date": datetime.date.today().isoformat(), "commit": args.commit, "group_bytes": args.group_bytes,
+            "forward_ms": args.forward_ms if device.type == "cuda" else 0,
             "command": "benchmarks/optim_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
             "copy_gb_s": copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 64 << 20)}
     res = []

@@ -183,6 +183,46 @@ def test_fp32_parity_nvshmem():
     compare("fp32_parity_nvshmem_vs_cpu", run, results, ref, dict(rtol=1e-4, atol=1e-5))
 
 
+def _slow_zeroing_on_rank_0(barrier: bool, run: Run) -> dict:
+    """``sharded_run`` with rank 0's accumulator zeroing ([streams] 5) held back ~0.5 s on its push stream, so rank 1
+    pushes its next minibatch's gradients long before rank 0 zeroes; ``barrier=False`` drops the device-side
+    barrier on both ranks (the protocol broken on purpose, to show the delay makes the race happen)."""
+    import torch.distributed as dist
+
+    from odcfsdp.sharding.streams import CommStreams
+
+    late = dist.get_rank() == 0
+
+    def zero_around_meeting(self, accumulators, meet, shard_group):
+        meet()
+        with self._after_current(self.push_stream):
+            if late:
+                torch.cuda._sleep(1 << 30)  # ~2^30 GPU cycles
+            torch._foreach_zero_(accumulators)
+            if barrier:
+                shard_group.all_reduce_sum(self._flag)
+
+    CommStreams.zero_around_meeting = zero_around_meeting
+    return sharded_run(run, torch.float32, 4096, True, "nvshmem", "cuda")
+
+
+@two_gpus
+@pytest.mark.parametrize("barrier", [True, False])
+def test_zeroing_aside_waits_for_every_owner(barrier):
+    """Accumulators are zeroed under the next forward, and no rank's push may land before its owner zeroed: with
+    rank 0's zeroing held back, the barrier keeps parity; without it rank 1's pushes are wiped and parity fails
+    (so the delay does open the race the barrier closes). One micro-batch each: two adds per element, in any order
+    the same sum (see test_bf16_parity_other_gather_modes)."""
+    run = Run(2, micro_batches=[1, 1])
+    results = spawn(_slow_zeroing_on_rank_0, 2, barrier, run, backend="nccl")
+    if barrier:
+        compare("zeroing_aside[late owner]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+    else:
+        with pytest.raises(AssertionError):
+            compare("zeroing_aside[late owner, no barrier]", run, results, mixed_precision_reference(run, "cuda"),
+                    BF16_TOL)
+
+
 def _too_small_heap() -> str:
     from odcfsdp import ODCShard
     from odcfsdp.models import Llama, LlamaConfig

@@ -18,8 +18,8 @@ PyTorch loop already needs every rank's gradients, without any call of odcfsdp's
 3. *finish*, as soon as every trained parameter's gradient is consumed (stepped on
    by an optimizer, seen by a global step hook, or set to None by ``zero_grad``): in
    that hook, every group is resharded, masters are published to rows (trained groups,
-   and any other whose master changed), accumulators zeroed, ``.grad`` dropped, one
-   meeting: nobody gathers or pushes before every row is final.
+   and any other whose master changed), ``.grad`` dropped, one meeting: nobody gathers
+   or pushes before every row is final and every accumulator zeroed ([streams] 5).
 
 Every rank runs the same loop, so every rank steps: the finish happens at a point all
 ranks reach, and a forward that only some ranks run between steps (an evaluation on
@@ -305,10 +305,10 @@ class StepProtocol:
         for g in changed:
             g.publish()
         for g in self._trained:
-            g.zero_accumulator()
             g.detach_grads()
         self.comm.rows_published()
-        self._meet(kind)
+        accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
+        self.comm.zero_around_meeting(accumulators, lambda: self._meet(kind), self.mesh)
         self.pushes = 0
         self.minibatch += 1
         self.state = GradState.ACCUMULATING

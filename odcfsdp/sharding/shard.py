@@ -373,6 +373,7 @@ class ODCShard(nn.Module):
         """Release the transport, hooks and rows; the model cannot be used afterwards (collective)."""
         if not self._closed:
             self.reshard_all()
+            self.comm.pushes_done()  # the push stream's work, the zeroing included ([streams] 5), before frees
             self._closed = True
             self._driver.remove()
             for handle in self._cast_hooks:

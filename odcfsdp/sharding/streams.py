@@ -20,15 +20,32 @@ done*:
    and the transport makes them complete and visible to their owners.
 4. ``rows_published()`` (after a finish or a change): the transport makes the new
    rows visible, and later prefetches (side stream) start after them.
+5. ``zero_around_meeting(accumulators, meet)`` (a finish's or a change's meeting):
+   the accumulators must be zero before any rank's next push. Without a push stream
+   they are zeroed before ``meet()``, which orders that. With one, ``meet()`` comes
+   first, then the zeroing runs on the push stream after the current stream's work
+   (the step read the accumulators), followed on the same stream by one device-side
+   all-reduce of a zero flag over the shard group: pushes queued later on any rank's
+   push stream start after that all-reduce, so after every owner has zeroed, and the
+   host waits for nothing. Zeroing, 4 of the 44 bytes per parameter of an AdamW step
+   with ``gather_masters`` (``benchmarks/optim_bench.py``), so leaves the step and runs
+   under the next forward. A rank's own reads of its accumulators (the sync) come
+   after ``pushes_done``, so after it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
 from .transport import Transport
+
+
+def _zero(tensors: list[torch.Tensor]) -> None:
+    if tensors:  # one launch for all (torch's foreach ops refuse an empty list)
+        torch._foreach_zero_(tensors)
 
 
 def _current(stream: torch.cuda.Stream) -> torch.cuda.Stream:
@@ -51,6 +68,7 @@ class CommStreams:
         cuda = device.type == "cuda"
         self.gather_stream = torch.cuda.Stream(device) if cuda and gather_ahead else None
         self.push_stream = torch.cuda.Stream(device) if cuda and push_aside else None
+        self._flag = torch.zeros(1, device=device) if self.push_stream is not None else None
 
     @staticmethod
     def _after_current(stream: torch.cuda.Stream | None):
@@ -88,6 +106,21 @@ class CommStreams:
         if self.push_stream is not None:
             _current(self.push_stream).wait_stream(self.push_stream)
         self.transport.quiesce()
+
+    def zero_around_meeting(self, accumulators: list[torch.Tensor], meet: Callable[[], object], shard_group) -> None:
+        """Run ``meet()`` and zero this rank's ``accumulators`` before any rank's next push (5).
+
+        Every rank calls it at the same point. ``shard_group`` (a ``RankGroup``): the ranks that push into each
+        other; its ``all_reduce_sum`` is the device-side barrier.
+        """
+        if self.push_stream is None:
+            _zero(accumulators)
+            meet()
+            return
+        meet()
+        with self._after_current(self.push_stream):
+            _zero(accumulators)
+            shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
 
     def rows_published(self) -> None:
         """Rows written since the last meeting are visible to peers, and to later prefetches (4)."""
