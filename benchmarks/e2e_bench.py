@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -167,12 +168,16 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         profile = None
         n_steps = args.warmup + args.steps
 
+        drained = [0.0]  # seconds the last prepare waited for the device's side streams
+
         def prepare(step: int):  # this rank's share of minibatch ``step``; every rank starts its step together
             minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world)
             if isinstance(wrapped, ODCShard):
                 wrapped.begin_minibatch(len(minibatch.mine))
-            if cuda:
-                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            if cuda:  # a step ends with its current stream: work left on side streams (ODCShard's accumulator
+                torch.cuda.synchronize(device)  # zeroing, [streams] 5) is counted in the next step, not overlapped
+            drained[0] = time.perf_counter() - t
             dist.barrier()
             return minibatch
 
@@ -194,8 +199,9 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                     profile = {"error": f"{type(e).__name__}: {e}"}
                 continue
             my_sizes = minibatch.my_sizes()
-            table = gather_stats([out["loss"], out["compute_s"], out["step_s"], len(minibatch.mine), sum(my_sizes),
-                                  sum(map(cost, my_sizes)), out["host_s"], sum(map(flops, my_sizes))], device)
+            table = gather_stats([out["loss"], out["compute_s"] + drained[0], out["step_s"], len(minibatch.mine),
+                                  sum(my_sizes), sum(map(cost, my_sizes)), out["host_s"],
+                                  sum(map(flops, my_sizes))], device)
             wall = (table[:, 1] + table[:, 2]).max().item()
             steps.append({"step": step + 1, "loss": table[:, 0].sum().item(), "grad_norm": out["grad_norm"],
                           "step_s": wall, "tokens": int(table[:, 4].sum()), "flops": table[:, 7].sum().item(),

@@ -235,7 +235,7 @@ def run_size(size: str, args, device) -> dict:
     refill_ms = {f: statistics.median(timed(f, args.iters, args.warmup, device)) for f in (refill_grads, refill_lean)}
     standin = forward_standin(device, args.forward_ms)
     standin_ms = statistics.median(timed(standin, args.iters, args.warmup, device)) if standin else 0.0
-    aside = torch.cuda.Stream(device) if device.type == "cuda" else None
+    aside = torch.cuda.Stream(device) if standin is not None else None  # nothing to overlap: zeroed in the step
     for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True),
                           ("odc_gather_masters", True), ("odc_lean", True)):
         if name in args.variants:

@@ -24,10 +24,12 @@ done*:
    the accumulators must be zero before any rank's next push. Without a push stream
    they are zeroed before ``meet()``, which orders that. With one, ``meet()`` comes
    first, then the zeroing runs on the push stream after the current stream's work
-   (the step read the accumulators), followed on the same stream by one device-side
-   all-reduce of a zero flag over the shard group: pushes queued later on any rank's
-   push stream start after that all-reduce, so after every owner has zeroed, and the
-   host waits for nothing. Zeroing, 4 of the 44 bytes per parameter of an AdamW step
+   (the step read the accumulators), followed on the same stream, where pushes are
+   one-sided (``TransportCaps.remote_pushes``), by one device-side all-reduce of a zero
+   flag over the shard group: pushes queued later on any rank's push stream start
+   after that all-reduce, so after every owner has zeroed, and the host waits for
+   nothing (the collective transport needs no barrier: each owner adds its own reduced
+   share, after its own zeroing on the same stream). Zeroing, 4 of the 44 bytes per parameter of an AdamW step
    with ``gather_masters`` (``benchmarks/optim_bench.py``), so leaves the step and runs
    under the next forward. A rank's own reads of its accumulators (the sync) come
    after ``pushes_done``, so after it too.
@@ -69,6 +71,9 @@ class CommStreams:
         self.gather_stream = torch.cuda.Stream(device) if cuda and gather_ahead else None
         self.push_stream = torch.cuda.Stream(device) if cuda and push_aside else None
         self._flag = torch.zeros(1, device=device) if self.push_stream is not None else None
+        if self._flag is not None:
+            self._flag.record_stream(self.push_stream)  # freed only once the push stream is done with it
+        self._recorded: set[int] = set()  # accumulators known to the allocator to be used on the push stream
 
     @staticmethod
     def _after_current(stream: torch.cuda.Stream | None):
@@ -120,7 +125,12 @@ class CommStreams:
         meet()
         with self._after_current(self.push_stream):
             _zero(accumulators)
-            shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
+            if self.transport.caps.remote_pushes:
+                shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
+        for t in accumulators:  # a model dropped without close() frees them only after the zeroing (heap views: no-op)
+            if t.data_ptr() not in self._recorded:
+                t.record_stream(self.push_stream)
+                self._recorded.add(t.data_ptr())
 
     def rows_published(self) -> None:
         """Rows written since the last meeting are visible to peers, and to later prefetches (4)."""

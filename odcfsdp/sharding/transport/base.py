@@ -48,6 +48,9 @@ class TransportCaps:
             minibatch (one-sided: nobody waits for a peer's call).
         spans_hosts: a shard group may span hosts (the one-sided transports reach one
             host's memory or NVLink peers only).
+        remote_pushes: a push writes into the owners' accumulators itself (one-sided), so an
+            owner's zeroing must come before every peer's next push ([streams] 5 in ``streams.py``);
+            False where each owner adds its own reduced share.
         where: where it works (one line, for the docs).
         how: how it moves data (one line, for the docs).
     """
@@ -55,6 +58,7 @@ class TransportCaps:
     devices: tuple[str, ...]
     uneven_micro_batches: bool
     spans_hosts: bool
+    remote_pushes: bool
     where: str
     how: str
 

@@ -18,7 +18,7 @@ class CollectiveTransport(Transport):
     """Rows in private memory; gather = all-gather + copy-out, push = copy-in + reduce-scatter."""
 
     name = "collective"
-    caps = TransportCaps(devices=("cuda", "cpu"), uneven_micro_batches=False, spans_hosts=True,
+    caps = TransportCaps(devices=("cuda", "cpu"), uneven_micro_batches=False, spans_hosts=True, remote_pushes=False,
                          where="any torch.distributed backend (NCCL, gloo)",
                          how="all-gather + copy-out / copy-in + reduce-scatter in the accumulators' dtype (fp32)")
 

@@ -182,7 +182,8 @@ class NvshmemTransport(OneSidedTransport):
 
     name = "nvshmem"
     caps = TransportCaps(
-        devices=("cuda",), uneven_micro_batches=True, spans_hosts=False, where="GPUs of one NVLink node",
+        devices=("cuda",), uneven_micro_batches=True, spans_hosts=False, remote_pushes=True,
+        where="GPUs of one NVLink node",
         how=("rows and fp32 accumulators on the NVSHMEM symmetric heap (size computed from the plan); one Triton "
              "kernel per group reads every rank's row through peer pointers and unpacks it (gather), or atomically "
              "adds each owner's segments into its accumulator (scatter-accumulate)"))

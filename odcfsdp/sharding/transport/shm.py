@@ -120,7 +120,8 @@ class ShmTransport(OneSidedTransport):
 
     name = "shm"
     caps = TransportCaps(
-        devices=("cpu",), uneven_micro_batches=True, spans_hosts=False, where="CPU processes of one host",
+        devices=("cpu",), uneven_micro_batches=True, spans_hosts=False, remote_pushes=True,
+        where="CPU processes of one host",
         how=("each rank's heap is a `/dev/shm` file mapped by all ranks (unlinked right after set-up, so nothing is "
              "left behind even on a crash); locked adds"))
 
