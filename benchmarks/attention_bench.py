@@ -28,12 +28,13 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from timing import timed  # noqa: E402  (benchmarks/ on path)
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -65,24 +66,6 @@ def fwd_bwd(backend, q, k, v, dout, gqa):
     return out
 
 
-def timed(fn, iters: int, device: str = "cuda") -> list[float]:
-    """Milliseconds of each of ``iters`` calls of ``fn``: CUDA events on a GPU, the wall clock on CPU."""
-    times = []
-    for _ in range(iters):
-        if device == "cpu":
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
 def causal_flops(s: int, heads: int, dim: int) -> float:
     """Forward + backward matmul FLOPs of causal attention (half the square; backward 2.5x forward)."""
     return 3.5 * 2 * 2 * s * s * heads * dim / 2
@@ -102,12 +85,12 @@ def run(args) -> list[dict]:
                 try:
                     if args.device == "cuda":
                         torch.cuda.synchronize()
-                    first = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), 1, args.device)[0]
+                    first = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), 1, cuda=args.device != "cpu")[0]
                     out = fwd_bwd(backend, q, k, v, dout, gqa).detach()
                     err = max([((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()]
                               + [((t.grad.float() - r.float()).abs().max() / r.float().abs().max()).item()
                                  for t, r in zip((q, k, v), ref_grads)])
-                    times = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), args.iters, args.device)
+                    times = timed(lambda: fwd_bwd(backend, q, k, v, dout, gqa), args.iters, cuda=args.device != "cpu")
                     ms = statistics.median(times)
                     row |= {"ok": True, "first_call_ms": first, "ms": ms, "ms_min": min(times), "ms_max": max(times),
                             "tflops": causal_flops(s, args.heads, args.dim) / ms / 1e9, "max_rel_err_vs_flash": err}

@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -44,6 +43,8 @@ from odcfsdp.sharding.layout import plan_groups
 from odcfsdp.sharding.mesh import ShardMesh
 from odcfsdp.sharding.transport import make_transport
 from odcfsdp.sharding.transport.collective import CollectiveTransport
+
+from timing import elapsed_ms  # noqa: E402  (benchmarks/ on path)
 
 BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
 GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -64,18 +65,7 @@ def block_layout(group_bytes: int, world: int):
 
 def _elapsed_us(fn, launches: int = 1) -> float:
     """Microseconds ``launches`` calls of ``fn`` take: CUDA events on GPUs, the wall clock on CPU."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        t0 = time.perf_counter()
-        for _ in range(launches):
-            fn()
-        return (time.perf_counter() - t0) * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
+    return elapsed_ms(fn, torch.cuda.is_available() and torch.cuda.is_initialized(), launches) * 1e3
 
 
 def time_op(fn, iters: int, warmup: int = 3) -> list[float]:

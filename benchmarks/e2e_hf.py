@@ -172,10 +172,7 @@ def _hf(model: str, model_path: str | None, vocab: int, recompute: bool, compile
         meta = build()
     c = meta.config
     units = meta.decoder_layer_classes()
-    emb, out = meta.model.get_input_embeddings().weight, meta.model.get_output_embeddings().weight
-    # Matrix products per token: every 2-D weight but the input embedding (a lookup); a tied LM head counts once.
-    matmul = sum(p.numel() for p in meta.parameters() if p.dim() == 2 and p is not emb) + (
-        out.numel() if out is emb else 0)
+    matmul = meta.matmul_params()
     label = f"HF {model_path or model[3:]} ({type(meta.model).__name__})"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return BenchModel(label, True, sum(p.numel() for p in meta.parameters()), c.num_hidden_layers, c.hidden_size,

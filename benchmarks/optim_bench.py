@@ -39,12 +39,13 @@ import datetime
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from odcfsdp.models.llama import Llama, llama_config
+
+import timing  # noqa: E402  (benchmarks/ on path)
 
 ALIGN = 8  # elements: ODCShard's segments start and end on 16 bytes of bf16 (and 32 of fp32)
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -84,23 +85,8 @@ def plan(shapes, world: int, group_bytes: int) -> list[list[tuple[str, int, int]
 
 
 def timed(fn, iters: int, warmup: int, device) -> list[float]:
-    """Milliseconds of each of ``iters`` calls after ``warmup`` (CUDA events; wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
+    """Milliseconds of each of ``iters`` calls after ``warmup`` (``timing.timed``: CUDA events; wall clock on CPU)."""
+    return timing.timed(fn, iters, warmup, cuda=device.type == "cuda")
 
 
 def forward_standin(device, ms: float):

@@ -62,7 +62,18 @@ def exit_now(stop: "Interrupted") -> None:
     os._exit(stop.exit_code)
 
 
-def install(handler) -> None:
-    """``handler`` for SIGTERM and SIGINT."""
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+def install(handler, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+            keep_ignored: bool = False) -> list[tuple[int, object]]:
+    """``handler`` for ``signals`` (main thread only); returns the (signal, previous handler) pairs ``restore``
+    takes. With ``keep_ignored`` a signal this process ignores stays ignored (and is not in the pairs)."""
+    previous = []
+    for sig in signals:
+        if not (keep_ignored and signal.getsignal(sig) is signal.SIG_IGN):
+            previous.append((sig, signal.signal(sig, handler)))
+    return previous
+
+
+def restore(previous: list[tuple[int, object]]) -> None:
+    """Put back the handlers ``install`` replaced."""
+    for sig, handler in previous:
+        signal.signal(sig, handler)

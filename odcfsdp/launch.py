@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .interrupts import Interrupted
+from .interrupts import Interrupted, install, restore
 
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
@@ -127,7 +127,7 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int], start
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, sig if r in started or sig != signal.SIGINT else signal.SIGTERM)
 
-    return [(sig, signal.signal(sig, forward)) for sig in signals]
+    return install(forward, signals)
 
 
 def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None,
@@ -258,8 +258,7 @@ def spawn(
                     p.kill()
                     p.join()
         finally:
-            for sig, handler in forwarded:
-                signal.signal(sig, handler)
+            restore(forwarded)
     return [out[r] for r in range(world_size)]
 
 

@@ -29,7 +29,7 @@ from .checkpoint import (
     CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
 )
 from .config import TrainConfig, checkpoint_dir, resolve, validate
-from .interrupts import Interrupted
+from .interrupts import Interrupted, install, restore
 from .loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
 from .mfu import mfu, peak_tflops
@@ -254,11 +254,9 @@ class _StopFlag:
 
     def __init__(self):
         self.signum = 0
-        self._previous: dict[int, object] = {}
+        self._previous: list[tuple[int, object]] = []
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self._previous[sig] = signal.signal(sig, self._set)
+            self._previous = install(self._set, keep_ignored=True)
 
     def _set(self, sig, _frame) -> None:
         if self.signum and sig == signal.SIGINT:  # Ctrl-C twice
@@ -266,9 +264,8 @@ class _StopFlag:
         self.signum = self.signum or sig
 
     def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
+        restore(self._previous)
+        self._previous = []
 
 
 def _peak_memory_gib(device: torch.device) -> tuple[float, float]:

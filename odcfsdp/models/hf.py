@@ -76,6 +76,14 @@ class HFCausalLM(nn.Module):
         names = set(getattr(base, "_no_split_modules", None) or ())
         return tuple({type(m) for m in self.model.modules() if type(m).__name__ in names})
 
+    def matmul_params(self) -> int:
+        """Parameters in matrix products per token (for FLOPs and MFU): every 2-D weight but the input embedding (a
+        lookup); an LM head tied to it is a matmul, counted once."""
+        emb = self.model.get_input_embeddings().weight
+        head = getattr(self.model.get_output_embeddings(), "weight", None)
+        return sum(p.numel() for p in self.parameters() if p.dim() == 2 and p is not emb) + (
+            emb.numel() if head is emb else 0)
+
     def enable_activation_checkpointing(self) -> None:
         """Hugging Face's gradient checkpointing of every decoder layer (non-reentrant)."""
         kwargs = {"use_reentrant": False}

@@ -28,11 +28,7 @@ def build(cfg, vocab_size: int) -> BuiltModel:
     if lora.r:
         model.add_lora(lora.r, lora.alpha, lora.dropout, lora.target_modules)
     c = model.config
-    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
-    head, emb = model.model.get_output_embeddings(), model.model.get_input_embeddings()
-    if getattr(head, "weight", None) is emb.weight:  # a tied LM head is a matmul, listed once under the embedding
-        matmul += emb.weight.numel()
-    return BuiltModel(model, layers=c.num_hidden_layers, dim=c.hidden_size, matmul_params=matmul)
+    return BuiltModel(model, layers=c.num_hidden_layers, dim=c.hidden_size, matmul_params=model.matmul_params())
 
 
 def validate(cfg) -> None:

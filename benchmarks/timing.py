@@ -1,0 +1,34 @@
+"""How the benchmarks time GPU work: CUDA events around queued work on a GPU, the wall clock on CPU."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def elapsed_ms(fn, cuda: bool, launches: int = 1) -> float:
+    """Milliseconds that ``launches`` back-to-back calls of ``fn`` take.
+
+    With ``cuda``: CUDA events on the current stream before the first call and after the last, then a wait for
+    the second (the device's time for the queued work, not the host's). Otherwise the wall clock.
+    """
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def timed(fn, iters: int, warmup: int = 0, cuda: bool = True) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` (``elapsed_ms``), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return [elapsed_ms(fn, cuda) for _ in range(iters)]
