@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from .checkpoint import latest_checkpoint
-from .config import DataConfig, TrainConfig, checkpoint_dir
+from .config import DataConfig, TrainConfig, checkpoint_dir, data_source
 from .data.formats import Chat, parse
 from .data.jsonl import read_records
 
@@ -63,7 +63,7 @@ def used_run_dir(out_dir: str | Path) -> bool:
 def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
     """Raise ``ValueError`` (one line: key and fix) for anything that would fail only after the ranks started."""
     d, m, ck, r = cfg.data, cfg.model, cfg.checkpoint, cfg.run
-    if d.source == "jsonl":
+    if data_source(cfg) == "jsonl":  # data.source=auto included, resolved or not
         _jsonl("data.path", d.path, d)
     if d.eval_path:
         _jsonl("data.eval_path", d.eval_path, d)
