@@ -101,15 +101,16 @@ pack() {  # lane index: its folder into OUT/lane<k>.tar.gz, replaced atomically
   tar -czf "$OUT/.lane$1.tmp" -C "$OUT" --exclude=checkpoints "lane$1" 2>/dev/null && mv "$OUT/.lane$1.tmp" "$OUT/lane$1.tar.gz"
 }
 
-lane() {  # index, gpus, sections (comma-separated)
-  local k=$1 gpus=$2 sections=$3 n port s dir cmd limit var
+lane() {  # index, gpus, sections (comma-separated); DRY_RUN=1: print each command instead; 1 if a section is unknown
+  local k=$1 gpus=$2 sections=$3 n port s dir cmd limit var rc=0
   n=$(awk -F, '{print NF}' <<<"$gpus")
   port=$((29500 + 17 * k))
   for s in ${sections//,/ }; do
     dir=$OUT/lane$k/${s}_n$n
+    if ! cmd=$(section_cmd "$s" "$n" "$port" "$dir"); then echo "lane $k: unknown section $s" >&2; rc=1; continue; fi
+    var="SECTION_TIMEOUT_$s"; limit=${!var:-${LIMIT[$s]:-none}}
+    if [[ ${DRY_RUN:-0} == 1 ]]; then printf '%s %s %s\t%s\n' "$k" "$s" "$limit" "$cmd"; continue; fi
     mkdir -p "$dir"
-    if ! cmd=$(section_cmd "$s" "$n" "$port" "$dir"); then echo "lane $k: unknown section $s"; continue; fi
-    var="SECTION_TIMEOUT_$s"; limit=${!var:-${LIMIT[$s]}}
     echo "=== lane $k (GPUs $gpus) $s: start $(date +%T), limit ${limit}s"
     echo "$cmd" > "$dir/command.txt"
     CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$limit" bash -c "$cmd" > "$dir/$s.log" 2>&1 &
@@ -121,21 +122,13 @@ lane() {  # index, gpus, sections (comma-separated)
     rm -rf "$dir/checkpoints"
     pack "$k"
   done
+  return $rc
 }
 
-if [[ ${DRY_RUN:-0} == 1 ]]; then
+if [[ ${DRY_RUN:-0} == 1 ]]; then  # the lanes one after another, in order; nothing written
   k=0 rc=0
   for spec in "$@"; do
-    gpus=${spec%%:*} sections=${spec#*:}
-    n=$(awk -F, '{print NF}' <<<"$gpus")
-    for s in ${sections//,/ }; do
-      var="SECTION_TIMEOUT_$s"
-      if cmd=$(section_cmd "$s" "$n" $((29500 + 17 * k)) "$OUT/lane$k/${s}_n$n"); then
-        printf '%s %s %s\t%s\n' "$k" "$s" "${!var:-${LIMIT[$s]:-none}}" "$cmd"
-      else
-        echo "lane $k: unknown section $s" >&2; rc=1
-      fi
-    done
+    lane "$k" "${spec%%:*}" "${spec#*:}" || rc=1
     k=$((k + 1))
   done
   exit $rc
