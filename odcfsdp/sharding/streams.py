@@ -29,10 +29,12 @@ done*:
    flag over the shard group: pushes queued later on any rank's push stream start
    after that all-reduce, so after every owner has zeroed, and the host waits for
    nothing (the collective transport needs no barrier: each owner adds its own reduced
-   share, after its own zeroing on the same stream). Zeroing, 4 of the 44 bytes per parameter of an AdamW step
-   with ``gather_masters`` (``benchmarks/optim_bench.py``), so leaves the step and runs
-   under the next forward. A rank's own reads of its accumulators (the sync) come
-   after ``pushes_done``, so after it too.
+   share, after its own zeroing on the same stream). Zeroing, 4 of the 44 bytes per
+   parameter of an AdamW step with ``gather_masters`` (``benchmarks/optim_bench.py``),
+   so leaves the step and runs under the next forward. A rank's own reads of its
+   accumulators (the sync) come after ``pushes_done``, so after it too. Whoever times
+   a step waits for the current stream only (``loop.train_step``); a device-wide sync
+   would wait for the zeroing too.
 """
 
 from __future__ import annotations
