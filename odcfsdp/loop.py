@@ -87,7 +87,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
     Returned: ``loss`` (this rank's share of the minibatch loss), ``grad_norm`` (the
     global pre-clip norm), ``finite`` (whether the update was applied), ``compute_s`` (micro-batches,
     waited for on CUDA), ``host_s`` (until the host had queued them), ``step_s``
-    (clip + optimizer step, waits for other ranks included).
+    (clip + optimizer step, waits for other ranks included; on CUDA until the current stream is done: work left
+    on side streams, ODCShard's accumulator zeroing, overlaps the next step's micro-batches).
     """
     cuda = device.type == "cuda"
     t0 = time.perf_counter()
