@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import e2e_baselines  # noqa: E402  (benchmarks/ on path)
-from e2e_hf import HF_METHODS, bench_model, resolve_args, wrap_hf  # noqa: E402  (benchmarks/ on path)
-from e2e_report import chart, kernel_summary, report, step_profiler  # noqa: E402
+from e2e_hf import bench_model, decoder_layers, resolve_args  # noqa: E402  (benchmarks/ on path)
+from e2e_report import baseline, chart, kernel_summary, report, step_profiler  # noqa: E402
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
@@ -91,8 +91,6 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     clip and step on a gradient N times smaller, and the runs would not train the same thing).
     """
     cuda = device.type == "cuda"
-    if method in HF_METHODS:
-        return wrap_hf(method, model, bench_model(args).units, device)
     if method.startswith("odc"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -108,9 +106,10 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
         return sharded, contextlib.nullcontext, 1.0, None
-    if method in ("fsdp2", "fsdp2-offload"):  # torchtitan's way (e2e_baselines.py)
-        return e2e_baselines.fsdp2(model, list(model.layers), device, offload=method.endswith("offload"))
-    if method == "ddp":
+    if baseline(method) in ("fsdp2", "fsdp2-offload"):  # torchtitan's way (e2e_baselines.py); HF models alike
+        return e2e_baselines.fsdp2(model, decoder_layers(model, bench_model(args).units), device,
+                                   offload=method.endswith("offload"))
+    if baseline(method) == "ddp":
         return e2e_baselines.ddp(model, device)
     raise ValueError(f"unknown method {method!r}")
 

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import e2e_baselines  # noqa: E402 (benchmarks/ on path)
 
 import torch
 import torch.nn as nn
@@ -119,7 +118,6 @@ class BenchModel:
     """
 
     label: str
-    hf: bool
     params: int
     layers: int
     dim: int
@@ -143,7 +141,7 @@ def bench_model(args) -> BenchModel:
 def _llama(size: str, vocab: int, recompute: bool, compile_backend: str, attention: str) -> BenchModel:
     cfg = llama_config(size, vocab, activation_checkpointing=recompute, compile=bool(compile_backend),
                        compile_backend=compile_backend or "inductor", attention_backend=attention)
-    return BenchModel(f"Llama {size}", False, cfg.num_params(), cfg.n_layers, cfg.dim, cfg.matmul_params(),
+    return BenchModel(f"Llama {size}", cfg.num_params(), cfg.n_layers, cfg.dim, cfg.matmul_params(),
                       cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, (DecoderLayer,), functools.partial(Llama, cfg),
                       lambda wrapped: None)
 
@@ -175,7 +173,7 @@ def _hf(model: str, model_path: str | None, vocab: int, recompute: bool, compile
     matmul = meta.matmul_params()
     label = f"HF {model_path or model[3:]} ({type(meta.model).__name__})"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return BenchModel(label, True, sum(p.numel() for p in meta.parameters()), c.num_hidden_layers, c.hidden_size,
+    return BenchModel(label, sum(p.numel() for p in meta.parameters()), c.num_hidden_layers, c.hidden_size,
                       matmul, c.num_attention_heads, c.num_key_value_heads, head_dim, units, build, finish)
 
 
@@ -183,11 +181,3 @@ def decoder_layers(model: nn.Module, units: tuple[type[nn.Module], ...]) -> list
     """The model's decoder layers (instances of ``units``), in forward order."""
     return [m for m in model.modules() if isinstance(m, units)]
 
-
-def wrap_hf(method: str, model: nn.Module, units: tuple[type[nn.Module], ...], device: torch.device):
-    """``hf_fsdp2`` / ``hf_ddp`` (see [e2e-hf]): the wrapped model, its autocast, loss scale and ``no_sync``."""
-    if method == "hf_fsdp2":  # the same wrapping as our Llama's fsdp2 (e2e_baselines.py)
-        return e2e_baselines.fsdp2(model, decoder_layers(model, units), device)
-    if method == "hf_ddp":
-        return e2e_baselines.ddp(model, device)
-    raise ValueError(f"unknown HF method {method!r}; choose one of {HF_METHODS}")

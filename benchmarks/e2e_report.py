@@ -7,6 +7,12 @@ from pathlib import Path
 import torch
 
 
+def baseline(method: str) -> str:
+    """The method a run's method is, for wrapping and for the tables: ``hf_fsdp2`` / ``hf_ddp`` are FSDP2 and DDP on
+    a Hugging Face model (``--model hf:<name>``, [e2e-hf]); a run has one or the other, never both."""
+    return method.removeprefix("hf_")
+
+
 def step_profiler():
     """A torch profiler for one extra step of the methods named by ``--profile`` (kernel time by kind)."""
     from torch.profiler import ProfilerActivity, profile
@@ -91,7 +97,7 @@ def report(results: list[dict], meta: dict) -> str:
         "optimizer-step s per rank | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["workload"]: r["tokens_per_s"] for r in results if r["method"] in ("fsdp2", "hf_fsdp2")}
+    base = {r["workload"]: r["tokens_per_s"] for r in results if baseline(r["method"]) == "fsdp2"}
     for r in results:
         ratio = f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
@@ -129,8 +135,8 @@ def balance_bound(results: list[dict]) -> list[str]:
     world size: FSDP2's busiest-rank cost over the mean cost (its ``rank cost max/mean``)."""
     out = []
     for w in dict.fromkeys(r["workload"] for r in results):
-        runs = {(r["method"], r["balance"]): r for r in results if r["workload"] == w}
-        base = runs.get(("fsdp2", "lb_micro")) or runs.get(("hf_fsdp2", "lb_micro"))
+        runs = {(baseline(r["method"]), r["balance"]): r for r in results if r["workload"] == w}
+        base = runs.get(("fsdp2", "lb_micro"))
         odc = runs.get(("odc", "lb_mini"))
         if base and odc:
             speedup, bound = odc["tokens_per_s"] / base["tokens_per_s"], base["rank_cost_max_over_mean"]

@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from e2e_report import baseline  # noqa: E402  (benchmarks/ on path)
+
 HEADER = ["| workload | GPUs | commit | odcfsdp nvshmem tokens/s | FSDP2 tokens/s | odc / FSDP2 | "
           "odc lb_micro / FSDP2 | odc collective / FSDP2 | DDP / FSDP2 | MFU odc / FSDP2 | "
           "peak GiB odc (+ heap) / FSDP2 | final losses | run |",
@@ -32,12 +34,12 @@ def rows(path: Path) -> list[str]:
 
 def _row(path: Path, meta: dict, results: list[dict]) -> str:
     """One workload's row (``results``: that workload's runs)."""
-    runs = {(r["method"], r["balance"]): r for r in results}
-    fsdp2 = runs.get(("fsdp2", "lb_micro")) or runs.get(("hf_fsdp2", "lb_micro"))
+    runs = {(baseline(r["method"]), r["balance"]): r for r in results}
+    fsdp2 = runs.get(("fsdp2", "lb_micro"))
     odc = runs.get(("odc", "lb_mini")) or runs.get(("odc", "lb_micro"))
 
     def ratio(method: str, balance: str = "lb_micro") -> str:
-        r = runs.get((method, balance)) or runs.get((f"hf_{method}", balance))
+        r = runs.get((method, balance))
         return f"{r['tokens_per_s'] / fsdp2['tokens_per_s']:.2f}x" if r and fsdp2 else "-"
 
     def mem(r: dict | None) -> str:

@@ -210,8 +210,8 @@ def main(argv=None) -> None:
     model_dir = work / "model"
     make_checkpoint(model_dir, args.size, device, dtype)
     long = args.chats == "longtail"
-    cap = (256 if cpu else 65536) if long else (256 if cpu else 4096)  # micro-batch tokens: the longest chat fits
-    batch = (4 * args.cpu_ranks if cpu else 8 * args.gpus) if long else (4 * args.cpu_ranks if cpu else 16 * args.gpus)
+    cap = 256 if cpu else (65536 if long else 4096)  # micro-batch tokens: the longest chat fits
+    batch = 4 * args.cpu_ranks if cpu else (8 if long else 16) * args.gpus
     chats, lengths = long_chats(batch * args.steps, model_dir, cap) if long else (long_tailed_chats(512), [])
     data = write_jsonl(work / "chat.jsonl", chats)
     held_out = write_jsonl(work / "held_out.jsonl", chat_records(32, seed=7))

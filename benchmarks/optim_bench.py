@@ -203,16 +203,16 @@ def run_size(size: str, args, device) -> dict:
             opt.step()
             if publish:
                 torch._foreach_copy_(row_views, master_views)
-            if name.startswith("odc") and aside is None:
-                torch._foreach_zero_(zeroed)
-            elif name.startswith("odc"):  # ODCShard's zeroing: on its push stream, after the step read the gradients
+            if aside is None:  # no stand-in forward to overlap: zeroed in the step
+                if name.startswith("odc"):
+                    torch._foreach_zero_(zeroed)
+                return
+            if name.startswith("odc"):  # ODCShard's zeroing: on its push stream, after the step read the gradients
                 aside.wait_stream(current)
                 with torch.cuda.stream(aside):
                     torch._foreach_zero_(zeroed)
-            if standin is not None:
-                standin()  # the next forward
-            if aside is not None:
-                current.wait_stream(aside)  # the next refill writes what was zeroed
+            standin()  # the next forward
+            current.wait_stream(aside)  # the next refill writes what was zeroed
 
         ms = timed(step, args.iters, args.warmup, device)
         del opt, params, grads
@@ -235,12 +235,12 @@ def run_size(size: str, args, device) -> dict:
         # every variant first refills its gradients and ends with the stand-in forward (neither counted)
         extra = refill_ms[refill_of(name)] + standin_ms
         med = statistics.median(ms) - extra
+        on_path = BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))
         out["variants"][name] = {
             "ms_median": med, "ms_min": min(ms) - extra, "ms_max": max(ms) - extra,
-            "refill_ms": refill_ms[refill_of(name)],
-            "bytes_per_param": BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0)),
+            "refill_ms": refill_ms[refill_of(name)], "bytes_per_param": on_path,
             "zero_bytes_per_param_aside": ZERO_BYTES.get(name, 0) if aside else 0,
-            "gb_per_s": (BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))) * total / med / 1e6,
+            "gb_per_s": on_path * total / med / 1e6,
         }
     return out
 

@@ -305,10 +305,10 @@ def main(argv=None) -> dict:
         meta.update(fit=fit.as_dict(), size=args.size, time_model=vars(tm), opt_s_at_2=opt2,
                     distributions={d: DISTRIBUTIONS[d].source for d in args.distributions})
         points = []
+        over = {n: overheads(n, params, opt2, args.nccl_gbps) for n in args.gpus}  # measured rates read once per N
         for d, n, k in itertools.product(args.distributions, args.gpus, args.per_gpu):
-            over = overheads(n, params, opt2, args.nccl_gbps)
             count = min(64, max(8, args.samples // (n * k)))
-            points.append(simulate(DISTRIBUTIONS[d], n, k, tm, over, count, args.seed, args.study))
+            points.append(simulate(DISTRIBUTIONS[d], n, k, tm, over[n], count, args.seed, args.study))
         data = {"meta": meta, "points": points, "measured": step_sim_fit.measured_speedups()}
         text = step_sim_report.sweep_markdown(data)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -184,10 +184,16 @@ def measured_step(run: Run, key: tuple[str, str]) -> float:
 def validate(pairs=VALIDATION, host_run: str = "n2_balanced_cudnn_compiled_d89966a", nccl_gbps: float = 360.0) -> dict:
     """Each pair: fit on the first run, predict the second; errors of step times and of ODC's speedups."""
     cache: dict[str, Run] = {}
-    runs = lambda n: cache.setdefault(n, replay(n))  # noqa: E731
+
+    def runs(name: str) -> Run:  # each run replayed once (setdefault would replay it on every call)
+        if name not in cache:
+            cache[name] = replay(name)
+        return cache[name]
+
+    host = host_floor(host_run)
     rows, fits = [], {}
     for fit_name, target, what in pairs:
-        f = fit([runs(fit_name)], host_floor(host_run))
+        f = fit([runs(fit_name)], host)
         fits[fit_name] = f.as_dict()
         run = runs(target)
         pred = predict(run, f, nccl_gbps)
