@@ -4,8 +4,7 @@ Design note [cli-keys]
 ----------------------
 The typed config (``odcfsdp/config.py``) is the one list of keys and of what each does: a
 field's help is its ``metadata["help"]`` (the derived ``shard`` keys, [derived-shard-config]),
-else the comment that ends the field's line, else its entry in the class docstring's
-``Attributes:``. ``--help`` prints every key with its default and that line, and the
+else the comment that ends the field's line. ``--help`` prints every key with its default and that line, and the
 experiment presets with their first comment line.
 
 Overrides are checked before Hydra composes the config, so that each mistake is one line
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
 import io
 import re
@@ -35,11 +33,12 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
+from .checks import did_you_mean
 from .config import TrainConfig, unused_key
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """One line of help per field of the dataclass ``cls`` (metadata, end-of-line comment, or docstring)."""
+    """One line of help per field of the dataclass ``cls`` (its metadata's ``help``, else its end-of-line comment)."""
     docs = {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.metadata.get("help")}
     try:
         source = inspect.cleandoc("\n" + inspect.getsource(cls))
@@ -51,10 +50,6 @@ def field_docs(cls: type) -> dict[str, str]:
         for node in ast.parse(source).body[0].body:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in comments:
                 docs.setdefault(node.target.id, comments[node.end_lineno])
-    doc = inspect.cleandoc(cls.__doc__ or "")
-    if "Attributes:" in doc:
-        for name, text in re.findall(r"^ {4}(\w+): (.+)$", doc.split("Attributes:")[1], re.M):
-            docs.setdefault(name, text.strip())
     return docs
 
 
@@ -142,9 +137,7 @@ def _node_at(key: str) -> tuple[str, Any]:
 
 
 def _closest(key: str) -> str:
-    keys = [k for k, _, _ in key_table()]
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    return f"did you mean {close[0]}? " if close else ""
+    return did_you_mean(key, [k for k, _, _ in key_table()])
 
 
 def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) -> list[str]:

@@ -18,7 +18,6 @@ come from the model specs ([model-specs] in ``odcfsdp/specs``).
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from .checks import choice, positive
+from .checks import choice, did_you_mean, positive
 from .data.balance import BALANCERS
 from .data.formats import FORMAT_CHOICES
 from .data.lengths import KINDS as LENGTH_KINDS
@@ -218,8 +217,7 @@ def _optimizer_checks(o: OptimConfig) -> None:
         if key in named:
             raise ValueError(f"optim.kwargs.{key} repeats the key optim.{key}: set optim.{key} instead")
         if key not in takes:
-            close = difflib.get_close_matches(key, sorted(named - {"kwargs"} | set(takes)), n=1)
-            hint = f"did you mean optim.{close[0]}? " if close else ""
+            hint = did_you_mean(key, sorted(named - {"kwargs"} | set(takes)), prefix="optim.")
             raise ValueError(f"optim.{key} is not a key of optim nor an argument of torch.optim.{o.name}: {hint}"
                              f"its arguments are {takes}")
 

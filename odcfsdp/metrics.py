@@ -87,9 +87,9 @@ class ProgressBar:
     ``eval_loss``, so a log reads line by line and stays short.
     """
 
-    def __init__(self, total: int, width: int = 28, first_step: int = 1, tty: bool | None = None):
+    def __init__(self, total: int, width: int = 28, first_step: int = 1):
         self.total, self.width, self.start, self.first = total, width, time.perf_counter(), first_step
-        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.tty = sys.stderr.isatty()
         self.every = max(1, total // 20)
         self.pending: dict | None = None
 

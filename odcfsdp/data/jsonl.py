@@ -72,9 +72,10 @@ class JsonlSource:
         for lineno, record in read_records(path):
             ids, mask = encode_record(record, tokenizer, f"{path}:{lineno}", data_format, fields)
             truncated += len(ids) > max_len
-            lost = any(mask[1:]) and not any(mask[1:max_len])
+            kept = any(mask[1:max_len])  # a loss-bearing target left after truncation
+            lost = not kept and any(mask[max_len:])
             ids, mask = ids[:max_len], mask[:max_len]
-            if len(ids) < 2 or not any(mask[1:]):
+            if len(ids) < 2 or not kept:
                 dropped += 1
                 cut_off += lost
                 continue

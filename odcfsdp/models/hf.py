@@ -65,10 +65,16 @@ class HFCausalLM(nn.Module):
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except TypeError:  # transformers before 4.56 calls it torch_dtype
             self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-        self.fused_loss = (config.model_type in FUSED_LOSS_FAMILIES and type(self.model.lm_head) is nn.Linear
-                           and hasattr(self.model, "model"))
-        if self.fused_loss:
+        if (config.model_type in FUSED_LOSS_FAMILIES and type(self.model.lm_head) is nn.Linear
+                and hasattr(self.model, "model")):
             LinearCrossEntropyHead.adopt(self.model.lm_head)
+
+    @property
+    def fused_loss(self) -> bool:
+        """Whether ``forward(..., targets=)`` computes the loss with the LM head fused ([linear-cross-entropy]): a
+        family it suits and the head still ours (LoRA on ``lm_head`` wraps it, and then logits + loss)."""
+        causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return isinstance(causal.lm_head, LinearCrossEntropyHead)
 
     def decoder_layer_classes(self) -> tuple[type[nn.Module], ...]:
         """The classes Hugging Face never splits across devices (``_no_split_modules``): the decoder layers."""
@@ -152,8 +158,7 @@ class HFCausalLM(nn.Module):
             kwargs[DOC_LENGTHS_KWARG] = lengths
         with lengths_given() if kwargs else contextlib.nullcontext():
             causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            # The head may have been replaced since (LoRA on lm_head wraps it): fused only while it is ours.
-            if targets is not None and self.fused_loss and isinstance(causal.lm_head, LinearCrossEntropyHead):
+            if targets is not None and isinstance(causal.lm_head, LinearCrossEntropyHead):  # fused_loss
                 hidden = causal.model(input_ids=tokens, position_ids=positions, use_cache=False,
                                       **kwargs).last_hidden_state
                 return causal.lm_head(hidden, targets)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import ATTENTION_BACKENDS, causal_attention, repeat_kv
-from .loss import LinearCrossEntropyHead, causal_lm_loss  # noqa: F401 (causal_lm_loss is re-exported)
+from .loss import LinearCrossEntropyHead
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 
 import torch
+
+from ..checks import did_you_mean
 
 
 # torch.optim classes whose step is not element-wise over each parameter, which a sharded run cannot take: each
@@ -19,17 +20,15 @@ NOT_ELEMENTWISE = {"Adafactor": "factors its state by rows and columns of the wh
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """``torch.optim.<name>``; a ``ValueError`` naming ``optim.name`` and the closest names otherwise, or why
     a sharded run cannot use it (``NOT_ELEMENTWISE``)."""
-    cls = getattr(torch.optim, name, None)
     if name in NOT_ELEMENTWISE:
         raise ValueError(f"optim.name={name}: torch.optim.{name} {NOT_ELEMENTWISE[name]}, which a rank holding "
                          "shards cannot do: choose an element-wise optimizer (AdamW, Adam, SGD, ...)")
-    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
-        return cls
-    known = sorted(n for n, c in vars(torch.optim).items() if n not in NOT_ELEMENTWISE
-                   and isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
-    close = [k for k in known if k.lower() == name.lower()] or difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]}? " if close else ""
-    raise ValueError(f"optim.name={name!r} is not a torch.optim optimizer: {hint}choose one of {tuple(known)}")
+    known = {n: c for n, c in vars(torch.optim).items() if n not in NOT_ELEMENTWISE and isinstance(c, type)
+             and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    if name in known:
+        return known[name]
+    hint = did_you_mean(name, sorted(known), cutoff=0.5, ignore_case=True)
+    raise ValueError(f"optim.name={name!r} is not a torch.optim optimizer: {hint}choose one of {tuple(sorted(known))}")
 
 
 def optimizer_keywords(cls: type[torch.optim.Optimizer]) -> tuple[str, ...]:

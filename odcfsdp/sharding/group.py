@@ -331,7 +331,8 @@ class FlatGroup:
             sp.attach_grad()
 
     def wait_host_copies(self) -> None:
-        """Wait until the queued copies into this group's host gradient buffer are done ([offload])."""
+        """Wait until the queued copies into the host gradient buffers are done ([offload]): every group's are
+        queued on the current stream, so one group's wait covers them all."""
         if self.offloaded and self.accumulator is not None and self.accumulator.is_cuda:
             torch.cuda.current_stream(self.accumulator.device).synchronize()
 

@@ -198,6 +198,7 @@ class StepProtocol:
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
         self._trained: list[FlatGroup] = []
         self._trained_params: list[ShardedParam] = []
+        self._accumulators: list[torch.Tensor] = []  # this rank's accumulator rows (trained groups)
 
     def attach(self, groups: Sequence[FlatGroup]) -> None:
         """Take the model's groups; optimizers' steps reach it through the parameters ([optimizer-events])."""
@@ -205,10 +206,12 @@ class StepProtocol:
         self.groups = list(groups)
         self._trained = [g for g in self.groups if g.layout.requires_grad]
         self._trained_params = [sp for g in self._trained for sp in g.params if sp.trained]
+        self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
+        self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
 
     def close(self) -> None:
         """The model is closing: later events (an optimizer that still holds its shards) change nothing."""
-        self.closed = True
+        self.closed, self._accumulators = True, []  # the accumulators are the transport's to free
 
     def _fire(self, event: StepEvent, params: Sequence[ShardedParam] = ()) -> None:
         """Run the transition ``TRANSITIONS`` names for (state, ``event``), if any; ``params``: whose event it is."""
@@ -290,8 +293,8 @@ class StepProtocol:
         if self.synced_pushes:
             for g in self._trained:
                 g.attach_grads()
-            for g in self._trained:  # offloaded groups' host copies were queued back to back: the first wait
-                g.wait_host_copies()  # covers them all, the others return at once
+            for g in [g for g in self._trained if g.offloaded][:1]:  # host copies queued back to back: one wait
+                g.wait_host_copies()
             self.state = GradState.READY
         else:  # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
             self.state = GradState.EMPTY
@@ -307,8 +310,7 @@ class StepProtocol:
         for g in self._trained:
             g.detach_grads()
         self.comm.rows_published()
-        accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
-        self.comm.zero_around_meeting(accumulators, lambda: self._meet(kind), self.mesh)
+        self.comm.zero_around_meeting(self._accumulators, lambda: self._meet(kind), self.mesh)
         self.pushes = 0
         self.minibatch += 1
         self.state = GradState.ACCUMULATING

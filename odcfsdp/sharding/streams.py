@@ -73,9 +73,7 @@ class CommStreams:
         self.gather_stream = torch.cuda.Stream(device) if cuda and gather_ahead else None
         self.push_stream = torch.cuda.Stream(device) if cuda and push_aside else None
         self._flag = torch.zeros(1, device=device) if self.push_stream is not None else None
-        if self._flag is not None:
-            self._flag.record_stream(self.push_stream)  # freed only once the push stream is done with it
-        self._recorded: set[int] = set()  # accumulators known to the allocator to be used on the push stream
+        self.written_aside([self._flag] if self._flag is not None else [])
 
     @staticmethod
     def _after_current(stream: torch.cuda.Stream | None):
@@ -114,6 +112,13 @@ class CommStreams:
             _current(self.push_stream).wait_stream(self.push_stream)
         self.transport.quiesce()
 
+    def written_aside(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` live as long as the model and the push stream writes them outside pushes (the zeroing, 5):
+        freed, even by a model dropped without ``close()``, only once its work is done (heap views: no-op)."""
+        if self.push_stream is not None:
+            for t in tensors:
+                t.record_stream(self.push_stream)
+
     def zero_around_meeting(self, accumulators: list[torch.Tensor], meet: Callable[[], object], shard_group) -> None:
         """Run ``meet()`` and zero this rank's ``accumulators`` before any rank's next push (5).
 
@@ -129,10 +134,6 @@ class CommStreams:
             _zero(accumulators)
             if self.transport.caps.remote_pushes:
                 shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
-        for t in accumulators:  # a model dropped without close() frees them only after the zeroing (heap views: no-op)
-            if t.data_ptr() not in self._recorded:
-                t.record_stream(self.push_stream)
-                self._recorded.add(t.data_ptr())
 
     def rows_published(self) -> None:
         """Rows written since the last meeting are visible to peers, and to later prefetches (4)."""
