@@ -70,3 +70,20 @@ def format_cases(n: int = 4, seed: int = 0) -> dict[str, list[tuple[dict, tuple]
                                                 _assistant(ans)], None)))
         out["text"].append(({"text": f"{q} {ans}"}, ("completion", "", f"{q} {ans}")))
     return out
+
+
+def reference_example(tok, ref: tuple) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask as transformers makes them: a chat's assistant-token mask from the template's
+    {% generation %} marks; TRL's prompt / completion (the pair tokenized as one string, the completion's tokens
+    after the prompt's) between BOS and EOS."""
+    kind, *rest = ref
+    if kind == "chat":
+        messages, tools = rest
+        out = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    prompt, completion = rest
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
+    body = tok(prompt + completion, add_special_tokens=False)["input_ids"]
+    ids = [tok.bos_token_id, *body, tok.eos_token_id]
+    return ids, [False] * (1 + n_prompt) + [True] * (len(ids) - 1 - n_prompt)

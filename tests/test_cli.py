@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_fixtures import write_jsonl
 from odcfsdp.config import TrainConfig
+from test_train import cli
 
 TEXTS = [f"sample {i}: " + "ab" * (3 + i) for i in range(12)]  # byte tokenizer: len(text) + 1 targets (EOS) each
-
-
-def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "odcfsdp.train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -35,9 +32,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture
 def texts(tmp_path) -> Path:
-    path = tmp_path / "texts.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return path
+    return write_jsonl(tmp_path / "texts.jsonl", [{"text": t} for t in TEXTS])
 
 
 def test_data_path_alone_trains_on_the_file(tmp_path, texts):

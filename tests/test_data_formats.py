@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
-from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases
+from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases, reference_example
+from hf_fixtures import write_jsonl
+from test_train import cli
 
 from odcfsdp.config import FieldsConfig, config_from, validate
 from odcfsdp.data.formats import FORMATS, Chat, Completion, parse
@@ -117,8 +117,7 @@ def test_jsonl_source_reads_every_format(tmp_path):
     """A file may mix formats under auto; each record's sample is its own encoding."""
     cases = format_cases(2)
     records = [rec for name, pairs in cases.items() if name != "prompt_completion" for rec, _ in pairs]
-    path = tmp_path / "mixed.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    path = write_jsonl(tmp_path / "mixed.jsonl", records)
     src = JsonlSource(str(path), TOK, max_len=10_000)
     got = sorted((src[i].tokens.tolist(), src[i].loss_mask.tolist()) for i in range(src.num_samples))
     assert got == sorted(encode(r) for r in records)
@@ -141,11 +140,9 @@ def test_hf_chat_template_mask_equals_transformers_assistant_mask(tmp_path):
             ids, mask = encode_record(record, tok, name, fields=FIELD_OVERRIDES)
             if kind == "completion":
                 continue  # no template involved: the byte-level cases above
-            messages, tools = ref
-            want = tok.tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                               return_assistant_tokens_mask=True)
-            assert ids == list(want["input_ids"]), name
-            assert mask == [bool(m) for m in want["assistant_masks"]], name
+            want_ids, want_mask = reference_example(tok.tok, (kind, *ref))
+            assert ids == want_ids, name
+            assert mask == want_mask, name
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     chat = {"messages": [{"role": "user", "content": "2+3?"},
                          {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -160,8 +157,7 @@ def test_hf_chat_template_mask_equals_transformers_assistant_mask(tmp_path):
 
 def test_a_file_that_fits_no_format_fails_at_start_in_one_line(tmp_path):
     (tmp_path / "qa.jsonl").write_text('{"question": "q", "answer": "a"}\n')
-    proc = subprocess.run([sys.executable, "-m", "odcfsdp.train", "data.source=jsonl", "data.path=qa.jsonl",
-                           "run.out_dir=run"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = cli("data.source=jsonl", "data.path=qa.jsonl", "run.out_dir=run", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         "error: data.path: qa.jsonl:1: fits no data format: fields found: question, answer; formats known: messages "
@@ -177,8 +173,7 @@ def test_a_file_that_fits_no_format_fails_at_start_in_one_line(tmp_path):
 ])
 def test_a_file_with_nothing_to_train_on_fails_at_start_in_one_line(tmp_path, lines, message):
     (tmp_path / "d.jsonl").write_text(lines)
-    proc = subprocess.run([sys.executable, "-m", "odcfsdp.train", "data.path=d.jsonl", "run.out_dir=run"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = cli("data.path=d.jsonl", "run.out_dir=run", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [f"error: {message}"], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 

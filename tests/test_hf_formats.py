@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,27 +10,11 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="fine-tuning HF models needs transformers (test extra)")
 
-from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases  # noqa: E402
+from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases, reference_example  # noqa: E402
 from hf_fixtures import save_pretrained_model, write_jsonl  # noqa: E402
+from test_train import cli  # noqa: E402
 
 RECORDS = 4  # per file: one global minibatch, so the first step sees every record whatever the shuffle
-
-
-def reference_example(tok, ref: tuple) -> tuple[list[int], list[bool]]:
-    """Token ids and loss mask as transformers makes them: a chat's assistant-token mask from the template's
-    {% generation %} marks; TRL's prompt / completion (the pair tokenized as one string, the completion's tokens
-    after the prompt's) between BOS and EOS."""
-    kind, *rest = ref
-    if kind == "chat":
-        messages, tools = rest
-        out = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-    prompt, completion = rest
-    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
-    body = tok(prompt + completion, add_special_tokens=False)["input_ids"]
-    ids = [tok.bos_token_id, *body, tok.eos_token_id]
-    return ids, [False] * (1 + n_prompt) + [True] * (len(ids) - 1 - n_prompt)
 
 
 def first_step_loss(model, examples: list[tuple[list[int], list[bool]]]) -> tuple[float, int, int]:
@@ -66,8 +48,7 @@ def test_each_format_fine_tunes_with_plain_transformers_first_step_loss(tmp_path
             *(f"data.fields.{field}={column}" for field, column in FIELD_OVERRIDES.items()),
             f"data.batch_size={RECORDS}", "data.micro_batch_tokens=400", "run.steps=1", "optim.warmup_steps=1",
             "shard.group_bytes=8192", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    run = subprocess.run([sys.executable, "-m", "odcfsdp.train", *args], capture_output=True, text=True,
-                         timeout=900, cwd=tmp_path)
+    run = cli(*args, cwd=tmp_path, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,

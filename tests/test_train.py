@@ -30,9 +30,10 @@ def run_ranks(overrides: dict, out_dir: str, world_size: int = 2) -> list[dict]:
     return spawn(_train_worker, world_size, cfg, timeout=600)[0]
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m odcfsdp.train *args`` in ``cwd``, its output captured, within ``timeout`` seconds."""
     return subprocess.run([sys.executable, "-m", "odcfsdp.train", *args], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+                          timeout=timeout, cwd=cwd)
 
 
 def test_default_job_short_run(tmp_path):
