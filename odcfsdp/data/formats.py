@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from .tokenizer import ROLES
 
-# Each format's fields (the required ones first, then the optional ones), in detection order.
+# Each format's fields (the required ones first, then the optional ones), in detection order: its reader sees only these.
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("tools",)),
     "sharegpt": (("conversations",), ("system", "tools")),
@@ -103,11 +103,12 @@ def parse(record, data_format: str = "auto", fields: dict[str, str] | None = Non
     if name is None:
         raise ValueError(f"fits no data format: fields found: {found}; formats known: {known_formats()}; "
                          "name other columns with data.fields.<field>=<column> (e.g. data.fields.prompt=question)")
-    missing = [f for f in FORMATS[name][0] if f not in record]
+    required, optional = FORMATS[name]
+    missing = [f for f in required if f not in record]
     if missing:
         raise ValueError(f"data.format={name} needs field(s) {', '.join(missing)}; fields found: {found} "
                          "(name other columns with data.fields.<field>=<column>)")
-    return _READERS[name](record)
+    return _READERS[name]({k: record[k] for k in (*required, *optional) if k in record})  # only the format's fields
 
 
 def _string(record: dict, key: str) -> str:
@@ -175,7 +176,7 @@ def _chat(turns: list[dict], record: dict, trained_from: int = 0) -> Chat:
 
 
 def _messages(record: dict) -> Chat:
-    return _chat(_turns(record["messages"], "messages"), {"tools": record.get("tools")})
+    return _chat(_turns(record["messages"], "messages"), record)
 
 
 def _sharegpt(record: dict) -> Chat:
@@ -186,7 +187,7 @@ def _alpaca(record: dict) -> Chat:
     given = record.get("input")
     prompt = _string(record, "instruction") + (f"\n\n{_string(record, 'input')}" if given else "")
     turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": _string(record, "output")}]
-    return _chat(turns, {"system": record.get("system")})
+    return _chat(turns, record)
 
 
 def _prompt_completion(record: dict) -> Chat | Completion:
@@ -195,8 +196,7 @@ def _prompt_completion(record: dict) -> Chat | Completion:
         return Completion(prompt, completion)
     if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt / completion
         prompt_turns = _turns(prompt, "prompt")
-        return _chat(prompt_turns + _turns(completion, "completion"), {"tools": record.get("tools")},
-                     trained_from=len(prompt_turns))
+        return _chat(prompt_turns + _turns(completion, "completion"), record, trained_from=len(prompt_turns))
     raise ValueError("fields 'prompt' and 'completion' must both be strings or both be lists of messages, got "
                      f"{type(prompt).__name__} and {type(completion).__name__}")
 
