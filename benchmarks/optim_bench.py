@@ -8,7 +8,7 @@ shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of ever
 FSDP2's dim-0 sharding), packed into flat groups of ``--group-bytes`` as ODCShard packs them.
 The global-norm all-reduce (one scalar) is left out: it is the same for every variant.
 
-Variants, each timed as one whole step (CUDA events, median of ``--iters`` after ``--warmup``):
+Variants, each timed as one whole step (CUDA events, median of ``--iters`` pairs after ``--warmup``):
 
 * ``fsdp2``: what FSDP2's training loop runs: ``clip_grad_norm_`` (foreach norm, then a multiply
   of every gradient) and ``torch.optim.AdamW(fused=True)`` over one fp32 tensor per parameter;
@@ -23,9 +23,10 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` after
 
 Every timed step is followed by a stand-in of the next forward (``--forward-ms`` of back-to-back
 bf16 matmuls, compute-bound like a decoder layer's), for every variant alike: what is timed is the
-step's cost on the training loop's path, the stand-in's own time (measured alone) and the gradient
-refill subtracted. An odc variant's zeroing overlaps the stand-in and costs only the bandwidth it
-takes from it; on CPU there is no side stream and no stand-in.
+step's cost on the training loop's path: each timed step is paired with a run of its gradient
+refill and the stand-in alone, timed right after it, whose time is subtracted. An odc variant's
+zeroing overlaps the stand-in and costs only the bandwidth it takes from it; on CPU there is no
+side stream and no stand-in.
 
 "bytes/param" counts the minimum traffic of each variant on the step's path (every tensor read or
 written once per pass; ``+4`` is the zeroing under the forward); GB/s = those bytes / time, set
@@ -87,6 +88,20 @@ def plan(shapes, world: int, group_bytes: int) -> list[list[tuple[str, int, int]
 def timed(fn, iters: int, warmup: int, device) -> list[float]:
     """Milliseconds of each of ``iters`` calls after ``warmup`` (``timing.timed``: CUDA events; wall clock on CPU)."""
     return timing.timed(fn, iters, warmup, cuda=device.type == "cuda")
+
+
+def paired(step, alone, iters: int, warmup: int, device) -> tuple[list[float], list[float]]:
+    """(``step``'s milliseconds less those of the ``alone`` run timed right after it, per pair; ``alone``'s).
+
+    Pairing, rather than subtracting one median of ``alone`` measured up front, keeps a GPU whose clocks drift
+    over the call (a matmul stand-in heats it) from charging the drift to the variants timed last.
+    """
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        step()
+        alone()
+    pairs = [(timing.elapsed_ms(step, cuda), timing.elapsed_ms(alone, cuda)) for _ in range(iters)]
+    return [s - a for s, a in pairs], [a for _, a in pairs]
 
 
 def forward_standin(device, ms: float):
@@ -214,13 +229,16 @@ def run_size(size: str, args, device) -> dict:
             standin()  # the next forward
             current.wait_stream(aside)  # the next refill writes what was zeroed
 
-        ms = timed(step, args.iters, args.warmup, device)
+        def alone():  # what every step does besides the step itself: subtracted pairwise
+            refill()
+            if standin is not None:
+                standin()
+
+        ms = paired(step, alone, args.iters, args.warmup, device)
         del opt, params, grads
         return ms
 
-    refill_ms = {f: statistics.median(timed(f, args.iters, args.warmup, device)) for f in (refill_grads, refill_lean)}
     standin = forward_standin(device, args.forward_ms)
-    standin_ms = statistics.median(timed(standin, args.iters, args.warmup, device)) if standin else 0.0
     aside = torch.cuda.Stream(device) if standin is not None else None  # nothing to overlap: zeroed in the step
     for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True),
                           ("odc_gather_masters", True), ("odc_lean", True)):
@@ -229,16 +247,13 @@ def run_size(size: str, args, device) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups),
-           "refill_ms": refill_ms[refill_grads], "standin_ms": standin_ms, "variants": {}}
-    for name, ms in results.items():
-        # every variant first refills its gradients and ends with the stand-in forward (neither counted)
-        extra = refill_ms[refill_of(name)] + standin_ms
-        med = statistics.median(ms) - extra
+    out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups), "variants": {}}
+    for name, (ms, extra) in results.items():
+        med = statistics.median(ms)
         on_path = BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))
         out["variants"][name] = {
-            "ms_median": med, "ms_min": min(ms) - extra, "ms_max": max(ms) - extra,
-            "refill_ms": refill_ms[refill_of(name)], "bytes_per_param": on_path,
+            "ms_median": med, "ms_min": min(ms), "ms_max": max(ms),
+            "subtracted_ms": statistics.median(extra), "bytes_per_param": on_path,
             "zero_bytes_per_param_aside": ZERO_BYTES.get(name, 0) if aside else 0,
             "gb_per_s": on_path * total / med / 1e6,
         }
@@ -254,8 +269,8 @@ def report(res: list[dict], meta: dict) -> str:
              f"copy bandwidth measured in the same call: {meta['copy_gb_s']:.0f} GB/s (read + write)",
              "- ms: median of the timed steps, each followed by a stand-in of the next forward "
              f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it), the "
-             "stand-in's own time and the gradient refill subtracted; GB/s: the variant's minimum traffic on the "
-             "step's path / time (+N: bytes zeroed under the forward)", "",
+             "refill and stand-in timed alone right after each step subtracted pairwise; GB/s: the variant's "
+             "minimum traffic on the step's path / time (+N: bytes zeroed under the forward)", "",
              "| size | params on rank | variant | ms (min-max) | bytes/param | GB/s | % of copy | vs fsdp2 |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res:
