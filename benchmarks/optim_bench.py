@@ -23,10 +23,10 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` pairs
 
 Every timed step is followed by a stand-in of the next forward (``--forward-ms`` of back-to-back
 bf16 matmuls, compute-bound like a decoder layer's), for every variant alike: what is timed is the
-step's cost on the training loop's path: each timed step is paired with a run of its gradient
-refill and the stand-in alone, timed right after it, whose time is subtracted. An odc variant's
-zeroing overlaps the stand-in and costs only the bandwidth it takes from it; on CPU there is no
-side stream and no stand-in.
+step's cost on the training loop's path: the step itself (events on the current stream, the
+gradient refill before it not counted) plus, for an odc variant, what its zeroing on the side
+stream slows the stand-in by: the stand-in's time in the step less its time alone, timed right
+after (median over the pairs). On CPU there is no side stream and no stand-in.
 
 "bytes/param" counts the minimum traffic of each variant on the step's path (every tensor read or
 written once per pass; ``+4`` is the zeroing under the forward); GB/s = those bytes / time, set
@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -90,18 +91,31 @@ def timed(fn, iters: int, warmup: int, device) -> list[float]:
     return timing.timed(fn, iters, warmup, cuda=device.type == "cuda")
 
 
-def paired(step, alone, iters: int, warmup: int, device) -> tuple[list[float], list[float]]:
-    """(``step``'s milliseconds less those of the ``alone`` run timed right after it, per pair; ``alone``'s).
+class Marks:
+    """Named points in the current stream's queue (CUDA events; the wall clock on CPU), read as milliseconds
+    since the first after a wait for the last."""
 
-    Pairing, rather than subtracting one median of ``alone`` measured up front, keeps a GPU whose clocks drift
-    over the call (a matmul stand-in heats it) from charging the drift to the variants timed last.
-    """
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        step()
-        alone()
-    pairs = [(timing.elapsed_ms(step, cuda), timing.elapsed_ms(alone, cuda)) for _ in range(iters)]
-    return [s - a for s, a in pairs], [a for _, a in pairs]
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.points: dict[str, object] = {}
+
+    def mark(self, name: str) -> None:
+        """Record point ``name`` now (in stream order on CUDA)."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points[name] = ev
+        else:
+            self.points[name] = time.perf_counter()
+
+    def read(self) -> dict[str, float]:
+        """Every point's milliseconds since the first recorded one; clears them."""
+        pts, self.points = self.points, {}
+        first = next(iter(pts.values()))
+        if self.cuda:
+            list(pts.values())[-1].synchronize()
+            return {k: first.elapsed_time(ev) for k, ev in pts.items()}
+        return {k: (t - first) * 1e3 for k, t in pts.items()}
 
 
 def forward_standin(device, ms: float):
@@ -210,8 +224,12 @@ def run_size(size: str, args, device) -> dict:
         refill = refill_of(name)
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
+        marks = Marks(device)
+        overlaps = aside is not None and name.startswith("odc")  # zeroing under the stand-in
+
         def step():
             refill()
+            marks.mark("start")
             if name == "odc_lean":  # the sync: .grad is the bf16 accumulator cast to fp32
                 torch._foreach_copy_(acc_views, acc16_views)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -221,22 +239,35 @@ def run_size(size: str, args, device) -> dict:
             if aside is None:  # no stand-in forward to overlap: zeroed in the step
                 if name.startswith("odc"):
                     torch._foreach_zero_(zeroed)
+                marks.mark("stepped")
                 return
-            if name.startswith("odc"):  # ODCShard's zeroing: on its push stream, after the step read the gradients
+            marks.mark("stepped")
+            if overlaps:  # ODCShard's zeroing: on its push stream, after the step read the gradients
                 aside.wait_stream(current)
                 with torch.cuda.stream(aside):
                     torch._foreach_zero_(zeroed)
             standin()  # the next forward
+            marks.mark("forward")
             current.wait_stream(aside)  # the next refill writes what was zeroed
 
-        def alone():  # what every step does besides the step itself: subtracted pairwise
+        def alone():  # the stand-in without zeroing beside it: what the zeroing slows it by is on the path
             refill()
-            if standin is not None:
-                standin()
+            marks.mark("alone")
+            standin()
+            marks.mark("alone_forward")
 
-        ms = paired(step, alone, args.iters, args.warmup, device)
+        step_ms, slowdown = [], []
+        for i in range(args.warmup + args.iters):
+            step()
+            if standin is not None:
+                alone()
+            t = marks.read()
+            if i >= args.warmup:
+                step_ms.append(t["stepped"] - t["start"])
+                if overlaps:
+                    slowdown.append((t["forward"] - t["stepped"]) - (t["alone_forward"] - t["alone"]))
         del opt, params, grads
-        return ms
+        return step_ms, slowdown
 
     standin = forward_standin(device, args.forward_ms)
     aside = torch.cuda.Stream(device) if standin is not None else None  # nothing to overlap: zeroed in the step
@@ -248,12 +279,14 @@ def run_size(size: str, args, device) -> dict:
                 torch.cuda.empty_cache()
 
     out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups), "variants": {}}
-    for name, (ms, extra) in results.items():
-        med = statistics.median(ms)
+    for name, (ms, slowdown) in results.items():
+        # on the path: the step, plus what the zeroing beside the next forward slows that forward by
+        slow = statistics.median(slowdown) if slowdown else 0.0
+        med = statistics.median(ms) + slow
         on_path = BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))
         out["variants"][name] = {
-            "ms_median": med, "ms_min": min(ms), "ms_max": max(ms),
-            "subtracted_ms": statistics.median(extra), "bytes_per_param": on_path,
+            "ms_median": med, "ms_min": min(ms) + slow, "ms_max": max(ms) + slow,
+            "step_ms_median": statistics.median(ms), "forward_slowdown_ms": slow, "bytes_per_param": on_path,
             "zero_bytes_per_param_aside": ZERO_BYTES.get(name, 0) if aside else 0,
             "gb_per_s": on_path * total / med / 1e6,
         }
@@ -268,18 +301,20 @@ def report(res: list[dict], meta: dict) -> str:
              f"- shards of rank 0 of {meta['world']} ranks (dim-0), groups of {meta['group_bytes'] >> 20} MiB; "
              f"copy bandwidth measured in the same call: {meta['copy_gb_s']:.0f} GB/s (read + write)",
              "- ms: median of the timed steps, each followed by a stand-in of the next forward "
-             f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it), the "
-             "refill and stand-in timed alone right after each step subtracted pairwise; GB/s: the variant's "
-             "minimum traffic on the step's path / time (+N: bytes zeroed under the forward)", "",
-             "| size | params on rank | variant | ms (min-max) | bytes/param | GB/s | % of copy | vs fsdp2 |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it); ms: the "
+             "step, plus for odc what the zeroing slowed the stand-in by (against the stand-in alone, timed right "
+             "after; 'slowed' column); GB/s: the variant's minimum traffic on the step's path / time (+N: bytes "
+             "zeroed under the forward)", "",
+             "| size | params on rank | variant | ms (min-max) | slowed | bytes/param | GB/s | % of copy | vs fsdp2 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         base = r["variants"].get("fsdp2", {}).get("ms_median")
         for name, v in r["variants"].items():
             ratio = f"{v['ms_median'] / base:.2f}x" if base else "-"
             aside = f" +{v['zero_bytes_per_param_aside']}" if v.get("zero_bytes_per_param_aside") else ""
             lines.append(f"| {r['size']} | {r['params_on_rank'] / 1e9:.2f}B | {name} | {v['ms_median']:.1f} "
-                         f"({v['ms_min']:.1f}-{v['ms_max']:.1f}) | {v['bytes_per_param']}{aside} | "
+                         f"({v['ms_min']:.1f}-{v['ms_max']:.1f}) | {v['forward_slowdown_ms']:.1f} | "
+                         f"{v['bytes_per_param']}{aside} | "
                          f"{v['gb_per_s']:.0f} | "
                          f"{v['gb_per_s'] / meta['copy_gb_s']:.0%} | {ratio} |")
     return "\n".join(lines) + "\n"
