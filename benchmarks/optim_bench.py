@@ -26,7 +26,7 @@ bf16 matmuls, compute-bound like a decoder layer's), for every variant alike: wh
 step's cost on the training loop's path: the step itself (events on the current stream, the
 gradient refill before it not counted) plus, for an odc variant, what its zeroing on the side
 stream slows the stand-in by: the stand-in's time in the step less its time alone, timed right
-after (median over the pairs). On CPU there is no side stream and no stand-in.
+before or after, alternately (mean over the pairs). On CPU there is no side stream and no stand-in.
 
 "bytes/param" counts the minimum traffic of each variant on the step's path (every tensor read or
 written once per pass; ``+4`` is the zeroing under the forward); GB/s = those bytes / time, set
@@ -113,7 +113,7 @@ class Marks:
         pts, self.points = self.points, {}
         first = next(iter(pts.values()))
         if self.cuda:
-            list(pts.values())[-1].synchronize()
+            torch.cuda.synchronize()
             return {k: first.elapsed_time(ev) for k, ev in pts.items()}
         return {k: (t - first) * 1e3 for k, t in pts.items()}
 
@@ -258,9 +258,11 @@ def run_size(size: str, args, device) -> dict:
 
         step_ms, slowdown = [], []
         for i in range(args.warmup + args.iters):
-            step()
-            if standin is not None:
-                alone()
+            # alone after the step on even pairs and before it on odd ones: the GPU's clock, which runs slower
+            # the longer the matmuls have run, then favours neither side of the difference on average
+            for run in ((step, alone) if i % 2 == 0 else (alone, step)):
+                if run is step or standin is not None:
+                    run()
             t = marks.read()
             if i >= args.warmup:
                 step_ms.append(t["stepped"] - t["start"])
@@ -281,7 +283,7 @@ def run_size(size: str, args, device) -> dict:
     out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups), "variants": {}}
     for name, (ms, slowdown) in results.items():
         # on the path: the step, plus what the zeroing beside the next forward slows that forward by
-        slow = statistics.median(slowdown) if slowdown else 0.0
+        slow = statistics.fmean(slowdown) if slowdown else 0.0  # a mean: the alternating order cancels
         med = statistics.median(ms) + slow
         on_path = BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))
         out["variants"][name] = {
@@ -300,10 +302,10 @@ def report(res: list[dict], meta: dict) -> str:
              f"- command: `{meta['command']}`",
              f"- shards of rank 0 of {meta['world']} ranks (dim-0), groups of {meta['group_bytes'] >> 20} MiB; "
              f"copy bandwidth measured in the same call: {meta['copy_gb_s']:.0f} GB/s (read + write)",
-             "- ms: median of the timed steps, each followed by a stand-in of the next forward "
-             f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it); ms: the "
-             "step, plus for odc what the zeroing slowed the stand-in by (against the stand-in alone, timed right "
-             "after; 'slowed' column); GB/s: the variant's minimum traffic on the step's path / time (+N: bytes "
+             "- every timed step is followed by a stand-in of the next forward "
+             f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it); ms: "
+             "median of the steps, plus for odc what the zeroing slowed the stand-in by ('slowed': mean difference "
+             "against the stand-in alone, timed alternately before and after); GB/s: the variant's minimum traffic on the step's path / time (+N: bytes "
              "zeroed under the forward)", "",
              "| size | params on rank | variant | ms (min-max) | slowed | bytes/param | GB/s | % of copy | vs fsdp2 |",
              "|---|---|---|---|---|---|---|---|---|"]
