@@ -24,7 +24,8 @@ Variants, each timed as one whole step (CUDA events, median of ``--iters`` pairs
 Every timed step is followed by a stand-in of the next forward (``--forward-ms`` of back-to-back
 bf16 matmuls, compute-bound like a decoder layer's), for every variant alike: what is timed is the
 step's cost on the training loop's path: the step itself (events on the current stream, the
-gradient refill before it not counted) plus, for an odc variant, what its zeroing on the side
+gradient refill before it not counted, queued behind a stand-in of the backward's tail so that
+the host's dispatch overlaps GPU work as in training) plus, for an odc variant, what its zeroing on the side
 stream slows the stand-in by: the stand-in's median time after the odc step less its median time
 after the ``fsdp2_dtensor`` step, which has nothing beside it. On CPU there is no side stream and
 no stand-in.
@@ -230,6 +231,8 @@ def run_size(size: str, args, device) -> dict:
 
         def step():
             refill()
+            if standin is not None:  # the backward's tail: the host queues the step while the GPU is busy, as in
+                standin()            # training, so the step's time is the GPU's and not the host's dispatch
             marks.mark("start")
             if name == "odc_lean":  # the sync: .grad is the bf16 accumulator cast to fp32
                 torch._foreach_copy_(acc_views, acc16_views)
