@@ -26,7 +26,7 @@ OUT=$1; COMMIT=$2; shift 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export ODC_COMMIT=$COMMIT
 
-declare -A LIMIT=([tests]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
