@@ -83,24 +83,20 @@ def test_balance_bound_is_a_lower_bound():
 
 
 def test_lb_mini_against_lb_micros_plan():
-    """On the same samples (compute only): LB-Mini's slowest rank is within LPT's guarantee of LB-Micro's partition
-    (Graham: LPT <= (4/3 - 1/(3N)) x any partition's), never worse on the mean over minibatches, and never worse
-    than FSDP2 running LB-Micro's plan in lockstep. (Per minibatch LPT can lose to LB-Micro's partition, by up to
-    2.4% in the simulator's sweep: a Karmarkar-Karp or best-of partition would close that.)"""
+    """On the same samples (compute only), per minibatch: LB-Mini's slowest rank is never slower than LB-Micro's
+    plan run one-sidedly ([never-worse] in odcfsdp/data/balance.py), which is never slower than FSDP2 running that
+    plan in lockstep; and LB-Mini beats LB-Micro's partition on some minibatches, or balancing would be moot."""
     tm = S.TimeModel(a=7e-10, b=1.6e-5, c=0.0)
-    totals = {}
+    wins = 0
     for dist, n, sizes in _minibatches():
         plans = S.plans(sizes, n, dist.cap, tm)
         mini = S.one_sided_step(plans["odc_lb_mini"], tm, 0.0, 0.0)
         micro = S.one_sided_step(plans["odc_lb_micro"], tm, 0.0, 0.0)
         lockstep = S.collective_step(plans["fsdp2_lb_micro"], tm, 0.0, 0.0)
         assert micro <= lockstep * (1 + 1e-12)  # sum_k max_r >= max_r sum_k
-        assert mini <= (4 / 3 - 1 / (3 * n)) * micro * (1 + 1e-12), (dist.name, n, len(sizes))
-        key = (dist.name, n)
-        t = totals.setdefault(key, [0.0, 0.0, 0.0])
-        t[0], t[1], t[2] = t[0] + mini, t[1] + micro, t[2] + lockstep
-    for key, (mini, micro, lockstep) in totals.items():
-        assert mini <= micro * (1 + 1e-9) and mini <= lockstep * (1 + 1e-9), key
+        assert mini <= micro * (1 + 1e-12), (dist.name, n, len(sizes))
+        wins += mini < micro * (1 - 1e-6)
+    assert wins > 0
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ Cost of a sequence of s positions: ``a * s**2 + b * s`` (attention is quadratic)
   M a multiple of N, each under the token cap and balanced by cost; each rank gets
   M / N of them, chosen to balance the ranks' total cost.
 * ``lb_mini`` (needs one-sided communication): samples go to ranks by longest-
-  processing-time-first on cost, balancing each rank's *total*; each rank then
-  packs its share into as few micro-batches as the cap allows, with the positions
-  spread evenly over them (``_pack_even``).
+  processing-time-first on cost, balancing each rank's *total*, unless the ranks'
+  shares of ``lb_micro``'s plan are strictly better balanced ([never-worse]); each
+  rank then packs its share into as few micro-batches as the cap allows, with the
+  positions spread evenly over them (``_pack_even``).
 
 Packing for ``none`` is first-fit decreasing by length under ``cap`` positions.
 
@@ -27,6 +28,18 @@ spread of positions lowers the peak for free: measured on one H200 (1B, long-tai
 lb_mini peaked 6.9 GiB above the same run with lb_micro's balanced micro-batches,
 every other category equal. ``_pack_even`` keeps FFD's micro-batch count and places
 samples, longest first, into the emptiest micro-batch with room.
+
+Design note [never-worse]
+-------------------------
+LPT's partition is within (4/3 - 1/(3N)) of the best one (Graham), not always better
+than the one ``lb_micro`` reaches through its balanced micro-batches: in the step
+simulator's sweep (``benchmarks/step_sim.py``, LongAlign-like and SWE-Smith-like
+lengths, 2-16 ranks) LPT's busiest rank cost more than ``lb_micro``'s in 33 of 1200
+minibatches, by up to 3.8%. Since one-sided ranks need not run equal micro-batch
+counts, any partition is open to ``lb_mini``; it plans both (``lb_micro``'s is a few
+list passes) and keeps ``lb_micro``'s shares where their busiest rank costs strictly
+less, so by the cost model ``lb_mini`` is never worse than ``lb_micro`` and is LPT
+wherever LPT is at least as good (plans of earlier runs replay unchanged there).
 """
 
 from __future__ import annotations
@@ -146,7 +159,22 @@ def plan_minibatch(sizes: list[int], world_size: int, kind: str, cap: int, cost:
         return [_pack_ffd(share, sizes, cap) for share in shares]
     if kind == "lb_mini":
         shares = _lpt(costs, world_size)
+        micro = [sorted(i for mb in rank for i in mb) for rank in _lb_micro(sizes, costs, world_size, cap)]
+        if _busiest(micro, costs) < _busiest(shares, costs):  # [never-worse]
+            shares = micro
         return [_pack_even(sorted(share), sizes, cap) for share in shares]
+    return _lb_micro(sizes, costs, world_size, cap)
+
+
+def _busiest(shares: list[list[int]], costs: list[float]) -> float:
+    """The cost of the busiest rank's share."""
+    return max(sum(costs[i] for i in share) for share in shares)
+
+
+def _lb_micro(sizes: list[int], costs: list[float], world_size: int, cap: int) -> Plan:
+    """``lb_micro``'s plan: balanced micro-batches under ``cap``, a multiple of ``world_size`` of them, dealt to the
+    ranks by LPT on their cost with equal counts."""
+    n = len(sizes)
     count = world_size * math.ceil(max(1, len(_pack_ffd(list(range(n)), sizes, cap))) / world_size)
     while (bins := _balanced_bins(sizes, costs, cap, count)) is None:
         count += world_size
