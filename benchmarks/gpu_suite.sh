@@ -6,7 +6,7 @@
 #   e.g. bash benchmarks/gpu_suite.sh $OUT abc1234 0,1:tests,e2e_balanced 2,3:checkpoint,train1b
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them), comm, optim (one GPU is enough),
-# checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, memory_8b_balanced,
+# checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, e2e_longtail_8b, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
 # best_fit.py --merge), hf_8b_balanced, hf_8b_longtail (the HF Llama-3.1-8B shape: odc vs hf_fsdp2),
@@ -27,7 +27,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 
 declare -A LIMIT=([tests]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
-                  [e2e_balanced_8b]=420 [e2e_longtail]=420 [memory_8b_balanced]=540 [memory_8b_longtail]=570
+                  [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
                   [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570)
@@ -55,6 +55,9 @@ section_cmd() {  # section, gpus in lane, port, dir
     e2e_longtail)  # 4 samples of 8K-64K tokens per GPU per minibatch
       echo "$run benchmarks/e2e_bench.py --size 1b --workloads longtail --batch $((4 * n)) --steps 4 --warmup 1" \
            "--activation-checkpointing --ablate no_overlap --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
+    e2e_longtail_8b)  # issue 26's 8B validation points: 4 long-tailed samples (8K-64K) per GPU (--batch 2n: 2)
+      echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
+           "--activation-checkpointing --compile --methods odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
     memory_8b_balanced)  # issue 23: memory by category at the peak, odc (default, gather_masters, lean) vs FSDP2
       echo "$run benchmarks/e2e_bench.py --size 8b --workloads balanced --batch $((2 * n)) --steps 3 --warmup 1" \
            "--activation-checkpointing --compile --methods odc fsdp2 --variants gather_masters lean --memory-breakdown" \
@@ -78,13 +81,14 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads balanced --batch $((2 * n)) --steps 4" \
            "--warmup 2 --activation-checkpointing --compile --methods odc hf_fsdp2 --profile odc hf_fsdp2" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
-    hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro
+    hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro;
+      # expandable segments for every method, as the CLI's long-tailed runs are advised to (reserved near allocated)
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --activation-checkpointing --compile --methods odc hf_fsdp2 --keep-going --out $dir" \
-           "--commit $COMMIT $extra" ;;
+           "--alloc-conf expandable_segments:True --commit $COMMIT $extra" ;;
     hf_1b_vs_llama_1b)  # the same long-tailed samples (128256-token vocabulary) through our 1B and the HF 1B shape
       local e2e="benchmarks/e2e_bench.py --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
-            flags="--activation-checkpointing --compile --keep-going --commit $COMMIT $extra"
+            flags="--activation-checkpointing --compile --keep-going --alloc-conf expandable_segments:True --commit $COMMIT $extra"
       echo "$run $e2e --size 1b --vocab 128256 --methods odc fsdp2 --out $dir/llama $flags;" \
            "$run $e2e --model hf:llama-1b --methods odc hf_fsdp2 hf_ddp --out $dir/hf $flags;" \
            "python3 benchmarks/e2e_summary.py $dir/llama/e2e_bench.json $dir/hf/e2e_bench.json --out $dir/summary.md" ;;
