@@ -21,13 +21,16 @@ from .data.formats import Chat, parse
 from .data.jsonl import read_records
 
 
-def _jsonl(key: str, path: str, data: DataConfig) -> None:
+def _jsonl(key: str, path: str, data: DataConfig) -> list[str]:
     """Every record of the file parses in ``data.format``, and some record carries loss (reading only:
-    tokenizing, and so truncation to ``data.micro_batch_tokens``, is the ranks' work)."""
+    tokenizing, and so truncation to ``data.micro_batch_tokens``, is the ranks' work). Returns a note for each
+    ``data.fields`` mapping whose column no record has."""
     fields = data.fields.mapping()
     records = trained = 0
+    columns: set[str] = set()
     try:
         for lineno, record in read_records(path, key):
+            columns.update(record if isinstance(record, dict) else ())
             try:
                 sample = parse(record, data.format, fields)
             except ValueError as e:
@@ -40,6 +43,10 @@ def _jsonl(key: str, path: str, data: DataConfig) -> None:
         raise ValueError(f"{key}: {e}" if not str(e).startswith(key) else str(e)) from None
     if not records:
         raise ValueError(f"{key}={path!r} holds no record (one JSON object per line)")
+    # A mapping that renames nothing is reported, not refused: a sweep over files may share one mapping.
+    return [f"note: data.fields.{name}={column} renames nothing in {key}={path!r}: no record has a column "
+            f"{column!r} (columns found: {', '.join(sorted(columns))})"
+            for name, column in fields.items() if column not in columns]
     if not trained:
         raise ValueError(f"{key}={path!r}: none of its {records} records carries loss (a chat trains on its assistant "
                          "turns, and none has one)")
@@ -60,13 +67,15 @@ def used_run_dir(out_dir: str | Path) -> bool:
     return (Path(out_dir) / "metrics.jsonl").is_file()
 
 
-def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
-    """Raise ``ValueError`` (one line: key and fix) for anything that would fail only after the ranks started."""
+def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
+    """Raise ``ValueError`` (one line: key and fix) for anything that would fail only after the ranks started;
+    return the note lines for what the run will ignore."""
     d, m, ck, r = cfg.data, cfg.model, cfg.checkpoint, cfg.run
+    notes = []
     if data_source(cfg) == "jsonl":  # data.source=auto included, resolved or not
-        _jsonl("data.path", d.path, d)
+        notes += _jsonl("data.path", d.path, d)
     if d.eval_path:
-        _jsonl("data.eval_path", d.eval_path, d)
+        notes += _jsonl("data.eval_path", d.eval_path, d)
     for key, path in (("model.path", m.path), ("model.hf_config", m.hf_config), ("data.tokenizer_path", d.tokenizer_path)):
         if path and not Path(path).exists():
             raise ValueError(f"{key}={path!r} does not exist (local paths only)")
@@ -89,7 +98,7 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
     ck_dir = checkpoint_dir(cfg)
     if used_run_dir(r.out_dir) and ck.resume == "auto" and not r.overwrite and latest_checkpoint(ck_dir) is None:
         # a fresh start here would replace the run's metrics, config and summary, and leave its export stale
-        raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} no "
+        raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} holds no "
                          "checkpoint to continue it from: choose another run.out_dir, or replace the run with "
                          "run.overwrite=true")
     if not torchrun and r.world_size > 1:
@@ -101,3 +110,4 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> None:
             raise ValueError(f"run.world_size={r.world_size} ranks on a machine with {have} "
                              f"{'GPUs' if cuda else 'CPU cores'}: use at most {have} (each rank is a process "
                              "with its own copy of the data pipeline)")
+    return notes

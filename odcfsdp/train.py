@@ -109,7 +109,7 @@ def _hydra_main(cfg) -> None:
     try:
         validate(cfg)
         notes = check_given(cfg, given_keys(list(HydraConfig.get().overrides.task)))
-        preflight(cfg, torchrun="RANK" in os.environ)
+        notes += preflight(cfg, torchrun="RANK" in os.environ)
     except ValueError as e:  # a configuration error: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -155,6 +155,20 @@ def test_hf_chat_template_mask_equals_transformers_assistant_mask(tmp_path):
         '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>\n5.<|im_end|>\n')
 
 
+def test_a_field_mapping_that_renames_nothing_is_reported(tmp_path):
+    """data.fields naming a column no record of the file has is a note at start (a sweep over files may share one
+    mapping); one that some record has is silent."""
+    from odcfsdp.preflight import preflight
+
+    path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "add", "output": "5"}, {"question": "q", "answer": "a"}])
+    cfg = config_from({"data": {"path": str(path), "fields": {"prompt": "question", "completion": "answer",
+                                                               "system": "persona"}},
+                       "run": {"out_dir": str(tmp_path / "run"), "world_size": 1}})
+    assert preflight(cfg) == [
+        f"note: data.fields.system=persona renames nothing in data.path={str(path)!r}: no record has a column "
+        "'persona' (columns found: answer, instruction, output, question)"]
+
+
 def test_a_file_that_fits_no_format_fails_at_start_in_one_line(tmp_path):
     (tmp_path / "qa.jsonl").write_text('{"question": "q", "answer": "a"}\n')
     proc = cli("data.source=jsonl", "data.path=qa.jsonl", "run.out_dir=run", cwd=tmp_path, timeout=300)
