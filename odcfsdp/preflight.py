@@ -43,13 +43,13 @@ def _jsonl(key: str, path: str, data: DataConfig) -> list[str]:
         raise ValueError(f"{key}: {e}" if not str(e).startswith(key) else str(e)) from None
     if not records:
         raise ValueError(f"{key}={path!r} holds no record (one JSON object per line)")
+    if not trained:
+        raise ValueError(f"{key}={path!r}: none of its {records} records carries loss (a chat trains on its assistant "
+                         "turns, and none has one)")
     # A mapping that renames nothing is reported, not refused: a sweep over files may share one mapping.
     return [f"note: data.fields.{name}={column} renames nothing in {key}={path!r}: no record has a column "
             f"{column!r} (columns found: {', '.join(sorted(columns))})"
             for name, column in fields.items() if column not in columns]
-    if not trained:
-        raise ValueError(f"{key}={path!r}: none of its {records} records carries loss (a chat trains on its assistant "
-                         "turns, and none has one)")
 
 
 def _writable(key: str, path: str | Path) -> None:
