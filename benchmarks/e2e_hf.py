@@ -29,9 +29,9 @@ skilled HF user runs on FSDP2 (the recipe of torchtitan / accelerate's FSDP2 plu
 The attention kernel is the best one available on the GPU host for long-tailed packed rows: HF's
 ``flash_attention_2`` (flash-attn's varlen kernel) needs the ``flash-attn`` package, which the host has
 not and cannot download; of what transformers offers there, ``flex_attention`` (one kernel over a
-document mask) was 1.10x faster than ``odc_documents`` at 8K-token rows of 5 documents but 1.26x slower
-at 32K (13 documents), and ``sdpa`` 1.34-3.70x slower (``results/hf_attention/``, one H100); on
-8K-64K documents ``odc_documents`` is ahead, so both methods run it.
+document mask) was 1.03x, 1.21x and 1.35x slower than ``odc_documents`` on rows of 8K, 32K and 64K
+tokens, and ``sdpa`` 1.58x-5.87x slower (``results/hf_attention/h100_cc8d2f7/``, one H100), so both
+methods run ``odc_documents``.
 
 Not done: FSDP2's explicit forward prefetch (``set_modules_to_forward_prefetch``): the next layer's
 all-gather is issued by its own pre-forward hook, early enough while the host runs ahead of the GPU
