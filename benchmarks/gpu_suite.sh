@@ -94,7 +94,8 @@ section_cmd() {  # section, gpus in lane, port, dir
            "python3 benchmarks/e2e_summary.py $dir/llama/e2e_bench.json $dir/hf/e2e_bench.json --out $dir/summary.md" ;;
     hf_finetune_longtail)  # the e2e bench's odc on the HF 1B shape, then the CLI on long-tailed chats of that model
       echo "$run benchmarks/e2e_bench.py --model hf:llama-1b --workloads longtail --batch $((4 * n)) --steps 3" \
-           "--warmup 1 --activation-checkpointing --compile --methods odc --out $dir/e2e --commit $COMMIT;" \
+           "--warmup 1 --activation-checkpointing --compile --methods odc --alloc-conf expandable_segments:True" \
+           "--out $dir/e2e --commit $COMMIT;" \
            "python3 benchmarks/hf_finetune_check.py --size llama-1b --chats longtail --gpus $n --steps 8" \
            "--e2e $dir/e2e/e2e_bench.json --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
