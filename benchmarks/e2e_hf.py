@@ -30,8 +30,8 @@ The attention kernel is the best one available on the GPU host for long-tailed p
 ``flash_attention_2`` (flash-attn's varlen kernel) needs the ``flash-attn`` package, which the host has
 not and cannot download; of what transformers offers there, ``flex_attention`` (one kernel over a
 document mask) was 1.03x, 1.21x and 1.35x slower than ``odc_documents`` on rows of 8K, 32K and 64K
-tokens, and ``sdpa`` 1.58x-5.87x slower (``results/hf_attention/h100_cc8d2f7/``, one H100), so both
-methods run ``odc_documents``.
+tokens, and ``sdpa`` 1.58x-5.87x slower (``results/hf_attention/h100_cc8d2f7/``, one H100), so every
+method runs ``odc_documents``.
 
 Not done: FSDP2's explicit forward prefetch (``set_modules_to_forward_prefetch``): the next layer's
 all-gather is issued by its own pre-forward hook, early enough while the host runs ahead of the GPU

@@ -8,7 +8,8 @@ shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of ever
 FSDP2's dim-0 sharding), packed into flat groups of ``--group-bytes`` as ODCShard packs them.
 The global-norm all-reduce (one scalar) is left out: it is the same for every variant.
 
-Variants, each timed as one whole step (CUDA events, median of ``--iters`` pairs after ``--warmup``):
+Variants, each timed by CUDA events (medians of ``--iters`` steps after ``--warmup``; twice as many for the
+odc variants, see below):
 
 * ``fsdp2``: what FSDP2's training loop runs: ``clip_grad_norm_`` (foreach norm, then a multiply
   of every gradient) and ``torch.optim.AdamW(fused=True)`` over one fp32 tensor per parameter;
@@ -26,9 +27,10 @@ bf16 matmuls, compute-bound like a decoder layer's), for every variant alike: wh
 step's cost on the training loop's path: the step itself (events on the current stream, the
 gradient refill before it not counted, queued behind a stand-in of the backward's tail so that
 the host's dispatch overlaps GPU work as in training) plus, for an odc variant, what its zeroing on the side
-stream slows the stand-in by: the stand-in's median time after the odc step less its median time
-after the ``fsdp2_dtensor`` step, which has nothing beside it. On CPU there is no side stream and
-no stand-in.
+stream slows the stand-in by: the variant alternates steps with and without the zeroing, and the
+stand-in's median time with it less its median time without (0 if that is below 0). On CPU, or with
+``--forward-ms 0``, there is no side stream and no stand-in: the zeroing is in the step, and the
+host's dispatch shows in the events when it is slower than the GPU.
 
 "bytes/param" counts the minimum traffic of each variant on the step's path (every tensor read or
 written once per pass; ``+4`` is the zeroing under the forward); GB/s = those bytes / time, set
@@ -229,7 +231,7 @@ def run_size(size: str, args, device) -> dict:
         marks = Marks(device)
         overlaps = aside is not None and name.startswith("odc")  # zeroing under the stand-in
 
-        def step():
+        def step(zero_aside: bool):
             refill()
             if standin is not None:  # the backward's tail: the host queues the step while the GPU is busy, as in
                 standin()            # training, so the step's time is the GPU's and not the host's dispatch
@@ -246,23 +248,28 @@ def run_size(size: str, args, device) -> dict:
                 marks.mark("stepped")
                 return
             marks.mark("stepped")
-            if overlaps:  # ODCShard's zeroing: on its push stream, after the step read the gradients
+            if zero_aside:  # ODCShard's zeroing: on its push stream, after the step read the gradients
                 aside.wait_stream(current)
                 with torch.cuda.stream(aside):
                     torch._foreach_zero_(zeroed)
             standin()  # the next forward
+            current.wait_stream(aside)  # the forward ends for the path once the zeroing beside it has too
             marks.mark("forward")
-            current.wait_stream(aside)  # the next refill writes what was zeroed
 
-        step_ms, forward_ms = [], []
-        for i in range(args.warmup + args.iters):
-            step()
+        # An odc variant alternates steps with and without the zeroing beside the forward (the refill rewrites the
+        # gradients either way): the same step before both, so the GPU's clocks are in the same state when the
+        # forward starts, and the forward's median difference is what the zeroing costs the path.
+        step_ms, forward_ms = [], {True: [], False: []}
+        for i in range(args.warmup + args.iters * (2 if overlaps else 1)):
+            zero_aside = overlaps and i % 2 == 0
+            step(zero_aside)
             t = marks.read()
             if i >= args.warmup:
                 step_ms.append(t["stepped"] - t["start"])
-                forward_ms.append(t.get("forward", t["stepped"]) - t["stepped"])
+                forward_ms[zero_aside].append(t.get("forward", t["stepped"]) - t["stepped"])
         del opt, params, grads
-        return step_ms, forward_ms
+        slowdown = statistics.median(forward_ms[True]) - statistics.median(forward_ms[False]) if overlaps else 0.0
+        return step_ms, slowdown
 
     standin = forward_standin(device, args.forward_ms)
     aside = torch.cuda.Stream(device) if standin is not None else None  # nothing to overlap: zeroed in the step
@@ -274,19 +281,16 @@ def run_size(size: str, args, device) -> dict:
                 torch.cuda.empty_cache()
 
     out = {"size": size, "world": args.world, "params_on_rank": total, "groups": len(groups), "variants": {}}
-    # The stand-in after an FSDP2 step, which has nothing beside it, is what odc's is compared with: it follows a
-    # memory-bound step of the same length, so the GPU's clocks are in the same state when the matmuls start
-    # (against the stand-in alone, after a short refill, odc's read 2-6 ms *faster* on an H200).
-    ref = next((n for n in ("fsdp2_dtensor", "fsdp2") if n in results), None)
-    ref_forward = statistics.median(results[ref][1]) if ref else 0.0
-    for name, (ms, forward_ms) in results.items():
-        # on the path: the step, plus what the zeroing beside the next forward slows that forward by
-        slow = statistics.median(forward_ms) - ref_forward if aside and ref and name.startswith("odc") else 0.0
+    for name, (ms, slowdown) in results.items():
+        # on the path: the step, plus what the zeroing beside the next forward slows that forward by (a measured
+        # difference below zero is noise: it adds nothing, and is kept in the JSON as measured)
+        slow = max(0.0, slowdown)
         med = statistics.median(ms) + slow
         on_path = BYTES_PER_PARAM[name] + (0 if aside else ZERO_BYTES.get(name, 0))
         out["variants"][name] = {
             "ms_median": med, "ms_min": min(ms) + slow, "ms_max": max(ms) + slow,
-            "step_ms_median": statistics.median(ms), "forward_slowdown_ms": slow, "bytes_per_param": on_path,
+            "step_ms_median": statistics.median(ms), "forward_slowdown_ms": slow,
+            "forward_slowdown_ms_measured": slowdown, "bytes_per_param": on_path,
             "zero_bytes_per_param_aside": ZERO_BYTES.get(name, 0) if aside else 0,
             "gb_per_s": on_path * total / med / 1e6,
         }
@@ -302,8 +306,8 @@ def report(res: list[dict], meta: dict) -> str:
              f"copy bandwidth measured in the same call: {meta['copy_gb_s']:.0f} GB/s (read + write)",
              "- every timed step is followed by a stand-in of the next forward "
              f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it); ms: "
-             "median of the steps, plus for odc what the zeroing slowed the stand-in by ('slowed': its median "
-             "against the stand-in after the fsdp2_dtensor step); GB/s: the variant's minimum traffic on the step's path / time (+N: bytes "
+             "median of the steps, plus for odc what the zeroing slowed the stand-in by ('slowed': its median with "
+             "the zeroing less its median without, alternate steps of the same variant; 0 if below); GB/s: the variant's minimum traffic on the step's path / time (+N: bytes "
              "zeroed under the forward)", "",
              "| size | params on rank | variant | ms (min-max) | slowed | bytes/param | GB/s | % of copy | vs fsdp2 |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -47,11 +47,14 @@ predicts what balancing does; FSDP2's own per-micro-batch speed (measured 2-4% s
 plan) is not in it, so its ratios are balancing's share of ODC's gain.
 
 What it found about LB-Mini (``--study``, ``results/sim/sweep_1b/``): on the long-tailed distributions LB-Mini's
-step is within 0.2-2% of the bound; Karmarkar-Karp on cost gains at most 0.9% over its LPT, too little to change
-the shipped balancer. LPT is not a best partition: on single minibatches it can lose to LB-Micro's own partition
-(33 of 2400 sampled, by up to 2.4%; tests/test_step_sim.py holds it to Graham's 4/3 guarantee and to the mean).
-``odc_lpt_overhead`` equals LPT while the fitted ``c`` is 0 (the per-micro-batch overhead of micro-batches of 8K+
-positions is below the fit's resolution; ``h`` is what short micro-batches pay).
+step is within 3% of the bound (within 2% at 4 or more samples per GPU); Karmarkar-Karp on cost gains at most 0.9%
+over it, too little to change the shipped balancer. LPT alone is not a best partition: on single minibatches it
+lost to LB-Micro's own partition (85 of the sweep's 2064 long-tailed minibatches at 2-16 GPUs, by up to 3.8%), so
+LB-Mini now keeps LB-Micro's rank shares where they are better balanced ([never-worse] in
+``odcfsdp/data/balance.py``; tests/test_step_sim.py checks never-worse per minibatch). ``odc_lpt_overhead`` is
+plain LPT on weights with an overhead share, which equals plain LPT while the fitted ``c`` is 0 (the
+per-micro-batch overhead of micro-batches of 8K+ positions is below the fit's resolution; ``h`` is what short
+micro-batches pay).
 """
 
 from __future__ import annotations

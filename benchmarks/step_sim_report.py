@@ -42,7 +42,7 @@ def sweep_markdown(data: dict) -> str:
     study = [p for p in data["points"] if "odc_kk" in p["step_s"]]
     if study:
         lines += ["## LB-Mini against other partitions (mean step / balance bound; lower is better)", "",
-                  "| distribution | GPUs | samples/GPU | LB-Mini (LPT) | Karmarkar-Karp | LPT + overhead share |",
+                  "| distribution | GPUs | samples/GPU | LB-Mini (LPT or LB-Micro's shares) | Karmarkar-Karp | LPT + overhead share |",
                   "|---|---|---|---|---|---|"]
         for p in study:
             s, b = p["step_s"], p["step_s"]["bound"]

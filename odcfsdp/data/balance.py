@@ -32,10 +32,11 @@ samples, longest first, into the emptiest micro-batch with room.
 Design note [never-worse]
 -------------------------
 LPT's partition is within (4/3 - 1/(3N)) of the best one (Graham), not always better
-than the one ``lb_micro`` reaches through its balanced micro-batches: in the step
-simulator's sweep (``benchmarks/step_sim.py``, LongAlign-like and SWE-Smith-like
-lengths, 2-16 ranks) LPT's busiest rank cost more than ``lb_micro``'s in 33 of 1200
-minibatches, by up to 3.8%. Since one-sided ranks need not run equal micro-batch
+than the one ``lb_micro`` reaches through its balanced micro-batches: over the
+minibatches of the step simulator's sweep (``benchmarks/step_sim.py``, seed 0,
+LongAlign-like and SWE-Smith-like lengths, 2-16 ranks, 1-16 samples per rank) LPT's
+busiest rank cost more than ``lb_micro``'s in 85 of 2064, by up to 3.8% (never at
+1-2 samples per rank). Since one-sided ranks need not run equal micro-batch
 counts, any partition is open to ``lb_mini``; it plans both (``lb_micro``'s is a few
 list passes) and keeps ``lb_micro``'s shares where their busiest rank costs strictly
 less, so by the cost model ``lb_mini`` is never worse than ``lb_micro`` and is LPT
