@@ -26,7 +26,7 @@ OUT=$1; COMMIT=$2; shift 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export ODC_COMMIT=$COMMIT
 
-declare -A LIMIT=([tests]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -37,10 +37,11 @@ section_cmd() {  # section, gpus in lane, port, dir
   local var="ARGS_$s"; extra=${!var:-}
   local run="torchrun --nproc-per-node=$n --master-port=$port"
   case $s in
-    tests)
+    tests)  # on 2+ GPUs the one-GPU inductor compile tests (about 190 s) are left to a one-GPU lane, to fit the limit
+      local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py" \
            "tests/test_standard_loop.py tests/test_loss.py" \
-           "tests/test_gpu.py -q -p no:cacheprovider --junitxml=$dir/gpu_tests.xml $extra" ;;
+           "tests/test_gpu.py -q -p no:cacheprovider --junitxml=$dir/gpu_tests.xml $select $extra" ;;
     comm) echo "$run benchmarks/comm_bench.py --iters 20 --out $dir --commit $COMMIT $extra" ;;
     optim) echo "python3 benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;
     checkpoint) echo "$run benchmarks/checkpoint_bench.py --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
