@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from odcfsdp.models.loss import causal_lm_loss, linear_cross_entropy
+
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 METHODS = {
     "unfused": lambda h, w, t: causal_lm_loss(F.linear(h, w), t),
@@ -89,7 +90,7 @@ def main(argv=None) -> dict:
     if got["unfused"] is not None and got["fused"] is not None:
         check = {k: rel_diff(a, b) for k, a, b in zip(("loss", "grad_hidden", "grad_weight"), got["fused"],
                                                        got["unfused"])}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},

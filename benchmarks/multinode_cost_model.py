@@ -33,11 +33,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM = ROOT / "results/comm/n2_d5edad3/comm_bench.json"  # gather/scatter bus GB/s, 2x H200
@@ -145,7 +146,7 @@ def main(argv=None) -> None:
             for method in ("fsdp2_full", "fsdp2_hsdp", "odc_full", "odc_hsdp"):
                 args = argparse.Namespace(**{**vars(a), "micro_batches": m, "tokens": t})
                 rows.append({"tokens": t, "micro_batches": m, **step_time(method, args, rates, params)})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = provenance.commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "params": params,
             "command": " ".join(["python benchmarks/multinode_cost_model.py",
                                  *(sys.argv[1:] if argv is None else argv)]),

@@ -65,19 +65,18 @@ import heapq
 import itertools
 import json
 import math
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 from multinode_cost_model import measured as measured_rates  # noqa: E402
 from multinode_cost_model import step_time as cost_model_step  # noqa: E402
 
 from odcfsdp.data.balance import CostModel, _lpt, plan_minibatch  # noqa: E402
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = list[list[list[int]]]  # sizes[rank][micro_batch] = the positions of its samples
 
 
@@ -262,12 +261,6 @@ def simulate(dist: Distribution, n: int, per_gpu: int, tm: TimeModel, over: Over
             "lb_mini_over_bound": mean["odc_lb_mini"] / mean["bound"]}
 
 
-def commit() -> str:
-    """The checkout's short commit (``unknown`` outside git)."""
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return out.stdout.strip() or "unknown"
-
-
 def parse(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -298,7 +291,7 @@ def main(argv=None) -> dict:
     import step_sim_report
 
     args = parse(argv)
-    meta = {"date": datetime.date.today().isoformat(), "commit": commit(), "command": args.command}
+    meta = {"date": datetime.date.today().isoformat(), "commit": provenance.commit(), "command": args.command}
     if args.validate:
         data = {"meta": meta, **step_sim_fit.validate(host_run=args.host_run, nccl_gbps=args.nccl_gbps)}
         text = step_sim_report.validation_markdown(data)
