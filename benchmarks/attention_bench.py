@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from timing import timed  # noqa: E402  (benchmarks/ on path)
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -135,7 +136,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="results/attention")
-    p.add_argument("--commit", default="unknown")
+    p.add_argument("--commit", default=provenance.default_commit())
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the harness on PyTorch's CPU kernels (wall-clock timing)")
     return p.parse_args(argv)

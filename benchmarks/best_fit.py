@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 HERE = Path(__file__).resolve().parent
 ODC_LEVERS = ("", "lean", "offload")  # e2e_bench methods odc, odc-lean, odc-offload (slowest last)
@@ -123,7 +124,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900, help="per candidate (a GPU run)")
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("--out", default="results/best_fit")
-    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--commit", default=provenance.default_commit())
     p.add_argument("--merge", nargs="+", default=[], help="only merge these folders' best_fit.json into one report")
     p.add_argument("--e2e-args", nargs=argparse.REMAINDER, default=[], help="passed on to e2e_bench.py (last)")
     args = p.parse_args(argv)

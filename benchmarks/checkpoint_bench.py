@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from odcfsdp.launch import run_benchmark_ranks
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 
 def dir_bytes(path: Path) -> int:
@@ -77,7 +77,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dir", default="/tmp/odcfsdp_ckpt")
     parser.add_argument("--out", default="results/checkpoint")
-    parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    parser.add_argument("--commit", default=provenance.default_commit())
     parser.add_argument("--seq", type=int, default=2048, help="tokens of the one training step")
     parser.add_argument("--cpu-ranks", type=int, default=0,
                         help="spawn this many gloo ranks on the CPU (shm transport)")

@@ -45,6 +45,7 @@ from odcfsdp.sharding.transport import make_transport
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 
 from timing import elapsed_ms  # noqa: E402  (benchmarks/ on path)
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
 GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -242,7 +243,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="results/comm")
-    parser.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    parser.add_argument("--commit", default=provenance.default_commit())
     parser.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU (shm vs gloo)")
     return parser.parse_args(argv)
 

@@ -56,6 +56,7 @@ from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
@@ -351,7 +352,7 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/e2e")
-    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--commit", default=provenance.default_commit())
     p.add_argument("--profile", nargs="*", default=[],
                    help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
     p.add_argument("--memory-breakdown", action="store_true",

@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from odcfsdp.models.hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given,  # noqa: E402
                                          register_document_attention)
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 SIZES = {"tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2),
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no memory figures)")
-    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--commit", default=provenance.default_commit())
     args = p.parse_args()
     cuda = args.device == "cuda"
     import transformers

@@ -47,6 +47,7 @@ from e2e_hf import HF_SHAPES  # noqa: E402  (benchmarks/ on sys.path)
 from hf_fixtures import chat_records, save_tokenizer, write_jsonl  # noqa: E402
 
 from odcfsdp.data.lengths import LONGALIGN_BINS, LONGALIGN_WEIGHTS, LengthConfig, LengthDistribution  # noqa: E402
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 # LongAlign's 8K-64K spread with a 1K-8K bin in front (chats shorter than LongAlign's documents): 1K-64K tokens.
 LONG_CHAT_BINS = [[1024, 8192], *[list(b) for b in LONGALIGN_BINS]]
@@ -155,7 +156,7 @@ def parse(argv=None) -> argparse.Namespace:
                    "reported next to the CLI's")
     p.add_argument("--alloc-conf", default="expandable_segments:True",
                    help="PYTORCH_CUDA_ALLOC_CONF for the GPU run unless the environment sets it ('' for none)")
-    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--commit", default=provenance.default_commit())
     p.add_argument("--cpu-ranks", type=int, default=0, help="a CPU smoke run on this many gloo ranks (not torchrun)")
     return p.parse_args(argv)
 

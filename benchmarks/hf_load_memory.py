@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import torch
+
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 
 def _rss_kib(field: str) -> int:
@@ -105,7 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--out", default="results/hf_load")
-    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--commit", default=provenance.default_commit())
     args = p.parse_args(argv)
     import transformers  # noqa: F401  (imported before any measurement, like in the workers)
 

@@ -52,6 +52,7 @@ import torch
 from odcfsdp.models.llama import Llama, llama_config
 
 import timing  # noqa: E402  (benchmarks/ on path)
+import provenance  # noqa: E402  (benchmarks/ on path)
 
 ALIGN = 8  # elements: ODCShard's segments start and end on 16 bytes of bf16 (and 32 of fp32)
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -337,7 +338,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="")
-    p.add_argument("--commit", default=os.environ.get("ODC_COMMIT", "unknown"))
+    p.add_argument("--commit", default=provenance.default_commit())
     return p.parse_args(argv)
 
 

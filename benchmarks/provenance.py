@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,3 +20,9 @@ def commit(root: Path = ROOT) -> str:
     if not sha:
         return "unknown"
     return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def default_commit() -> str:
+    """What a benchmark's ``--commit`` defaults to: ``ODC_COMMIT`` (``gpu_suite.sh`` exports the commit it was
+    given), else ``commit()``."""
+    return os.environ.get("ODC_COMMIT") or commit()
