@@ -44,7 +44,6 @@ import datetime
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -94,33 +93,6 @@ def plan(shapes, world: int, group_bytes: int) -> list[list[tuple[str, int, int]
 def timed(fn, iters: int, warmup: int, device) -> list[float]:
     """Milliseconds of each of ``iters`` calls after ``warmup`` (``timing.timed``: CUDA events; wall clock on CPU)."""
     return timing.timed(fn, iters, warmup, cuda=device.type == "cuda")
-
-
-class Marks:
-    """Named points in the current stream's queue (CUDA events; the wall clock on CPU), read as milliseconds
-    since the first after a wait for the last."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.points: dict[str, object] = {}
-
-    def mark(self, name: str) -> None:
-        """Record point ``name`` now (in stream order on CUDA)."""
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.points[name] = ev
-        else:
-            self.points[name] = time.perf_counter()
-
-    def read(self) -> dict[str, float]:
-        """Every point's milliseconds since the first recorded one; clears them."""
-        pts, self.points = self.points, {}
-        first = next(iter(pts.values()))
-        if self.cuda:
-            torch.cuda.synchronize()
-            return {k: first.elapsed_time(ev) for k, ev in pts.items()}
-        return {k: (t - first) * 1e3 for k, t in pts.items()}
 
 
 def forward_standin(device, ms: float):
@@ -229,7 +201,7 @@ def run_size(size: str, args, device) -> dict:
         refill = refill_of(name)
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-        marks = Marks(device)
+        marks = timing.Marks(device)
         overlaps = aside is not None and name.startswith("odc")  # zeroing under the stand-in
 
         def step(zero_aside: bool):
@@ -243,12 +215,11 @@ def run_size(size: str, args, device) -> dict:
             opt.step()
             if publish:
                 torch._foreach_copy_(row_views, master_views)
-            if aside is None:  # no stand-in forward to overlap: zeroed in the step
-                if name.startswith("odc"):
-                    torch._foreach_zero_(zeroed)
-                marks.mark("stepped")
-                return
+            if aside is None and name.startswith("odc"):  # no stand-in forward to overlap: zeroed in the step
+                torch._foreach_zero_(zeroed)
             marks.mark("stepped")
+            if aside is None:
+                return
             if zero_aside:  # ODCShard's zeroing: on its push stream, after the step read the gradients
                 aside.wait_stream(current)
                 with torch.cuda.stream(aside):
@@ -308,8 +279,8 @@ def report(res: list[dict], meta: dict) -> str:
              "- every timed step is followed by a stand-in of the next forward "
              f"({meta.get('forward_ms', 0):g} ms of bf16 matmuls, odc's accumulator zeroing overlapping it); ms: "
              "median of the steps, plus for odc what the zeroing slowed the stand-in by ('slowed': its median with "
-             "the zeroing less its median without, alternate steps of the same variant; 0 if below); GB/s: the variant's minimum traffic on the step's path / time (+N: bytes "
-             "zeroed under the forward)", "",
+             "the zeroing less its median without, alternate steps of the same variant; 0 if below); GB/s: the "
+             "variant's minimum traffic on the step's path / time (+N: bytes zeroed under the forward)", "",
              "| size | params on rank | variant | ms (min-max) | slowed | bytes/param | GB/s | % of copy | vs fsdp2 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res:

@@ -1,4 +1,6 @@
-"""How the benchmarks time GPU work: CUDA events around queued work on a GPU, the wall clock on CPU."""
+"""How the benchmarks time GPU work: CUDA events around queued work on a GPU, the wall clock on CPU.
+
+``elapsed_ms`` / ``timed`` time whole calls; ``Marks`` names points inside one (several spans of a step)."""
 
 from __future__ import annotations
 
@@ -32,3 +34,30 @@ def timed(fn, iters: int, warmup: int = 0, cuda: bool = True) -> list[float]:
     for _ in range(warmup):
         fn()
     return [elapsed_ms(fn, cuda) for _ in range(iters)]
+
+
+class Marks:
+    """Named points in the current stream's queue (CUDA events; the wall clock on CPU), read as milliseconds
+    since the first after a wait for the last."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.points: dict[str, object] = {}
+
+    def mark(self, name: str) -> None:
+        """Record point ``name`` now (in stream order on CUDA)."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points[name] = ev
+        else:
+            self.points[name] = time.perf_counter()
+
+    def read(self) -> dict[str, float]:
+        """Every point's milliseconds since the first recorded one; clears them."""
+        pts, self.points = self.points, {}
+        first = next(iter(pts.values()))
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: first.elapsed_time(ev) for k, ev in pts.items()}
+        return {k: (t - first) * 1e3 for k, t in pts.items()}
