@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     if got["unfused"] is not None and got["fused"] is not None:
         check = {k: rel_diff(a, b) for k, a, b in zip(("loss", "grad_hidden", "grad_weight"), got["fused"],
                                                        got["unfused"])}
-    commit = provenance.commit()
+    commit = provenance.default_commit()
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},

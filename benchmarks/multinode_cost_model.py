@@ -146,7 +146,7 @@ def main(argv=None) -> None:
             for method in ("fsdp2_full", "fsdp2_hsdp", "odc_full", "odc_hsdp"):
                 args = argparse.Namespace(**{**vars(a), "micro_batches": m, "tokens": t})
                 rows.append({"tokens": t, "micro_batches": m, **step_time(method, args, rates, params)})
-    commit = provenance.commit()
+    commit = provenance.default_commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "params": params,
             "command": " ".join(["python benchmarks/multinode_cost_model.py",
                                  *(sys.argv[1:] if argv is None else argv)]),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -90,11 +91,6 @@ def plan(shapes, world: int, group_bytes: int) -> list[list[tuple[str, int, int]
     return [[(n, off, seg) for n, off, seg in g] for g in groups]
 
 
-def timed(fn, iters: int, warmup: int, device) -> list[float]:
-    """Milliseconds of each of ``iters`` calls after ``warmup`` (``timing.timed``: CUDA events; wall clock on CPU)."""
-    return timing.timed(fn, iters, warmup, cuda=device.type == "cuda")
-
-
 def forward_standin(device, ms: float):
     """A function queueing about ``ms`` of compute-bound bf16 matmuls (a decoder layer's kind of work), standing in
     for the forward that follows a step; None on CPU or for ``ms`` <= 0."""
@@ -102,7 +98,7 @@ def forward_standin(device, ms: float):
         return None
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     w, y = torch.randn_like(x), torch.empty_like(x)
-    one = statistics.median(timed(lambda: torch.mm(x, w, out=y), 5, 2, device))
+    one = statistics.median(timing.timed(lambda: torch.mm(x, w, out=y), 5, 2))  # CUDA only
     reps = max(1, round(ms / one))
 
     def standin():
@@ -115,7 +111,7 @@ def copy_bandwidth(device, nbytes: int) -> float:
     """GB/s of a device-to-device copy (read + write counted), the roofline of these memory-bound passes."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms = statistics.median(timed(lambda: dst.copy_(src), 10, 3, device))
+    ms = statistics.median(timing.timed(lambda: dst.copy_(src), 10, 3, cuda=device.type == "cuda"))
     del src, dst
     return 2 * nbytes / ms / 1e6
 
@@ -166,15 +162,6 @@ def run_size(size: str, args, device) -> dict:
     no_decay = [len(shape_of[name]) == 1 for g in groups for name, _, _ in g]
     results = {}
 
-    def refill_grads():  # every step sees a full gradient (a zeroed accumulator would make the step trivial)
-        acc.copy_(grad_src)
-
-    def refill_lean():  # odc_lean's gradients are in its bf16 accumulator, which the sync casts into ``acc``
-        acc16.copy_(grad_src)
-
-    def refill_of(name):
-        return refill_lean if name == "odc_lean" else refill_grads
-
     # -- torch's optimizer ------------------------------------------------------------------------
     def torch_variant(name, dtensor):
         params = [torch.nn.Parameter(v) for v in param_views(master)]
@@ -198,7 +185,9 @@ def run_size(size: str, args, device) -> dict:
         acc16_views = group_views(acc16)
         zeroed = acc16_views if name == "odc_lean" else acc_views
 
-        refill = refill_of(name)
+        # every step sees a full gradient (a zeroed accumulator would make the step trivial); odc_lean's are in its
+        # bf16 accumulator, which the sync casts into ``acc``
+        refill = functools.partial((acc16 if name == "odc_lean" else acc).copy_, grad_src)
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
         marks = timing.Marks(device)

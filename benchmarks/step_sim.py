@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
     import step_sim_report
 
     args = parse(argv)
-    meta = {"date": datetime.date.today().isoformat(), "commit": provenance.commit(), "command": args.command}
+    meta = {"date": datetime.date.today().isoformat(), "commit": provenance.default_commit(), "command": args.command}
     if args.validate:
         data = {"meta": meta, **step_sim_fit.validate(host_run=args.host_run, nccl_gbps=args.nccl_gbps)}
         text = step_sim_report.validation_markdown(data)

@@ -9,6 +9,7 @@ Fit and prediction follow [step-sim] in ``step_sim.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,12 +184,7 @@ def measured_step(run: Run, key: tuple[str, str]) -> float:
 
 def validate(pairs=VALIDATION, host_run: str = "n2_balanced_cudnn_compiled_d89966a", nccl_gbps: float = 360.0) -> dict:
     """Each pair: fit on the first run, predict the second; errors of step times and of ODC's speedups."""
-    cache: dict[str, Run] = {}
-
-    def runs(name: str) -> Run:  # each run replayed once (setdefault would replay it on every call)
-        if name not in cache:
-            cache[name] = replay(name)
-        return cache[name]
+    runs = functools.cache(replay)  # each run replayed once
 
     host = host_floor(host_run)
     rows, fits = [], {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 
 class Interrupted(BaseException):
@@ -64,8 +65,11 @@ def exit_now(stop: "Interrupted") -> None:
 
 def install(handler, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
             keep_ignored: bool = False) -> list[tuple[int, object]]:
-    """``handler`` for ``signals`` (main thread only); returns the (signal, previous handler) pairs ``restore``
-    takes. With ``keep_ignored`` a signal this process ignores stays ignored (and is not in the pairs)."""
+    """``handler`` for ``signals``; returns the (signal, previous handler) pairs ``restore`` takes. With
+    ``keep_ignored`` a signal this process ignores stays ignored (and is not in the pairs). Off the main thread,
+    where Python cannot install handlers, nothing is installed and the pairs are empty."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
     previous = []
     for sig in signals:
         if not (keep_ignored and signal.getsignal(sig) is signal.SIG_IGN):

@@ -114,9 +114,7 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int], start
     ``Interrupted(again=True)`` instead. A worker not yet ``started`` (still in multiprocessing's bootstrap, where
     a KeyboardInterrupt prints a traceback) gets SIGTERM, which ends it silently. Returns the (signal, previous
     handler) pairs to restore."""
-    import threading
-
-    if not signals or threading.current_thread() is not threading.main_thread():
+    if not signals:
         return []
 
     def forward(sig, _frame):

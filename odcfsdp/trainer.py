@@ -16,7 +16,6 @@ import resource
 import shutil
 import signal
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -254,9 +253,7 @@ class _StopFlag:
 
     def __init__(self):
         self.signum = 0
-        self._previous: list[tuple[int, object]] = []
-        if threading.current_thread() is threading.main_thread():
-            self._previous = install(self._set, keep_ignored=True)
+        self._previous = install(self._set, keep_ignored=True)
 
     def _set(self, sig, _frame) -> None:
         if self.signum and sig == signal.SIGINT:  # Ctrl-C twice

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="fine-tuning HF models needs transformers (test extra)")
 
 from hf_fixtures import chat_records, save_pretrained_model, write_jsonl  # noqa: E402
+from test_train import cli  # noqa: E402
 
 from odcfsdp import ODCShard  # noqa: E402
 from odcfsdp.checkpoint import export_hf, load_hf  # noqa: E402
@@ -111,8 +112,7 @@ def test_cli_fine_tune_matches_plain_transformers(tmp_path, arch, comm, dtype, s
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(48))
     held_out = write_jsonl(tmp_path / "held_out.jsonl", chat_records(7, seed=5))
     tree = overrides(model_dir, data, held_out, tmp_path / "run", comm)
-    run = subprocess.run([sys.executable, "-m", "odcfsdp.train", *as_cli(tree)], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
+    run = cli(*as_cli(tree), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["target_tokens"] < rows[0]["tokens"]  # only assistant turns carry loss
@@ -187,8 +187,7 @@ def test_lora_fine_tune_trains_only_the_adapters(tmp_path):
     tree["run"].pop("eval_interval")
     tree["model"]["lora"] = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
     tree["optim"]["lr"] = 1e-2
-    run = subprocess.run([sys.executable, "-m", "odcfsdp.train", *as_cli(tree)], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
+    run = cli(*as_cli(tree), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 

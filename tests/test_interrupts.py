@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import _alive, _ranks_of
+from test_train import _alive, _ranks_of, proc_state
 
 
 def start(tmp_path: Path, *args: str) -> subprocess.Popen:
@@ -40,7 +40,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
 
 def _stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP has taken effect, not just been sent)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    return proc_state(pid) == "T"
 
 
 def _pending(pid: int, sig: int) -> bool:

@@ -268,12 +268,16 @@ def _ranks_of(pid: int) -> list[int]:
     return sorted(r for s in servers for r in _children(s) if _alive(r))
 
 
-def _alive(pid: int) -> bool:
+def proc_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc (R, S, T, Z, ...); None once it is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
-    return state != "Z"
+        return None
+
+
+def _alive(pid: int) -> bool:
+    return proc_state(pid) not in (None, "Z")
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])

@@ -70,16 +70,19 @@ class HFCausalLM(nn.Module):
             LinearCrossEntropyHead.adopt(self.model.lm_head)
 
     @property
+    def _causal(self) -> nn.Module:
+        """The transformers model itself (under a PEFT wrapper, its base model)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @property
     def fused_loss(self) -> bool:
         """Whether ``forward(..., targets=)`` computes the loss with the LM head fused ([linear-cross-entropy]): a
         family it suits and the head still ours (LoRA on ``lm_head`` wraps it, and then logits + loss)."""
-        causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return isinstance(causal.lm_head, LinearCrossEntropyHead)
+        return isinstance(self._causal.lm_head, LinearCrossEntropyHead)
 
     def decoder_layer_classes(self) -> tuple[type[nn.Module], ...]:
         """The classes Hugging Face never splits across devices (``_no_split_modules``): the decoder layers."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        names = set(getattr(base, "_no_split_modules", None) or ())
+        names = set(getattr(self._causal, "_no_split_modules", None) or ())
         return tuple({type(m) for m in self.model.modules() if type(m).__name__ in names})
 
     def matmul_params(self) -> int:
@@ -157,8 +160,8 @@ class HFCausalLM(nn.Module):
                 lengths = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
             kwargs[DOC_LENGTHS_KWARG] = lengths
         with lengths_given() if kwargs else contextlib.nullcontext():
-            causal = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            if targets is not None and isinstance(causal.lm_head, LinearCrossEntropyHead):  # fused_loss
+            if targets is not None and self.fused_loss:
+                causal = self._causal
                 hidden = causal.model(input_ids=tokens, position_ids=positions, use_cache=False,
                                       **kwargs).last_hidden_state
                 return causal.lm_head(hidden, targets)

@@ -293,8 +293,8 @@ class StepProtocol:
         if self.synced_pushes:
             for g in self._trained:
                 g.attach_grads()
-            for g in [g for g in self._trained if g.offloaded][:1]:  # host copies queued back to back: one wait
-                g.wait_host_copies()
+            if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
+                offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait for all
             self.state = GradState.READY
         else:  # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
             self.state = GradState.EMPTY

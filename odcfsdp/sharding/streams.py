@@ -72,7 +72,9 @@ class CommStreams:
         cuda = device.type == "cuda"
         self.gather_stream = torch.cuda.Stream(device) if cuda and gather_ahead else None
         self.push_stream = torch.cuda.Stream(device) if cuda and push_aside else None
-        self._flag = torch.zeros(1, device=device) if self.push_stream is not None else None
+        # the zero flag whose all-reduce orders later one-sided pushes after every owner's zeroing (5)
+        barrier = self.push_stream is not None and transport.caps.remote_pushes
+        self._flag = torch.zeros(1, device=device) if barrier else None
         self.written_aside([self._flag] if self._flag is not None else [])
 
     @staticmethod
@@ -132,7 +134,7 @@ class CommStreams:
         meet()
         with self._after_current(self.push_stream):
             _zero(accumulators)
-            if self.transport.caps.remote_pushes:
+            if self._flag is not None:  # one-sided pushes: every rank's later pushes wait for every owner
                 shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
 
     def rows_published(self) -> None:
