@@ -5,8 +5,9 @@
         --device "1x NVIDIA H200" --date 2026-11-24   # anywhere (CPU): a committed run's raw files
 
 RUN_DIR holds ``gpu_tests.xml`` (pytest --junitxml) and ``gpu_measured.jsonl``
-(written by the tests when ODC_RESULTS is set). Nothing is typed in by hand: every
-figure comes from those two files.
+(written by the tests when ODC_RESULTS is set). A run cut off before pytest wrote its XML
+is read from ``outcomes.jsonl`` instead (one line per test as it ended, ODC_TEST_OUTCOMES:
+tests/conftest.py). Nothing is typed in by hand: every figure comes from those files.
 """
 
 from __future__ import annotations
@@ -22,10 +23,21 @@ COMMAND = (
 )
 
 
+def _outcomes(path: Path) -> list[dict]:
+    """The tests of an ``outcomes.jsonl`` (the run's own record, as each test ended)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [{"name": r["test"].replace("/", ".").replace(".py::", "::"), "outcome": r["outcome"],
+             "seconds": r["duration_s"]} for r in rows]
+
+
 def parse(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """The tests (name, outcome, seconds) of ``gpu_tests.xml`` and the records of ``gpu_measured.jsonl``."""
+    """The tests (name, outcome, seconds) of ``gpu_tests.xml`` (else ``outcomes.jsonl``) and the records of
+    ``gpu_measured.jsonl``."""
     tests = []
-    for case in ET.parse(run_dir / "gpu_tests.xml").getroot().iter("testcase"):
+    if not (run_dir / "gpu_tests.xml").exists():
+        tests = _outcomes(run_dir / "outcomes.jsonl")
+    for case in (ET.parse(run_dir / "gpu_tests.xml").getroot().iter("testcase")
+                 if (run_dir / "gpu_tests.xml").exists() else ()):
         outcome = "passed"
         for tag in ("failure", "error", "skipped"):
             if case.find(tag) is not None:
@@ -52,10 +64,15 @@ def markdown(meta: dict, tests: list[dict], measured: list[dict]) -> str:
         "| test | loss rel. error by step | grad-norm rel. error by step | max abs. param error (worst param) |",
         "|---|---|---|---|",
     ]
-    for m in measured:
+    agreement = [m for m in measured if "loss_rel_by_step" in m]
+    for m in agreement:
         loss = ", ".join(f"{x:.1e}" for x in m["loss_rel_by_step"])
         norm = ", ".join(f"{x:.1e}" for x in m["norm_rel_by_step"])
         lines.append(f"| {m['test']} | {loss} | {norm} | {m['max_param_abs']:.1e} ({m['worst_param']}) |")
+    other = [m for m in measured if "loss_rel_by_step" not in m]
+    if other:  # timings and the like, as the tests recorded them (per rank where a list holds lists)
+        lines += ["", "## Other measurements", "", "| test | values |", "|---|---|"]
+        lines += [f"| {m['test']} | `{json.dumps({k: v for k, v in m.items() if k != 'test'})}` |" for m in other]
     lines += ["", "## Tests", "", "| test | outcome | seconds |", "|---|---|---|"]
     lines += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} |" for t in tests]
     return "\n".join(lines) + "\n"

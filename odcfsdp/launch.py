@@ -4,6 +4,22 @@
 ranks' results in rank order. A worker's exception is re-raised in the parent with
 the worker's traceback, a worker that dies or hangs past ``timeout`` fails the call,
 and the other workers are stopped either way, so a broken test never hangs pytest.
+
+Design note [bounded-spawn]
+---------------------------
+A hang must cost one call, never a whole run of tests, and must say where every rank stood:
+
+1. ``timeout`` bounds the call (default ``ODC_SPAWN_TIMEOUT_S``, else 90 s for NCCL ranks and
+   300 s for CPU ranks, which share two cores in CI);
+2. inside it, each rank's own guards fire first, at ``GUARD_FRACTION`` of it: the cap on every
+   ``ODCShard`` watchdog (``set_wait_cap``: the meeting guard and the heartbeat), the process
+   group's timeout (NCCL's watchdog) and the store's (these two at most ``PROCESS_GROUP_TIMEOUT_S``,
+   as before there was a bound), each of which names where it stood;
+3. a rank that has not delivered when the call fails (time out, a peer's error or death) is asked
+   for its Python stack, every thread's (``faulthandler`` on SIGUSR1, into a file per rank; a rank
+   killed by a fatal signal writes its own there), and the stacks are added to the error;
+4. then it is killed, and joined with a bound: a process stuck in the GPU driver past SIGKILL is
+   reported and left, not waited for.
 Workers die with the parent, however it dies (Linux ``PR_SET_PDEATHSIG``): killing a
 ``python -m odcfsdp.train`` leaves no rank running.
 
@@ -19,6 +35,7 @@ import) cannot use CUDA, so nothing of the caller's is imported before their for
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -26,9 +43,12 @@ import queue
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -39,6 +59,20 @@ from .interrupts import Interrupted, install, restore
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
 CUDA_BACKENDS = "cuda:nccl,cpu:gloo"
+#: the ranks' own guards fire at this fraction of spawn's timeout ([bounded-spawn] 2), the process group's and the
+#: store's at most after PROCESS_GROUP_TIMEOUT_S (a long run's collectives are watched by ODCShard's watchdog).
+GUARD_FRACTION, PROCESS_GROUP_TIMEOUT_S = 0.7, 120.0
+#: seconds a rank gets to write its stack, and a killed rank to exit ([bounded-spawn] 3-4).
+DUMP_WAIT_S, KILL_WAIT_S = 3.0, 10.0
+_stack_file = None  # a worker's open stack file (faulthandler writes to its descriptor)
+
+
+def default_spawn_timeout(backend: str) -> float:
+    """``spawn``'s bound when none is given ([bounded-spawn] 1)."""
+    preset = os.environ.get("ODC_SPAWN_TIMEOUT_S")
+    if preset:
+        return float(preset)
+    return 90.0 if backend == "nccl" else 300.0
 
 
 def init_torchrun(use_cuda: bool | None = None) -> torch.device:
@@ -128,10 +162,21 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int], start
     return install(forward, signals)
 
 
+def _record_stacks(path: str | None) -> None:
+    """Write every thread's Python stack to ``path`` on SIGUSR1 and on a fatal signal ([bounded-spawn] 3)."""
+    global _stack_file
+    if path is None:
+        return
+    _stack_file = open(path, "w")  # kept open for the process's life: faulthandler writes to its descriptor
+    faulthandler.enable(file=_stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
+
+
 def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None,
-            own_group=False) -> None:
+            own_group=False, guard_s=120.0, stack_path=None) -> None:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    _record_stacks(stack_path)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
     try:
@@ -143,7 +188,9 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
         os.environ["LOCAL_RANK"] = str(rank)
         torch.set_num_threads(threads)
-        from .sharding.watchdog import set_fatal_handler
+        from .sharding.watchdog import set_fatal_handler, set_wait_cap
+
+        set_wait_cap(guard_s)  # every ODCShard's watchdog fires before spawn's bound ([bounded-spawn] 2)
 
         def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
             results.put((rank, False, f"RuntimeError: {message}"))
@@ -154,9 +201,10 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         # The parent hosts the store (see spawn): a stopped rank 0 must not take it down.
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=120))
+        waits = timedelta(seconds=min(guard_s, PROCESS_GROUP_TIMEOUT_S))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=waits)
         dist.init_process_group(CUDA_BACKENDS if backend == "nccl" else backend, store=store, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=120))
+                                world_size=world_size, timeout=waits)
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles outliving the worker
@@ -174,12 +222,49 @@ def _ended_by_signal(payload: str) -> bool:
     return last.startswith(("KeyboardInterrupt", "odcfsdp.interrupts.Interrupted", "Interrupted"))
 
 
+def _collect_stacks(procs, paths: list[str], delivered: dict) -> str:
+    """Every rank that has not delivered a result: its Python stack, asked for with SIGUSR1 where it still
+    runs, read from its stack file ([bounded-spawn] 3). Empty when there is nothing to show."""
+    pending = [r for r in range(len(procs)) if r not in delivered and procs[r].pid is not None]
+    asked = [r for r in pending if procs[r].is_alive()]
+    for r in asked:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if asked:
+        time.sleep(DUMP_WAIT_S)
+    parts = []
+    for r in pending:
+        text = Path(paths[r]).read_text(errors="replace").strip() if Path(paths[r]).exists() else ""
+        state = "still running" if procs[r].is_alive() else f"exited with code {procs[r].exitcode}"
+        parts.append(f"--- rank {r} ({state}): Python stacks ---\n{text or '(none written)'}")
+    return "\n".join(parts)
+
+
+def _stop(procs, delivered: dict, world_size: int, paths: list[str]) -> None:
+    """Join the workers; kill those still alive, then join with a bound ([bounded-spawn] 4)."""
+    for r, p in enumerate(procs):
+        if p.pid is None:  # never started
+            continue
+        p.join(timeout=KILL_WAIT_S if len(delivered) == world_size else 0.5)
+        if p.is_alive() and len(delivered) == world_size:  # returned its result, then stuck on its way out
+            warnings.warn(f"rank {r} delivered its result but did not exit in {KILL_WAIT_S:g} s; killed. "
+                          f"{_collect_stacks(procs, paths, {})}", RuntimeWarning, stacklevel=3)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=KILL_WAIT_S)
+        if p.is_alive():
+            warnings.warn(f"rank {r} (pid {p.pid}) is still alive {KILL_WAIT_S:g} s after SIGKILL (stuck in a "
+                          "driver call?); left behind", RuntimeWarning, stacklevel=3)
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     backend: str = "gloo",
-    timeout: float = 300.0,
+    timeout: float | None = None,
     forward: tuple[int, ...] = (),
     received: list[int] | None = None,
 ) -> list[Any]:
@@ -187,6 +272,9 @@ def spawn(
 
     ``fn`` must be importable by name (a module-level function). Each worker uses
     ``max(1, cpus // world_size)`` intra-op threads so ranks do not oversubscribe.
+    ``timeout`` bounds the call ([bounded-spawn]; None: ``default_spawn_timeout``); the ranks' own
+    guards fire before it, and a failed call's error carries the Python stacks of the ranks that had
+    not delivered.
     Signals in ``forward`` (e.g. SIGTERM) received by this process while it waits are
     passed on to every worker instead of ending this process (called from the main thread).
     With SIGINT among them the workers get their own process group, so that a terminal's Ctrl-C
@@ -197,6 +285,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    timeout = default_spawn_timeout(backend) if timeout is None else timeout
     ctx = _context(backend, fn)
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
@@ -204,10 +293,12 @@ def spawn(
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
     threads = max(1, (os.cpu_count() or 1) // world_size)
+    stacks_dir = tempfile.TemporaryDirectory(prefix="odcfsdp-stacks-")
+    paths = [os.path.join(stacks_dir.name, f"rank{r}.txt") for r in range(world_size)]
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ),
-                          signal.SIGINT in forward))
+                          signal.SIGINT in forward, GUARD_FRACTION * timeout, paths[r]))
         for r in range(world_size)
     ]
     received = [] if received is None else received
@@ -246,21 +337,23 @@ def spawn(
                 after = f" after {signal.Signals(received[0]).name}" if received else ""
                 raise RuntimeError(f"rank {rank} failed{after}:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    except (RuntimeError, TimeoutError) as e:  # [bounded-spawn] 3: where the others stood, before the kill
+        stacks = _collect_stacks(procs, paths, out)
+        if stacks:
+            sys.stderr.write(f"{type(e).__name__} in spawn; the ranks' stacks:\n{stacks}\n")
+            if hasattr(e, "add_note"):
+                e.add_note(stacks)
+        raise
     finally:
         try:  # still forwarding while the workers exit: a second Ctrl-C here ends the wait (they die with us)
-            for p in procs:
-                if p.pid is None:  # never started
-                    continue
-                p.join(timeout=10 if len(out) == world_size else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            _stop(procs, out, world_size, paths)
         finally:
             restore(forwarded)
+            stacks_dir.cleanup()
     return [out[r] for r in range(world_size)]
 
 
-__all__ = ["free_port", "init_torchrun", "spawn"]
+__all__ = ["default_spawn_timeout", "free_port", "init_torchrun", "spawn"]
 
 
 def run_benchmark_ranks(worker: Callable[[Any, torch.device | None], Any], args: Any, cpu_ranks: int,

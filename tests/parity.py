@@ -10,6 +10,7 @@ under ``odcfsdp.launch.spawn``, on an ``ODCShard`` of the same model.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -105,16 +106,23 @@ class Run:
 
 
 def train_loop(run: Run, model: nn.Module, batches, compute=lambda x: x, on_micro=None) -> dict:
-    """The standard loop over ``batches(step)`` -> [(x, y), ...] micro-batches; per-step losses and clip norms.
+    """The standard loop over ``batches(step)`` -> [(x, y), ...] micro-batches; per-step losses and clip norms,
+    and the host seconds each ``clip_grad_norm_`` and ``zero_grad`` took.
 
     ``compute`` moves inputs where the model runs; ``on_micro`` runs after each
     backward (the mixed-precision reference collects its gradients there).
     """
     opt, sched = run.optimizer_for(model)
-    losses, norms = [], []
+    losses, norms, clip_s, zero_grad_s = [], [], [], []
+
+    def zero_grad():
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        zero_grad_s.append(time.perf_counter() - t0)
+
     for step in range(run.steps):
         if run.zero_grad_first:
-            opt.zero_grad()
+            zero_grad()
         step_losses = []
         for x, y in batches(step):
             loss = causal_lm_loss(model(compute(x)), compute(y), run.tokens(step))
@@ -123,13 +131,15 @@ def train_loop(run: Run, model: nn.Module, batches, compute=lambda x: x, on_micr
             if on_micro is not None:
                 on_micro()
         losses.append(step_losses)
+        t0 = time.perf_counter()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm)))
+        clip_s.append(time.perf_counter() - t0)
         opt.step()
         if sched is not None:
             sched.step()
         if not run.zero_grad_first:
-            opt.zero_grad()
-    return {"losses": losses, "norms": norms, "optimizer": opt}
+            zero_grad()
+    return {"losses": losses, "norms": norms, "optimizer": opt, "clip_s": clip_s, "zero_grad_s": zero_grad_s}
 
 
 def reference_run(run: Run, dtype: torch.dtype, compile_backend: str | None = None) -> dict:
@@ -155,6 +165,7 @@ def sharded_run(
     mp_policy=None,
     gather_masters: bool = False,
     offload_policy=None,
+    overlap_push: bool = True,
 ) -> dict:
     """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
@@ -168,7 +179,7 @@ def sharded_run(
     model = ODCShard(
         ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
         prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas), mp_policy=mp_policy,
-        gather_masters=gather_masters, offload_policy=offload_policy,
+        gather_masters=gather_masters, offload_policy=offload_policy, overlap_push=overlap_push,
     )
     host_masters = {str(g.master.device.type) + ("/pinned" if g.master.is_pinned() else "") for g in model.groups}
     heap_rows = {str(t.dtype).removeprefix("torch.") for t in model.transport.rows}
@@ -177,7 +188,8 @@ def sharded_run(
     model.close()
     from torch._dynamo.utils import counters
 
-    return {"losses": out["losses"], "norms": out["norms"], "params": state, "groups": len(model.groups),
+    return {"losses": out["losses"], "norms": out["norms"], "clip_s": out["clip_s"], "zero_grad_s": out["zero_grad_s"],
+            "params": state, "groups": len(model.groups),
             "row_dtypes": heap_rows, "master_devices": host_masters,
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 

@@ -151,25 +151,40 @@ def test_bf16_parity_four_gpus(comm, micro_batches):
             BF16_TOL)
 
 
-def _with_gather_mode(mode: str, run: Run) -> dict:
+def _with_gather_mode(mode: str, run: Run, overlap_push: bool = True, prefetch: int = 1) -> dict:
     os.environ["ODC_NVSHMEM_GATHER"] = mode
-    return sharded_run(run, torch.float32, 4096, True, "nvshmem", "cuda")
+    return sharded_run(run, torch.float32, 4096, True, "nvshmem", "cuda", prefetch, overlap_push=overlap_push)
 
 
-@two_gpus
-@pytest.mark.parametrize("mode", ["get", "copy_engine"])
-def test_bf16_parity_other_gather_modes(mode):
+@pytest.mark.parametrize("mode, world", [("copy_engine", 1), pytest.param("get", 2, marks=two_gpus),
+                                         pytest.param("copy_engine", 2, marks=two_gpus)])
+def test_bf16_parity_other_gather_modes(mode, world):
     """The NVSHMEM get path (for peers without load/store access) and the copy-engine gather.
 
     One micro-batch per rank: each accumulator element then gets exactly two fp32 adds, whose sum
     does not depend on their order. With [2, 1] rank 1's push lands between rank 0's two, an order
     the reference does not follow; the last-bit differences flipped a bf16 rounding and Adam
     amplified it (2x H200 at 6080462: losses within 8.4e-5, but parameters off by up to 2.1e-3,
-    identically in both modes). Uneven counts are covered by the tests above.
+    identically in both modes). Uneven counts are covered by the tests above. On one GPU the copy
+    engine copies the rank's own row (the NVSHMEM get path needs a peer).
     """
+    run = Run(world, micro_batches=[1] * world)
+    results = spawn(_with_gather_mode, world, mode, run, backend="nccl")
+    compare(f"bf16_parity[gather={mode},world={world}]", run, results, mixed_precision_reference(run, "cuda"),
+            BF16_TOL)
+
+
+@two_gpus
+@pytest.mark.parametrize("overlap_push, prefetch", [(True, 0), (False, 1), (False, 0)])
+def test_copy_engine_gather_without_side_streams(overlap_push, prefetch):
+    """Issue 31's copy-engine hang, taken apart: the copy-engine gather (2 GPUs hung at 3c5dbc4, passed at
+    40df8df) with the push stream off (no zeroing under the forward, no flag all-reduce on it) and/or no gather
+    prefetch stream. Whichever of these passes where the default hangs names the stream the hang needs; each
+    case is bounded by spawn and a hang reports both ranks' stacks ([bounded-spawn])."""
     run = Run(2, micro_batches=[1, 1])
-    results = spawn(_with_gather_mode, 2, mode, run, backend="nccl")
-    compare(f"bf16_parity[gather={mode}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+    results = spawn(_with_gather_mode, 2, "copy_engine", run, overlap_push, prefetch, backend="nccl")
+    compare(f"bf16_parity[gather=copy_engine,overlap_push={overlap_push},prefetch={prefetch}]", run, results,
+            mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 
 @two_gpus
@@ -229,6 +244,37 @@ def test_zeroing_aside_waits_for_every_owner(barrier, monkeypatch):
                     BF16_TOL)
 
 
+def _late_zeroing(delayed_ranks: set[int], run: Run) -> dict:
+    """``sharded_run`` with the accumulator zeroing of ``delayed_ranks`` held back ~0.5 s on their push stream."""
+    from odcfsdp.sharding import streams
+
+    zero = streams._zero
+
+    def late_zero(tensors):
+        torch.cuda._sleep(1 << 30)  # ~2^30 GPU cycles (0.5-0.6 s), on the stream the zeroing is queued on
+        zero(tensors)
+
+    if torch.distributed.get_rank() in delayed_ranks:
+        streams._zero = late_zero
+    return sharded_run(run, torch.float32, 4096, True, "nvshmem", "cuda")
+
+
+@pytest.mark.parametrize("world, micro_batches", [(1, [2]), pytest.param(2, [1, 1], marks=two_gpus)])
+def test_zero_grad_after_step_waits_for_no_zeroing(world, micro_batches):
+    """Issue 31: the accumulators are zeroed under the next forward, so the standard loop's zero_grad() right
+    after opt.step() must not wait for it ([zero-grad-pass]): with rank 0's zeroing held back 0.5 s, every
+    rank's zero_grad() returns in under 0.1 s. The delay is on the path (the next sync waits for it: the clip
+    after a delayed zeroing takes over 0.3 s), and training still matches the reference."""
+    run = Run(world, micro_batches=micro_batches)
+    results = spawn(_late_zeroing, world, {0}, run, backend="nccl")
+    record(f"zero_grad_after_step_s[{world}]", results, {}, zero_grad_s=[r["zero_grad_s"] for r in results],
+           clip_s=[r["clip_s"] for r in results])
+    for r in results:
+        assert max(r["zero_grad_s"]) < 0.1, r["zero_grad_s"]
+        assert min(r["clip_s"][1:]) > 0.3, r["clip_s"]  # the positive control: the delay happened
+    compare(f"zero_grad_after_step[{world}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
 def _too_small_heap() -> str:
     from odcfsdp import ODCShard
     from odcfsdp.models import Llama, LlamaConfig
@@ -276,8 +322,8 @@ def _compiled_on_gpu(how: str) -> list[float]:
 def test_compile_with_inductor_on_one_gpu(target):
     """layer.compile() per block and model.compile() under ODCShard (nvshmem on one PE, fp32) train like the same
     inductor compile of the plain model on the GPU (Triton code generation, unlike the CPU test)."""
-    want = spawn(_compiled_on_gpu, 1, f"plain-{target}", backend="nccl")[0]
-    got = spawn(_compiled_on_gpu, 1, f"odc-{target}", backend="nccl")[0]
+    want = spawn(_compiled_on_gpu, 1, f"plain-{target}", backend="nccl", timeout=240)[0]  # inductor compiles
+    got = spawn(_compiled_on_gpu, 1, f"odc-{target}", backend="nccl", timeout=240)[0]
     assert want[-1] < want[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 

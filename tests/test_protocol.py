@@ -48,40 +48,78 @@ def counting(calls: list, with_groups: bool = False):
             setattr(mod, n, fn)
 
 
-def _count_by_phase(comm: str, micro_batches: list[int]) -> list[dict[str, list[str]]]:
+@contextlib.contextmanager
+def counting_device_waits(model, calls: list):
+    """Record ``"quiesce"`` for every call of the model's transport's ``quiesce``: where a rank waits for its
+    device (``torch.cuda.synchronize`` on the nvshmem transport; the shm transport's memory fence on CPU)."""
+    transport = model.transport
+    original = transport.quiesce
+
+    def quiesce():
+        calls.append("quiesce")
+        return original()
+
+    transport.quiesce = quiesce
+    try:
+        yield
+    finally:
+        del transport.quiesce  # the class's method again
+
+
+def _count_by_phase(comm: str, micro_batches: list[int], zero_grad_first: bool = False) -> list[dict[str, list[str]]]:
+    """Per step, per phase of the standard loop: the collectives called and the device waits (``quiesce``)."""
     rank = dist.get_rank()
     run = Run(len(micro_batches), micro_batches)
     model = ODCShard(ParityModel(), 4096, comm=comm)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
     per_step = []
+
+    def phase(phases, name):
+        calls = phases.setdefault(name, [])
+        return _both(counting(calls), counting_device_waits(model, calls))
+
     for step in range(2):
         phases: dict[str, list[str]] = {}
-        with counting(phases.setdefault("micro-batches", [])):
+        if zero_grad_first:
+            with phase(phases, "zero_grad"):
+                opt.zero_grad()
+        with phase(phases, "micro-batches"):
             for x, y in run.data[step][rank]:
                 causal_lm_loss(model(x), y, run.tokens(step)).backward()
-        with counting(phases.setdefault("clip", [])):
+        with phase(phases, "clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        with counting(phases.setdefault("step", [])):
+        with phase(phases, "step"):
             opt.step()
-            opt.zero_grad()
+        if not zero_grad_first:
+            with phase(phases, "zero_grad"):
+                opt.zero_grad()
         per_step.append(phases)
-    with counting(per_step[-1].setdefault("next forward", [])):
+    with phase(per_step[-1], "next forward"):
         model(run.data[0][0][0][0][:1, :2])
     model.close()
     return per_step
 
 
-@pytest.mark.parametrize("micro_batches", [[3, 1], [2, 0]])
-def test_one_sided_ranks_meet_only_where_gradients_are_read_and_consumed(micro_batches):
-    """No collective during the micro-batches (nor in a forward after the step); clip_grad_norm_ is one meeting
-    (the sync) plus the norm's one all-reduce; the optimizer step one (the finish, in its hook), and zero_grad one
-    per pass over the parameters (syncs that find nothing): two here, since param_groups' no-decay group goes back
-    in the model's parameter order. A rank without micro-batches meets at the same points."""
-    for per_step in spawn(_count_by_phase, 2, "shm", micro_batches):
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+@pytest.mark.parametrize("micro_batches, zero_grad_first", [([3, 1], False), ([2, 0], False), ([2, 0], True)])
+def test_one_sided_ranks_meet_only_where_gradients_are_read_and_consumed(micro_batches, zero_grad_first):
+    """No collective and no device wait during the micro-batches (nor in a forward after the step);
+    clip_grad_norm_ is one meeting (the sync, after one device wait: this rank's pushes complete) plus the norm's
+    one all-reduce; the optimizer step one meeting (the finish, in its hook, after one device wait: the new rows
+    visible), and zero_grad nothing at all, after the step or at the top of the next step ([zero-grad-pass]),
+    although param_groups' no-decay group makes it two passes over the parameters. A rank without micro-batches
+    meets and waits at the same points."""
+    for per_step in spawn(_count_by_phase, 2, "shm", micro_batches, zero_grad_first):
         for phases in per_step:
             assert phases["micro-batches"] == []
-            assert sorted(phases["clip"]) == ["all_gather_single", "funcol.all_reduce"]
-            assert phases["step"] == ["all_gather_single"] * 3
+            assert sorted(phases["clip"]) == ["all_gather_single", "funcol.all_reduce", "quiesce"]
+            assert sorted(phases["step"]) == ["all_gather_single", "quiesce"]
+            assert phases["zero_grad"] == []
         assert per_step[-1]["next forward"] == []
 
 
@@ -113,6 +151,35 @@ def test_grad_read_in_the_middle_of_a_minibatch_is_refused():
     stopped with a clear error at that forward (the other rank took the read for the end of the minibatch)."""
     with pytest.raises(RuntimeError, match="rank 0 failed(.|\n)*a forward pass after gradients were read"):
         spawn(_read_grad_mid_minibatch, 2, [2, 1], timeout=120)
+
+
+def _zero_grad_between_micro_batches(micro_batches: list[int]) -> str:
+    """A loop that calls zero_grad() after every micro-batch slot (a misuse: in plain PyTorch it drops the
+    gradients): ranks with micro-batches sync there, a rank without skips those passes ([zero-grad-pass])."""
+    rank = dist.get_rank()
+    run = Run(len(micro_batches), micro_batches)
+    model = ODCShard(ParityModel(), 4096, comm="shm")
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+    try:
+        mine = run.data[0][rank]
+        for k in range(max(micro_batches)):
+            if k < len(mine):
+                causal_lm_loss(model(mine[k][0]), mine[k][1], run.tokens(0)).backward()
+            opt.zero_grad()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    finally:
+        model.close()
+    return "no error"
+
+
+def test_zero_grad_between_micro_batches_is_refused_on_every_rank():
+    """The skipped zero_grad passes are counted at the next meeting: where ranks disagree, every rank raises the
+    same error naming zero_grad, instead of one rank syncing where the other does not (mixed minibatches). Rank 1
+    skipped two zero_grad() calls of two passes each (param_groups' no-decay group goes back in model order)."""
+    with pytest.raises(RuntimeError, match=r"rank [01] failed(.|\n)*minibatch 0, 0 zero_grad\(\) pass\(es\) "
+                                           r"without gradients(.|\n)*minibatch 0, 4 zero_grad"):
+        spawn(_zero_grad_between_micro_batches, 2, [2, 0], timeout=120)
 
 
 def _tiny() -> torch.nn.Sequential:

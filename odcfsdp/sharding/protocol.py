@@ -57,8 +57,8 @@ READY           FORWARD      _forward_after_read: drop the gradients read, or   
 ==============  ===========  ==================================================  ======================
 
 Events: READ, a ``.grad`` read that starts a pass ([grad-protocol]) outside forward
-and backward; STEP, an optimizer step over any of this model's parameters
-([optimizer-events]); CLEARED, a trained parameter's ``.grad`` set to None
+and backward, except a ``zero_grad`` pass of a fresh minibatch ([zero-grad-pass]);
+STEP, an optimizer step over any of this model's parameters ([optimizer-events]); CLEARED, a trained parameter's ``.grad`` set to None
 (``zero_grad``); FORWARD, a root forward in grad mode. Every root forward first checks
 that no gradient was half consumed and no row is stale; ``rows_changing`` works
 from any state and ends in ACCUMULATING.
@@ -91,7 +91,27 @@ parameters:
   rank runs the same micro-batches, but raises with one-sided transports on several
   ranks, where the other ranks took that read for the end of the minibatch.
 
-Reads during forward or backward never meet (they return what is attached). Frozen
+Reads during forward or backward never meet (they return what is attached).
+
+Design note [zero-grad-pass]
+----------------------------
+The standard loop calls ``zero_grad()`` right after ``opt.step()`` (or at the top of
+the next iteration), and ``zero_grad`` reads every ``.grad``. The step already
+finished the minibatch (3), so those reads would start a pass in ``ACCUMULATING``
+and sync: a second meeting per minibatch whose ``pushes_done`` waits for the
+whole device, the accumulators' zeroing on the push stream ([streams] 5) included,
+which is then back on the step's path. So a pass that starts inside a ``zero_grad``
+(any optimizer's or module's method of that name: the read's caller frames tell)
+while this rank's minibatch is *fresh* (no forward in grad mode, so no push, since
+the last finish or change) meets nobody: nothing is attached, nothing can be, and
+the reads return None. A rank without micro-batches cannot tell that pass from the
+``clip_grad_norm_`` pass that must meet (both come after a finish with no forward),
+which is why it takes the caller's name and not the order. Ranks must still agree:
+every meeting carries each rank's count of such skipped passes since the last
+meeting, and a difference raises alike on every rank (a ``zero_grad`` between
+micro-batches on ranks with micro-batches is a sync there, and skipped on a rank
+without). The step then costs two meetings, the sync and the finish, and
+``zero_grad`` none (``tests/test_protocol.py`` counts them). Frozen
 parameters have no gradient. Trained parameters that got no gradient in a minibatch
 in which some rank pushed get zeros (ranks cannot tell "none" from "zero" without
 another meeting), so weight decay and momentum still move them, as in other
@@ -104,12 +124,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import sys
 import time
 from typing import Iterator, Sequence
 
 import torch
 
 from .group import FlatGroup
+from .meetings import Meeting, Meetings
 from .mesh import ShardMesh
 from .optimizer_events import install_optimizer_hooks
 from .param import ShardedParam
@@ -153,22 +175,17 @@ TRANSITIONS: dict[tuple[GradState, StepEvent], str] = {
 }
 
 
-class _Meeting(enum.IntEnum):
-    SYNC = 1
-    CHANGE = 2
-    FINISH = 3
-
-
-def _disagreement(who: str, table: torch.Tensor) -> str | None:
-    """The error when the rows of ``table`` (``who`` 0, 1, ...: kind, minibatch, ...) name different meetings."""
-    if not (table[:, :2] != table[0, :2]).any():
-        return None
-    names = {int(m): m.name.lower() for m in _Meeting}
-    where = ", ".join(f"{who} {r}: {names.get(k, f'meeting {k}')} of minibatch {m}"
-                      for r, (k, m, *_) in enumerate(table.tolist()))
-    return (f"{who}s disagree about the minibatch ({where}). Every rank must run the same loop: read .grad "
-            "(clip_grad_norm_, opt.step) only after its micro-batches, and step or zero_grad every trained parameter "
-            "each minibatch")
+def _inside_zero_grad(depth: int = 3) -> bool:
+    """Whether a ``zero_grad`` method (an optimizer's or a module's) is among the nearest ``depth`` callers of
+    the ``.grad`` read being handled ([zero-grad-pass]): frames above ``grad_read`` and the property getter."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "zero_grad":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StepProtocol:
@@ -188,6 +205,7 @@ class StepProtocol:
         self.busy = busy
         #: ranks may push different numbers of times per minibatch (the transport's capability, read once here).
         self.uneven_micro_batches = self.transport.caps.uneven_micro_batches
+        self.meetings = Meetings(mesh, self.transport.name, self.uneven_micro_batches)
         self.state = GradState.ACCUMULATING
         self.closed = False
         self.pushes = 0  # gradient pushes of this rank since the last finish
@@ -195,6 +213,8 @@ class StepProtocol:
         self.synced_pushes = 0  # every rank's pushes, as of the last sync
         self.last_wait_s = 0.0  # time the last sync waited for the other ranks
         self._pass_position: int | None = None  # model position of the last .grad read of the current pass
+        self.fresh = True  # no forward in grad mode since the last finish or change ([zero-grad-pass])
+        self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
         self._trained: list[FlatGroup] = []
         self._trained_params: list[ShardedParam] = []
@@ -235,56 +255,20 @@ class StepProtocol:
             g.to_sharded()
 
     # -- meetings ------------------------------------------------------------------------------------
-    def _meet(self, kind: _Meeting) -> int:
-        """One meeting of all ranks; returns the pushes of every rank. Raises alike on every rank if they disagree.
-
-        A sync of a shard group also meets the other replicas ([hsdp]): one small all-gather of each group's
-        (kind, minibatch, pushes, problem), so that a problem found in one group stops every replica together.
-        """
-        self.mesh.arrive(f"the {kind.name.lower()} meeting of minibatch {self.minibatch}")  # [watchdog]
-        mine = torch.tensor([int(kind), self.minibatch, self.pushes], dtype=torch.int64, device=self.mesh.device)
-        table = self.mesh.all_gather_rows(mine).cpu()
-        problem = _disagreement("rank", table)
-        if problem is None and kind is _Meeting.SYNC and not self.uneven_micro_batches and \
-                (table[:, 2] != table[0, 2]).any():
-            problem = (f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, but ranks "
-                       f"pushed {table[:, 2].tolist()} gradients: balance with lb_micro, or use a one-sided transport")
-        pushes = int(table[:, 2].sum())
-        if kind is _Meeting.SYNC and self.mesh.replicas > 1:
-            row = torch.tensor([int(kind), self.minibatch, pushes, problem is not None], dtype=torch.int64,
-                               device=self.mesh.device)
-            groups = self.mesh.replicate.all_gather_rows(row).cpu()
-            pushes = int(groups[:, 2].sum())
-            if problem is None:
-                problem = _disagreement("replica", groups)
-            if problem is None and groups[:, 3].any():
-                stopped = groups[:, 3].nonzero().flatten().tolist()
-                problem = f"replica(s) {stopped} stopped at this sync (see their error)"
-        if problem is not None:
-            raise RuntimeError(problem)
-        return pushes
+    def _meet(self, kind: Meeting) -> int:
+        """One meeting of all ranks (``Meetings.meet``); returns every rank's pushes."""
+        skipped, self.skipped_passes = self.skipped_passes, 0
+        return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
 
     def declare_minibatch(self, micro_batches: int, tokens: int | None) -> int | None:
         """``ODCShard.begin_minibatch``: one small all-gather (none if one-sided without tokens); see there."""
-        everyone = self.mesh.everyone  # with HSDP the tokens of every replica count
-        if everyone.world_size == 1 or (self.uneven_micro_batches and tokens is None):
-            return tokens
-        local = torch.tensor([micro_batches, tokens or 0], dtype=torch.int64, device=self.mesh.device)
-        table = everyone.all_gather_rows(local).cpu()
-        mine = [self.mesh.global_rank(r) for r in range(self.mesh.world_size)]
-        group = table if everyone is self.mesh else table[mine]
-        counts = group[:, 0].tolist()  # this shard group's
-        if not self.uneven_micro_batches and len(set(counts)) > 1:
-            raise RuntimeError(
-                f"comm='{self.transport.name}' needs the same number of micro-batches on every rank, got {counts} "
-                "by rank; balance with lb_micro, or use a one-sided transport (comm='shm' on CPU, 'nvshmem' on CUDA)")
-        return int(table[:, 1].sum()) if tokens is not None else None
+        return self.meetings.declare_minibatch(micro_batches, tokens)
 
     def _sync(self, _params=()) -> None:
         """Meeting 1 of [step-protocol]: every rank's pushes are in; attach the gradient shards."""
         t0 = time.perf_counter()
         self.comm.pushes_done()
-        self.synced_pushes = self._meet(_Meeting.SYNC)  # with HSDP, over every replica
+        self.synced_pushes = self._meet(Meeting.SYNC)  # with HSDP, over every replica
         self.last_wait_s = time.perf_counter() - t0
         if self.mesh.replicas > 1 and self.synced_pushes:  # [hsdp]: the replicas' one exchange of gradients
             for g in self._trained:
@@ -302,9 +286,9 @@ class StepProtocol:
     def _finish(self, _params=()) -> None:
         """Meeting 3 of [step-protocol]: publish the updated rows, zero the accumulators, start a minibatch."""
         self.reshard_all()
-        self._settle([g for g in self.groups if g.layout.requires_grad or g.master_changed], _Meeting.FINISH)
+        self._settle([g for g in self.groups if g.layout.requires_grad or g.master_changed], Meeting.FINISH)
 
-    def _settle(self, changed: Sequence[FlatGroup], kind: _Meeting) -> None:
+    def _settle(self, changed: Sequence[FlatGroup], kind: Meeting) -> None:
         for g in changed:
             g.publish()
         for g in self._trained:
@@ -314,6 +298,7 @@ class StepProtocol:
         self.pushes = 0
         self.minibatch += 1
         self.state = GradState.ACCUMULATING
+        self.fresh = True
         self._consumed = set()
         self._pass_position = None
 
@@ -322,9 +307,9 @@ class StepProtocol:
         """Context in which master rows may change (collective; pending gradients are dropped)."""
         self.reshard_all()
         self.comm.pushes_done()
-        self._meet(_Meeting.CHANGE)
+        self._meet(Meeting.CHANGE)
         yield
-        self._settle(self.groups, _Meeting.CHANGE)
+        self._settle(self.groups, Meeting.CHANGE)
 
     # -- transitions that meet nobody ----------------------------------------------------------------
     def _accumulate(self, _params=()) -> None:
@@ -366,6 +351,7 @@ class StepProtocol:
                 f"{' ...' if len(names) > 4 else ''}), so the rows other ranks gather are stale: change them inside "
                 "`with model.changing_parameters():` (collective), or with model.load_state_dict()")
         if torch.is_grad_enabled():
+            self.fresh = False
             self._fire(StepEvent.FORWARD)
 
     def after_backward(self) -> None:
@@ -379,7 +365,11 @@ class StepProtocol:
             return sp.attached
         new_pass = self._pass_position is None or sp.position <= self._pass_position
         self._pass_position = sp.position
-        if new_pass:
+        if not new_pass:
+            return sp.attached
+        if self.fresh and self.state is GradState.ACCUMULATING and _inside_zero_grad():
+            self.skipped_passes += 1  # [zero-grad-pass]: nothing attached, nothing pushed; no meeting
+        else:
             self._fire(StepEvent.READ)
         return sp.attached
 

@@ -34,7 +34,8 @@ done*:
    so leaves the step and runs under the next forward. A rank's own reads of its
    accumulators (the sync) come after ``pushes_done``, so after it too. Whoever times
    a step waits for the current stream only (``loop.train_step``); a device-wide sync
-   would wait for the zeroing too.
+   would wait for the zeroing too. The standard loop's ``zero_grad()`` after the step
+   meets nobody and waits for nothing ([zero-grad-pass] in ``protocol.py``).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .collectives import RankGroup
 
 _fatal_handler: Callable[[str], None] | None = None
+_wait_cap_s = float("inf")  # set by a launcher that bounds its ranks (set_wait_cap)
 
 
 def set_fatal_handler(handler: Callable[[str], None] | None) -> None:
@@ -51,6 +52,16 @@ def set_fatal_handler(handler: Callable[[str], None] | None) -> None:
     """
     global _fatal_handler
     _fatal_handler = handler
+
+
+def set_wait_cap(seconds: float) -> None:
+    """Bound every watchdog of this process to ``seconds``, whatever ``timeout_s`` it is given.
+
+    A launcher that kills its ranks after some time (``odcfsdp.launch.spawn``) sets a cap below it, so that a
+    rank stuck at a meeting raises, or its heartbeat ends it, naming where it stood, before the launcher's kill.
+    """
+    global _wait_cap_s
+    _wait_cap_s = seconds
 
 
 def _die(message: str) -> None:
@@ -161,13 +172,13 @@ class Watchdog:
             on the store keys of this watchdog.
         timeout_s: how long a rank waits for the others: ``arrive`` names the ranks missing at a
             meeting after it, and the heartbeat ends the process naming a rank silent for it
-            (0 or inf: no heartbeat).
+            (0 or inf: no heartbeat); at most the process's cap (``set_wait_cap``).
 
     With one rank there is nothing to guard and ``arrive`` returns at once.
     """
 
     def __init__(self, everyone: RankGroup, timeout_s: float):
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = min(timeout_s, _wait_cap_s)
         self._rank, self._world_size = everyone.rank, everyone.world_size  # global ranks
         self._arrivals = 0  # arrive() calls so far (the same sequence on every rank)
         self._store = None
