@@ -2,23 +2,30 @@
 
 ``fsdp2`` is what torchtitan does: ``fully_shard`` per decoder layer, then the root, with
 ``MixedPrecisionPolicy(bf16, fp32 reduce)`` on GPUs; the last layer stays gathered after forward
-(backward starts with it, so resharding it would only gather it again at once). ``ddp`` keeps fp32
+(backward starts with it, so resharding it would only gather it again at once). ``fsdp2_nosync`` is how
+collective users live with several micro-batches: FSDP2 with gradient sync off until the last micro-batch
+(``set_requires_gradient_sync(False)``: no reduce-scatter, unsharded gradients accumulate) and no reshard after
+backward (``set_reshard_after_backward(False)``: no re-gather for the next micro-batch's forward), FSDP2's
+documented recipe for gradient accumulation; it trades ZeRO-3's memory for ZeRO-2's. ``ddp`` keeps fp32
 parameters, computes under bf16 autocast on GPUs and skips the all-reduce of non-final micro-batches.
-Each returns (model, autocast context, loss scale, no_sync): both average gradients over ranks, so the
+Each returns (model, autocast context, loss scale, no_sync): all average gradients over ranks, so the
 e2e bench's summed losses are scaled by the world size (see ``e2e_bench.wrap``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 
-def fsdp2(model: nn.Module, layers: list[nn.Module], device: torch.device, offload: bool = False):
-    """FSDP2 over ``layers`` and the root (``offload``: ``CPUOffloadPolicy``, host masters and CPU step)."""
+def fsdp2(model: nn.Module, layers: list[nn.Module], device: torch.device, offload: bool = False,
+          nosync: bool = False):
+    """FSDP2 over ``layers`` and the root (``offload``: ``CPUOffloadPolicy``, host masters and CPU step;
+    ``nosync``: the micro-batches before the last neither reduce nor reshard, see ``fsdp2_no_sync``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     cuda = device.type == "cuda"
@@ -28,7 +35,21 @@ def fsdp2(model: nn.Module, layers: list[nn.Module], device: torch.device, offlo
     for i, layer in enumerate(layers):
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
     fully_shard(model, **kwargs)
-    return model, contextlib.nullcontext, float(dist.get_world_size()), None
+    no_sync = functools.partial(fsdp2_no_sync, model) if nosync else None
+    return model, contextlib.nullcontext, float(dist.get_world_size()), no_sync
+
+
+@contextlib.contextmanager
+def fsdp2_no_sync(model):
+    """Around a non-final micro-batch's forward and backward: no gradient reduce-scatter and no reshard after
+    backward, for every FSDP module under ``model``; the last micro-batch (outside it) reduces and reshards."""
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
 
 
 def ddp(model: nn.Module, device: torch.device):

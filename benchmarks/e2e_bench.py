@@ -11,6 +11,8 @@ with the same AdamW settings and clipping; warm-up steps are excluded):
 * ``odc_collective``: the same with ``comm="collective"`` (NCCL / gloo);
 * ``fsdp2``: ``fully_shard`` per decoder layer (the last kept gathered) + root,
   ``MixedPrecisionPolicy(bf16, fp32 reduce)`` on GPUs, torchtitan's way (``e2e_baselines.py``);
+* ``fsdp2_nosync``: the same with gradient sync off and no reshard after backward until the last
+  micro-batch (how collective users accumulate over uneven counts, at ZeRO-2 memory);
 * ``ddp``: ``DistributedDataParallel`` with bf16 autocast on GPUs.
 * ``--model hf:<name>``: a Hugging Face model of real shapes; ``odc``, ``hf_fsdp2``, ``hf_ddp`` ([e2e-hf]).
 
@@ -107,9 +109,9 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
         return sharded, contextlib.nullcontext, 1.0, None
-    if baseline(method) in ("fsdp2", "fsdp2-offload"):  # torchtitan's way (e2e_baselines.py); HF models alike
+    if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
         return e2e_baselines.fsdp2(model, decoder_layers(model, bench_model(args).units), device,
-                                   offload=method.endswith("offload"))
+                                   offload=method.endswith("offload"), nosync=method.endswith("_nosync"))
     if baseline(method) == "ddp":
         return e2e_baselines.ddp(model, device)
     raise ValueError(f"unknown method {method!r}")
@@ -323,7 +325,8 @@ def parse(argv=None):
     p.add_argument("--model-path", default=None)
     p.add_argument("--vocab", type=int, default=None, help="the data's vocabulary (default: an HF model's, else 32000)")
     p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
-    p.add_argument("--methods", nargs="+", default=None, help="default: odc odc_collective fsdp2 ddp; HF: odc hf_fsdp2")
+    p.add_argument("--methods", nargs="+", default=None, help="default: odc odc_collective fsdp2 ddp (also: fsdp2_nosync); HF: odc hf_fsdp2 "
+                   "(also: hf_fsdp2_nosync, hf_ddp)")
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
     p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,

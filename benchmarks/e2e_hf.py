@@ -73,7 +73,7 @@ HF_SHAPES: dict[str, tuple[str, dict]] = {
                            num_key_value_heads=2, vocab_size=256, rope_theta=10000.0, rms_norm_eps=1e-5,
                            tie_word_embeddings=False, max_position_embeddings=65536)),
 }
-HF_METHODS = ("hf_fsdp2", "hf_ddp")
+HF_METHODS = ("hf_fsdp2", "hf_fsdp2_nosync", "hf_ddp")
 
 
 def hf_config(name: str):
@@ -101,7 +101,7 @@ def resolve_args(args) -> str | None:
     if args.model_path and not (Path(args.model_path) / "config.json").is_file():
         return f"--model-path {args.model_path}: no config.json there (a local Hugging Face model directory)"
     args.methods = args.methods or (["odc", "hf_fsdp2"] if hf else ["odc", "odc_collective", "fsdp2", "ddp"])
-    wrong = [m for m in args.methods if (m in ("fsdp2", "ddp") if hf else m in HF_METHODS)]
+    wrong = [m for m in args.methods if (m in ("fsdp2", "fsdp2_nosync", "ddp") if hf else m in HF_METHODS)]
     if wrong:
         return (f"--methods {' '.join(wrong)} do not apply to {'an HF' if hf else 'our Llama'} model: use "
                 + ("hf_fsdp2 / hf_ddp" if hf else "fsdp2 / ddp, or --model hf:<name> for hf_fsdp2 / hf_ddp"))

@@ -142,6 +142,12 @@ def balance_bound(results: list[dict]) -> list[str]:
             speedup, bound = odc["tokens_per_s"] / base["tokens_per_s"], base["rank_cost_max_over_mean"]
             out.append(f"\n- {w}: odc lb_mini / {base['method']} lb_micro = {speedup:.3f}x; balance bound "
                        f"({base['method']}'s rank cost max/mean) {bound:.3f}x: {speedup / bound:.1%} of it")
+        nosync = runs.get(("fsdp2_nosync", "lb_micro"))
+        if nosync and odc:  # the ZeRO-2-memory baseline: its speed and the memory it costs, side by side
+            peaks = [f"{r['peak_alloc_gib']:.1f}" if r["peak_alloc_gib"] is not None else "-" for r in (odc, nosync)]
+            out.append(f"- {w}: odc lb_mini / {nosync['method']} lb_micro = "
+                       f"{odc['tokens_per_s'] / nosync['tokens_per_s']:.3f}x, peak allocated {peaks[0]} vs "
+                       f"{peaks[1]} GiB")
     return out
 
 

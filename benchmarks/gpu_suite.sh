@@ -75,13 +75,14 @@ section_cmd() {  # section, gpus in lane, port, dir
     e2e_longtail_8b)  # issue 26's 8B validation points: 4 long-tailed samples (8K-64K) per GPU (--batch 2n: 2)
       echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
            "--activation-checkpointing --compile --methods odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
-    memory_8b_balanced)  # issue 23: memory by category at the peak, odc (default, gather_masters, lean) vs FSDP2
+    memory_8b_balanced)  # issues 23, 31: speed and memory by category at the peak, FSDP2 (torchtitan's way, and
+      # fsdp2_nosync: sync and reshard off until the last micro-batch) first, then odc (default, gather_masters, lean)
       echo "$run benchmarks/e2e_bench.py --size 8b --workloads balanced --batch $((2 * n)) --steps 3 --warmup 1" \
-           "--activation-checkpointing --compile --methods odc fsdp2 --variants gather_masters lean --memory-breakdown" \
-           "--keep-going --out $dir --commit $COMMIT $extra" ;;
+           "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants gather_masters lean" \
+           "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     memory_8b_longtail)  # the same on 4 long-tailed samples (8K-64K) per GPU; lb_mini and lb_micro for odc
       echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 2 --warmup 1" \
-           "--activation-checkpointing --compile --methods odc fsdp2 --variants lean --memory-breakdown" \
+           "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants lean --memory-breakdown" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
     best_fit_1b)  # 8 samples of 4K per GPU; DDP too at 1B
       echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 1b --workloads balanced --methods odc fsdp2" \
@@ -96,7 +97,7 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--batch $((4 * n)) --steps 2 --warmup 1 --timeout-s 180 --out $dir --commit $COMMIT $extra" ;;
     hf_8b_balanced)  # issue 24: 2 samples of 4096 tokens per GPU, compiled layers + recomputation for both
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads balanced --batch $((2 * n)) --steps 4" \
-           "--warmup 2 --activation-checkpointing --compile --methods odc hf_fsdp2 --profile odc hf_fsdp2" \
+           "--warmup 2 --activation-checkpointing --compile --methods hf_fsdp2 hf_fsdp2_nosync odc --profile odc hf_fsdp2" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
     hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro;
       # expandable segments for every method, as the CLI's long-tailed runs are advised to (reserved near allocated)

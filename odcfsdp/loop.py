@@ -97,12 +97,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
     for k, mb in enumerate(minibatch.mine):
         micro = (pack([minibatch.samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
         sync = no_sync() if no_sync is not None and k < last else contextlib.nullcontext()
-        with sync, autocast():
-            # The model returns the summed loss of its targets, its head fused with the loss
-            # ([linear-cross-entropy]): no micro-batch holds its full logits.
-            loss = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths,
-                         targets=micro.targets) / minibatch.global_targets
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        with sync:  # around backward too: FSDP2 reads its sync flag in backward, DDP at forward
+            with autocast():
+                # The model returns the summed loss of its targets, its head fused with the loss
+                # ([linear-cross-entropy]): no micro-batch holds its full logits.
+                loss = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths,
+                             targets=micro.targets) / minibatch.global_targets
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum += loss.detach()
     t_issued = time.perf_counter()
     if cuda:

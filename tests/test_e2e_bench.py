@@ -69,3 +69,24 @@ def test_memory_variants_train_the_same_model(tmp_path):
     for method in ("odc", "fsdp2"):
         for a, b in zip(runs[f"{method}-offload"]["losses"], runs[method]["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), method
+
+
+def test_fsdp2_nosync_trains_what_fsdp2_trains(tmp_path):
+    """Issue 31's baseline: FSDP2 with gradient sync off and no reshard after backward until the last micro-batch
+    takes the same steps as FSDP2 reducing every micro-batch (fp32 on CPU; 4 micro-batches per rank), and the
+    report sets odc beside it."""
+    e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "3", "--warmup", "1",
+                    "--batch", "8", "--seq", "64", "--cap", "512", "--pool", "20000", "--group-bytes", "8192",
+                    "--lr", "1e-2", "--methods", "odc", "fsdp2", "fsdp2_nosync", "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["results"]
+    for workload in ("balanced", "longtail"):
+        by = {r["method"]: r for r in runs if r["workload"] == workload and r["balance"] == "lb_micro"}
+        ref, nosync = by["fsdp2"], by["fsdp2_nosync"]
+        deferred = [min(s["rank_micro_batches"]) >= 2 for s in nosync["steps"]]  # steps with a reduction to defer
+        assert all(deferred) if workload == "balanced" else any(deferred), (workload, deferred)
+        assert ref["losses"][-1] < ref["losses"][0]
+        for a, b in zip(nosync["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (workload, nosync["losses"], ref["losses"])
+        for s, t in zip(nosync["steps"], ref["steps"]):
+            assert abs(s["grad_norm"] - t["grad_norm"]) <= 1e-5 * abs(t["grad_norm"]), workload
+    assert "odc lb_mini / fsdp2_nosync lb_micro = " in (tmp_path / "e2e_bench.md").read_text()
