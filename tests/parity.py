@@ -107,13 +107,13 @@ class Run:
 
 def train_loop(run: Run, model: nn.Module, batches, compute=lambda x: x, on_micro=None) -> dict:
     """The standard loop over ``batches(step)`` -> [(x, y), ...] micro-batches; per-step losses and clip norms,
-    and the host seconds each ``clip_grad_norm_`` and ``zero_grad`` took.
+    and the host seconds each ``clip_grad_norm_``, each ``zero_grad`` and each whole step took.
 
     ``compute`` moves inputs where the model runs; ``on_micro`` runs after each
     backward (the mixed-precision reference collects its gradients there).
     """
     opt, sched = run.optimizer_for(model)
-    losses, norms, clip_s, zero_grad_s = [], [], [], []
+    losses, norms, clip_s, zero_grad_s, step_s = [], [], [], [], []
 
     def zero_grad():
         t0 = time.perf_counter()
@@ -121,6 +121,7 @@ def train_loop(run: Run, model: nn.Module, batches, compute=lambda x: x, on_micr
         zero_grad_s.append(time.perf_counter() - t0)
 
     for step in range(run.steps):
+        t_step = time.perf_counter()
         if run.zero_grad_first:
             zero_grad()
         step_losses = []
@@ -139,7 +140,9 @@ def train_loop(run: Run, model: nn.Module, batches, compute=lambda x: x, on_micr
             sched.step()
         if not run.zero_grad_first:
             zero_grad()
-    return {"losses": losses, "norms": norms, "optimizer": opt, "clip_s": clip_s, "zero_grad_s": zero_grad_s}
+        step_s.append(time.perf_counter() - t_step)
+    return {"losses": losses, "norms": norms, "optimizer": opt, "clip_s": clip_s, "zero_grad_s": zero_grad_s,
+            "step_s": step_s}
 
 
 def reference_run(run: Run, dtype: torch.dtype, compile_backend: str | None = None) -> dict:
@@ -189,7 +192,7 @@ def sharded_run(
     from torch._dynamo.utils import counters
 
     return {"losses": out["losses"], "norms": out["norms"], "clip_s": out["clip_s"], "zero_grad_s": out["zero_grad_s"],
-            "params": state, "groups": len(model.groups),
+            "step_s": out["step_s"], "params": state, "groups": len(model.groups),
             "row_dtypes": heap_rows, "master_devices": host_masters,
             "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
