@@ -23,6 +23,21 @@ A hang must cost one call, never a whole run of tests, and must say where every 
 Workers die with the parent, however it dies (Linux ``PR_SET_PDEATHSIG``): killing a
 ``python -m odcfsdp.train`` leaves no rank running.
 
+Design note [private-store]
+---------------------------
+The ranks' key-value store (hosted here, see ``spawn``) is written by the ranks alone:
+
+1. it listens on 127.0.0.1 only (a socket bound there is handed to ``TCPStore``; given a host name
+   alone, its server would listen on every interface), since every rank ``spawn`` starts is local;
+2. every key the ranks use lies under a per-call secret prefix (``PrefixStore``), 128 random bits
+   that reach the ranks through ``multiprocessing``'s pipe, never a command line or the
+   environment: another local process that connects cannot read, forge or delete the ranks' keys
+   (the watchdog's arrivals and heartbeats, NCCL's bootstrap);
+3. the watchdog signals only a sibling: a process with its own rank's parent (the launcher,
+   ``spawn``'s fork server or ``torchrun``'s agent), never another pid read from a store
+   (``_Heartbeat._kill_stopped`` in ``sharding/watchdog.py``).
+Under ``torchrun`` the store is the agent's (its ``--rdzv-*`` settings decide where it listens).
+
 CPU (gloo) workers are forked from a fork server (``multiprocessing``'s "forkserver",
 Python 3.14's default on Linux) that imported torch and odcfsdp once per calling process:
 a call then costs ~0.1 s instead of ~5 s of imports per rank (most of a multi-process
@@ -40,6 +55,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
@@ -172,8 +188,18 @@ def _record_stacks(path: str | None) -> None:
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
 
 
+def loopback_store(world_size: int) -> dist.TCPStore:
+    """The launcher's key-value store, listening on 127.0.0.1 only ([private-store] 1)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, 2 * world_size))
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach())  # the store owns the descriptor from here
+
+
 def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None,
-            own_group=False, guard_s=120.0, stack_path=None) -> None:
+            own_group=False, guard_s=120.0, stack_path=None, secret="") -> None:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     _record_stacks(stack_path)
@@ -203,6 +229,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         # The parent hosts the store (see spawn): a stopped rank 0 must not take it down.
         waits = timedelta(seconds=min(guard_s, PROCESS_GROUP_TIMEOUT_S))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=waits)
+        store = dist.PrefixStore(f"odcfsdp-{secret}", store)  # [private-store] 2
         dist.init_process_group(CUDA_BACKENDS if backend == "nccl" else backend, store=store, rank=rank,
                                 world_size=world_size, timeout=waits)
         out = fn(*args)
@@ -290,15 +317,15 @@ def spawn(
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port
+    store = loopback_store(world_size)
+    port, secret = store.port, secrets.token_hex(16)  # [private-store]
     threads = max(1, (os.cpu_count() or 1) // world_size)
     stacks_dir = tempfile.TemporaryDirectory(prefix="odcfsdp-stacks-")
     paths = [os.path.join(stacks_dir.name, f"rank{r}.txt") for r in range(world_size)]
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ),
-                          signal.SIGINT in forward, GUARD_FRACTION * timeout, paths[r]))
+                          signal.SIGINT in forward, GUARD_FRACTION * timeout, paths[r], secret))
         for r in range(world_size)
     ]
     received = [] if received is None else received

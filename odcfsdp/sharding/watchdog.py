@@ -20,6 +20,9 @@ it, a stopped rank 0 makes the store unreachable, which ends the others after
    blocked where no exception reaches (inside a collective, a one-sided wait), so the
    thread reports one line (``set_fatal_handler``) and ends the process, as NCCL's
    watchdog does. A rank paused longer than ``timeout_s`` (a breakpoint included) ends the run.
+   A peer found stopped (SIGSTOP) is SIGKILLed first, since it acts on no other signal and its
+   launcher would wait out a grace period, but only a sibling: a process of this rank's own
+   parent (``stopped_sibling``), never any other pid a store names.
 
 Each ``ShardMesh`` owns one ``Watchdog``, over all its ranks (with HSDP every replica's).
 """
@@ -73,6 +76,18 @@ def _die(message: str) -> None:
             sys.stderr.flush()
     finally:
         os._exit(1)
+
+
+def stopped_sibling(pid: int) -> bool:
+    """Whether ``pid`` is a stopped process started by this process's own parent (the launcher): the only kind
+    the watchdog may signal, whatever pid a store names ([private-store] 3 in ``odcfsdp/launch.py``)."""
+    if pid == os.getpid() or pid <= 1:
+        return False
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] in ("T", "t") and int(fields[1]) == os.getppid()
 
 
 class _Heartbeat:
@@ -151,8 +166,7 @@ class _Heartbeat:
         for r in ranks:
             try:
                 host, pid = self._store.get(f"{self._prefix}/pid/{r}").decode().split()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if host == socket.gethostname() and state in ("T", "t"):
+                if host == socket.gethostname() and stopped_sibling(int(pid)):
                     os.kill(int(pid), signal.SIGKILL)
             except (OSError, ValueError, RuntimeError):
                 pass
