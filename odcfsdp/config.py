@@ -18,6 +18,7 @@ come from the model specs ([model-specs] in ``odcfsdp/specs``).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from .checks import choice, did_you_mean, positive
+from .checks import choice, did_you_mean, in_range, positive
 from .data.balance import BALANCERS
 from .data.formats import FORMAT_CHOICES
 from .data.lengths import KINDS as LENGTH_KINDS
@@ -222,6 +223,18 @@ def _optimizer_checks(o: OptimConfig) -> None:
                              f"its arguments are {takes}")
 
 
+def _length_checks(lengths) -> None:
+    """Synthetic sample lengths: positive bounds in order, a finite spread."""
+    positive("data.lengths.min_len", lengths.min_len)
+    positive("data.lengths.max_len", lengths.max_len)
+    if lengths.min_len > lengths.max_len:
+        raise ValueError(f"data.lengths.min_len={lengths.min_len} must be <= data.lengths.max_len={lengths.max_len}")
+    positive("data.lengths.median", lengths.median)
+    positive("data.lengths.sigma", lengths.sigma, allow_zero=True)
+    if any(not math.isfinite(w) or w < 0 for w in lengths.weights) or not sum(lengths.weights) > 0:
+        raise ValueError(f"data.lengths.weights={list(lengths.weights)} must be finite, >= 0 and not all 0")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` naming the key and the allowed values for anything invalid."""
     specs = model_specs()
@@ -241,14 +254,30 @@ def validate(cfg: TrainConfig) -> None:
     choice("data.format", cfg.data.format, FORMAT_CHOICES)
     choice("data.lengths.kind", cfg.data.lengths.kind, LENGTH_KINDS)
     positive("data.batch_size", cfg.data.batch_size)
-    positive("data.micro_batch_tokens", cfg.data.micro_batch_tokens)
+    if cfg.data.micro_batch_tokens < 2:  # one position predicts nothing: a micro-batch needs an input and a target
+        raise ValueError(f"data.micro_batch_tokens={cfg.data.micro_batch_tokens!r} must be >= 2")
     positive("data.vocab_size", cfg.data.vocab_size)
+    positive("data.pool_tokens", cfg.data.pool_tokens)
+    in_range("data.prompt_fraction", cfg.data.prompt_fraction, 0, 1, hi_open=True)
+    _length_checks(cfg.data.lengths)
     choice("balance.kind", cfg.balance.kind, BALANCERS)
+    for key in ("cost_a", "cost_b"):
+        if getattr(cfg.balance, key) is not None:
+            positive(f"balance.{key}", getattr(cfg.balance, key), allow_zero=True)
+    positive("balance.attention_cost_factor", cfg.balance.attention_cost_factor)
     _optimizer_checks(cfg.optim)
     choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
     positive("optim.lr", cfg.optim.lr, allow_zero=True)
+    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    positive("optim.eps", cfg.optim.eps, allow_zero=True)
+    if cfg.optim.max_norm is not None:
+        positive("optim.max_norm", cfg.optim.max_norm)
+    positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
+    in_range("optim.min_lr_ratio", cfg.optim.min_lr_ratio, 0, 1)
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas must hold two values, got {list(cfg.optim.betas)}")
+    for i, beta in enumerate(cfg.optim.betas):
+        in_range(f"optim.betas[{i}]", beta, 0, 1, hi_open=True)
     choice("shard.comm", cfg.shard.comm, COMM_CHOICES)
     choice("shard.offload_policy", cfg.shard.offload_policy, OFFLOAD_CHOICES)
     if cfg.shard.offload_policy and cfg.shard.gather_masters:
@@ -276,7 +305,10 @@ def validate(cfg: TrainConfig) -> None:
     positive("run.world_size", cfg.run.world_size)
     positive("run.eval_interval", cfg.run.eval_interval, allow_zero=True)
     choice("run.on_nonfinite", cfg.run.on_nonfinite, ("stop", "skip"))
-    positive("run.timeout_s", cfg.run.timeout_s)
+    positive("run.timeout_s", cfg.run.timeout_s, allow_inf=True)  # inf: no watchdog
+    positive("run.warmup_steps", cfg.run.warmup_steps, allow_zero=True)
+    if not str(cfg.run.out_dir).strip():
+        raise ValueError("run.out_dir is empty: give the directory the run writes to (default runs/default)")
     positive("run.max_skipped", cfg.run.max_skipped)
     if cfg.run.eval_interval and not cfg.data.eval_path:
         raise ValueError("run.eval_interval needs data.eval_path=<held-out file.jsonl>")

@@ -366,10 +366,8 @@ def spawn(
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     except (RuntimeError, TimeoutError) as e:  # [bounded-spawn] 3: where the others stood, before the kill
         stacks = _collect_stacks(procs, paths, out)
-        if stacks:
-            sys.stderr.write(f"{type(e).__name__} in spawn; the ranks' stacks:\n{stacks}\n")
-            if hasattr(e, "add_note"):
-                e.add_note(stacks)
+        if stacks:  # a note on the error (pytest shows it; the CLI writes it to error.log), never the terminal
+            e.add_note(stacks)
         raise
     finally:
         try:  # still forwarding while the workers exit: a second Ctrl-C here ends the wait (they die with us)

@@ -76,7 +76,7 @@ def run(cfg: TrainConfig) -> None:
         except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
             log = Path(cfg.run.out_dir) / "error.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(str(e))
+            log.write_text("\n".join([str(e), *getattr(e, "__notes__", [])]))  # the ranks' stacks too
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
             raise RankError(f"{head} (traceback in {log})") from None

@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 
 from .builders import build_optimizer, build_sharded_model, build_source, jsonl_source, pick_device, tokenizer_path
 from .checkpoint import (
-    CheckpointError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint,
+    CheckpointError, NonFiniteStateError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest,
+    save_checkpoint,
 )
 from .config import TrainConfig, checkpoint_dir, resolve, validate
 from .interrupts import Interrupted, install, restore
@@ -36,7 +37,8 @@ from .sharding import ODCShard
 
 
 class NonFiniteError(RuntimeError):
-    """A run stopped at a non-finite loss or gradient norm (``run.on_nonfinite``)."""
+    """A run stopped at a non-finite loss or gradient norm (``run.on_nonfinite``), or at a save refused because an
+    update made a parameter or an optimizer state non-finite."""
 
 
 def train(cfg: TrainConfig) -> list[dict]:
@@ -110,9 +112,13 @@ def train(cfg: TrainConfig) -> list[dict]:
         if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM / SIGINT: all stop after this step
             preempted, signum = step + 1, int(table[:, 7].max().item())  # SIGTERM (15) names a mix of both
         if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or preempted:  # resumable when stopped
-            save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
-                            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
-                            extra={"samples_consumed": (step + 1) * batch})
+            try:
+                save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
+                                config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                                extra={"samples_consumed": (step + 1) * batch})
+            except NonFiniteStateError as e:  # a finite norm, a non-finite update (optim.lr too large): stop here
+                stopped = str(e)
+                break
         if preempted:
             break
     terminate.restore()

@@ -18,16 +18,35 @@ replicas' ranks add ``replica<k>-rank<r>.safetensors`` holding only their RNG st
   AdamW: ``type``, ``step_count`` and its hyper-parameters;
 * ``scheduler``: the LR scheduler's ``state_dict``, or null;
 * ``files``: per rank file its size in bytes and CRC-32.
+
+Design note [bound-files]
+-------------------------
+A manifest and its rank files are bound to each other (version 3), so that an edited manifest or a rank file
+from another checkpoint is refused in one line, before anything is read (edits that resumed silently with a
+jump in the loss, issue 32):
+
+1. each rank file's safetensors header carries ``step``, ``world_size``, ``replicas`` and ``plan``, the SHA-256
+   of the canonical JSON of the manifest's ``params`` (every parameter's shape, dtype, group, offset and ``seg``)
+   as the writer had it;
+2. on load, every rank reads every listed file's header (no tensor data) and compares: a file of another step or
+   world size, or a manifest whose ``world_size``, ``replicas``, ``step`` or ``params`` were edited, is refused,
+   alike on every rank; the file list must hold exactly one file per writer;
+3. the CRC-32 of each file (``files``) still catches truncation and corruption when its tensors are read.
+A rank file whose CRC-32 was rewritten in the manifest is caught by 2 unless its header was rewritten too; a
+deliberate forgery of both is out of scope (whoever can write the directory can write a whole checkpoint).
+Versions 1 and 2 carry no binding and load as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 FORMAT = "odcfsdp-checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+BOUND_KEYS = ("step", "world_size", "replicas", "plan")  # [bound-files] 1
 MANIFEST = "manifest.json"
 
 
@@ -86,3 +105,55 @@ def check_params(manifest: dict, slots: dict, where: Path) -> None:
         if p["requires_grad"] != trained:
             raise CheckpointError(f"{where}: parameter {name!r} is {'trained' if p['requires_grad'] else 'frozen'} "
                                   f"in the checkpoint but not in the model")
+
+
+def check_size(file: Path, info: dict) -> None:
+    """Refuse a rank file whose size is not the manifest's (``info``: its ``files`` entry)."""
+    size = file.stat().st_size
+    if size != info["bytes"]:
+        raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced)")
+
+
+def plan_digest(params: list[dict]) -> str:
+    """SHA-256 of the canonical JSON of a manifest's ``params`` ([bound-files] 1)."""
+    return hashlib.sha256(json.dumps(params, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def file_binding(step: int, world_size: int, replicas: int, params: list[dict]) -> dict[str, str]:
+    """The header metadata that binds a rank file to its checkpoint ([bound-files] 1)."""
+    return {"step": str(step), "world_size": str(world_size), "replicas": str(replicas), "plan": plan_digest(params)}
+
+
+def check_files_bound(path: Path, manifest: dict) -> None:
+    """Refuse, naming the file, a rank file not written for this manifest ([bound-files] 2); versions 1-2: nothing."""
+    if manifest.get("version", 0) < 3:
+        return
+    from safetensors import safe_open
+
+    path = Path(path)
+    replicas = manifest.get("replicas", 1)
+    want = {rank_file(r, k) for r in range(manifest["world_size"]) for k in range(replicas)}
+    listed = {f["file"] for f in manifest["files"]}
+    if listed != want:
+        extra, missing = sorted(listed - want), sorted(want - listed)
+        raise CheckpointError(f"{path / MANIFEST}: lists {len(listed)} rank files for world_size "
+                              f"{manifest['world_size']} x {replicas} replica(s)"
+                              f"{f', not {missing[0]}' if missing else ''}{f', and {extra[0]}' if extra else ''}: "
+                              "the manifest was edited or belongs to another checkpoint")
+    expected = file_binding(manifest["step"], manifest["world_size"], replicas, manifest["params"])
+    for name in sorted(listed):
+        file, info = path / name, next(f for f in manifest["files"] if f["file"] == name)
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        check_size(file, info)  # before the header: a truncated file is named as such
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors name no file
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+        for key in BOUND_KEYS:
+            if meta.get(key) != expected[key]:
+                what = "parameter plan (params: shapes, groups, offsets, segs)" if key == "plan" else key
+                raise CheckpointError(f"{file}: written with {what} {meta.get(key)!r}, but the manifest says "
+                                      f"{expected[key]!r}: the manifest was edited or the file is from another "
+                                      "checkpoint")

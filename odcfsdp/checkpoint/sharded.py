@@ -2,7 +2,9 @@
 
 Save (collective), as numbered steps:
 
-1. the ranks agree that no gradient is pending; rank 0 picks ``step_<k>.tmp-<token>/``
+1. the ranks agree that no gradient is pending and that no parameter shard or optimizer state holds a NaN or an
+   infinity (one all-reduce; refused with ``NonFiniteStateError`` naming the first); rank 0 picks
+   ``step_<k>.tmp-<token>/``
    (clearing leftovers of an earlier, killed save of the same step);
 2. each rank writes ``rank<r>.safetensors``: per parameter, its dim-0 shard of the
    fp32 master and of every optimizer state tensor shaped like the parameter (AdamW's
@@ -48,10 +50,35 @@ from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
 from ..sharding.shard import ODCShard
 from .files import crc32_of, fsync_path, write_json_durably
-from .manifest import FORMAT, MANIFEST, READABLE_VERSIONS, VERSION, CheckpointError, check_params, rank_file, read_manifest
+from .manifest import (
+    FORMAT, MANIFEST, VERSION, CheckpointError, check_files_bound, check_params, check_size, file_binding, rank_file,
+    read_manifest,
+)
 
 _COMPLETE = re.compile(r"^step_(\d{8})$")
 _ASIDE = re.compile(r"^step_(\d{8})\.old-[0-9a-f]+$")  # the previous copy of a step saved twice
+
+
+class NonFiniteStateError(CheckpointError):
+    """A save refused because a parameter or an optimizer state holds a NaN or an infinity."""
+
+
+def _first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> tuple[str | None, int]:
+    """(name of the first tensor holding a non-finite value or None, how many such values in all), on each
+    tensor's own device, one host read at the end."""
+    counts = [(~torch.isfinite(t)).sum() for _, t in named if t.numel() and t.is_floating_point()]
+    if not counts:
+        return None, 0
+    per = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
+    names = [n for n, t in named if t.numel() and t.is_floating_point()]
+    return next((n for n, c in zip(names, per) if c), None), int(sum(per))
+
+
+def _plan(model: ODCShard) -> list[dict]:
+    """The manifest's ``params``: each parameter and where it sat in the writer's plan (the same on every rank)."""
+    return [{"name": s.name, "shape": list(s.shape), "dtype": str(lay.dtype).removeprefix("torch."),
+             "requires_grad": lay.requires_grad, "group": lay.index, "offset": s.offset, "seg": s.shard}
+            for lay in model.layouts for s in lay.slots]
 
 
 def _model_slots(model: ODCShard) -> dict:
@@ -181,9 +208,17 @@ def save_checkpoint(
     # Every rank checks the optimizer's state (a refusal comes alike everywhere); replica 0 copies it.
     opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer,
                                                                                     copy=mesh.replica == 0)
-    pending = everyone.all_reduce_sum(torch.tensor([float(model.pending_pushes)], device=mesh.device))
-    if pending.item():  # decided together: a rank raising alone would leave the others waiting
+    masters = [(sp.name, shard) for sp, shard in model.shard_state.shards()]
+    bad = _first_nonfinite(masters + [(k.rpartition("/")[0] + f" ({k.rpartition('/')[2]})", v)
+                                      for k, v in opt_tensors.items()])
+    # One meeting decides both refusals alike on every rank (a rank raising alone would leave the others waiting).
+    counts = everyone.all_reduce_sum(torch.tensor([float(model.pending_pushes), float(bad[1])], device=mesh.device))
+    if counts[0].item():
         raise CheckpointError("save_checkpoint was called with gradients pending; save between optimizer steps")
+    if counts[1].item():  # step 1's guard: a checkpoint never holds a NaN or an infinity
+        where = next(w for w in everyone.all_gather_object(bad[0] and f"{bad[0]} on rank {everyone.rank}") if w)
+        raise NonFiniteStateError(f"not saving step {step}: {int(counts[1].item())} non-finite values in the "
+                                  f"parameters or optimizer state (first: {where}); earlier checkpoints are kept")
     directory = Path(directory)
     rank, world = model.rank, model.world_size
     token = everyone.broadcast_object(secrets.token_hex(4))
@@ -209,7 +244,9 @@ def save_checkpoint(
     if mesh.device.type == "cuda":
         tensors["__rng__/cuda"] = torch.cuda.get_rng_state(mesh.device)
     path = tmp / rank_file(rank, mesh.replica)
-    save_file(tensors, path, metadata={"rank": str(rank), "python_random": json.dumps(random.getstate())})
+    plan = _plan(model)
+    save_file(tensors, path, metadata={"rank": str(rank), "python_random": json.dumps(random.getstate()),
+                                       **file_binding(step, world, mesh.replicas, plan)})
     fsync_path(path)
     files = everyone.all_gather_object({"file": path.name, "bytes": path.stat().st_size, "crc32": crc32_of(path)})
 
@@ -217,11 +254,7 @@ def save_checkpoint(
         manifest = {
             "format": FORMAT, "version": VERSION, "world_size": world, "replicas": mesh.replicas, "step": step,
             "param_dtype": str(model.param_dtype).removeprefix("torch."),
-            "params": [
-                {"name": s.name, "shape": list(s.shape), "dtype": str(lay.dtype).removeprefix("torch."),
-                 "requires_grad": lay.requires_grad, "group": lay.index, "offset": s.offset, "seg": s.shard}
-                for lay in model.layouts for s in lay.slots
-            ],
+            "params": plan,
             "aliases": model.aliases, "optimizer": opt_entry,
             "scheduler": None if scheduler is None else {k: _jsonable(v) for k, v in scheduler.state_dict().items()},
             "files": files, "config": config, "extra": extra or {},
@@ -260,9 +293,7 @@ class _Files:
                 raise CheckpointError(f"{file} is missing")
             info = self.info[name]
             if self.verify:
-                size = file.stat().st_size
-                if size != info["bytes"]:
-                    raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced)")
+                check_size(file, info)
                 if crc32_of(file) != info["crc32"]:
                     raise CheckpointError(f"{file}: checksum mismatch (the file was altered or corrupted)")
             self.open[rank, replica] = safe_open(str(file), framework="pt")
@@ -288,6 +319,7 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
     path = Path(path)
     manifest = read_manifest(path)
     check_params(manifest, _model_slots(model), path)
+    check_files_bound(path, manifest)  # every rank, every file's header: a mismatch is refused alike everywhere
     saved_opt = manifest.get("optimizer")
     if optimizer is not None and saved_opt is None:
         raise CheckpointError(f"{path}: holds no optimizer state, but an optimizer was given")

@@ -1,0 +1,81 @@
+"""Issue 32: bad values refused in one line before any rank starts, and no checkpoint of non-finite weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from odcfsdp.checkpoint import list_checkpoints
+from odcfsdp.config import checkpoint_dir, config_from, validate
+from test_train import cli
+
+BAD = [  # (overrides, the one line's message)
+    ({"optim": {"lr": float("inf")}}, "optim.lr=inf must be a finite number >= 0"),
+    ({"optim": {"lr": float("nan")}}, "optim.lr=nan must be a finite number >= 0"),
+    ({"optim": {"max_norm": -1.0}}, "optim.max_norm=-1.0 must be > 0"),
+    ({"optim": {"betas": [2.0, 3.0]}}, "optim.betas[0]=2.0 must be in [0, 1)"),
+    ({"optim": {"eps": -1.0}}, "optim.eps=-1.0 must be >= 0"),
+    ({"optim": {"warmup_steps": -1}}, "optim.warmup_steps=-1 must be >= 0"),
+    ({"optim": {"min_lr_ratio": -0.5}}, "optim.min_lr_ratio=-0.5 must be in [0, 1]"),
+    ({"data": {"micro_batch_tokens": 1}}, "data.micro_batch_tokens=1 must be >= 2"),
+    ({"data": {"pool_tokens": -1}}, "data.pool_tokens=-1 must be > 0"),
+    ({"data": {"lengths": {"sigma": -1.0}}}, "data.lengths.sigma=-1.0 must be >= 0"),
+    ({"data": {"lengths": {"min_len": 600}}}, "data.lengths.min_len=600 must be <= data.lengths.max_len=512"),
+    ({"balance": {"cost_a": float("nan")}}, "balance.cost_a=nan must be a finite number >= 0"),
+    ({"run": {"timeout_s": float("nan")}}, "run.timeout_s=nan must be a number > 0"),
+    ({"run": {"warmup_steps": -2}}, "run.warmup_steps=-2 must be >= 0"),
+    ({"run": {"out_dir": ""}}, "run.out_dir is empty"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=[m.split("=")[0].split(" ")[0] for _, m in BAD])
+def test_values_that_make_no_sense_are_refused(overrides, message):
+    with pytest.raises(ValueError) as e:
+        validate(config_from(overrides))
+    assert message in str(e.value)
+
+
+def test_an_infinite_timeout_means_no_watchdog_and_is_accepted():
+    validate(config_from({"run": {"timeout_s": float("inf")}}))
+
+
+@pytest.mark.parametrize("arg, message", [("optim.lr=inf", "optim.lr=inf must be a finite number >= 0"),
+                                          ("optim.betas=[2,3]", "optim.betas[0]=2.0 must be in [0, 1)"),
+                                          ("run.timeout_s=nan", "run.timeout_s=nan must be a number > 0")])
+def test_the_cli_refuses_them_in_one_line_before_ranks_start(tmp_path, arg, message):
+    proc = cli(arg, f"run.out_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines == [f"error: {message}"], proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_run_whose_update_made_weights_non_finite_stops_without_saving_it(tmp_path, monkeypatch):
+    """An update can make weights non-finite with a finite gradient norm (the guard's check): the save of that
+    step is refused, the run stops as at a non-finite norm (NonFiniteError: rc 3 from the CLI), and the only
+    checkpoints are the finite ones before it."""
+    import odcfsdp.trainer as trainer
+
+    build = trainer.build_optimizer
+
+    def poisoned_after_step_2(*args, **kwargs):
+        opt, *rest = build(*args, **kwargs)
+        step, calls = opt.step, []
+
+        def poisoned(*a, **k):
+            out = step(*a, **k)
+            calls.append(1)
+            if len(calls) == 2:
+                p = opt.param_groups[0]["params"][0]
+                with torch.no_grad():
+                    (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] = float("inf")
+            return out
+
+        opt.step = poisoned
+        return (opt, *rest)
+
+    monkeypatch.setattr(trainer, "build_optimizer", poisoned_after_step_2)
+    cfg = config_from({"run": {"steps": 4, "world_size": 1, "out_dir": str(tmp_path / "run")},
+                       "optim": {"warmup_steps": 1}, "checkpoint": {"interval": 1}})
+    with pytest.raises(trainer.NonFiniteError, match=r"not saving step 2: 1 non-finite values .*first: "):
+        trainer.train(cfg)
+    assert [p.name for p in list_checkpoints(checkpoint_dir(cfg))] == ["step_00000001"]
