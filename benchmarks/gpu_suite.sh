@@ -14,7 +14,8 @@
 # best_fit.py --merge), hf_8b_balanced, hf_8b_longtail (the HF Llama-3.1-8B shape: odc vs hf_fsdp2),
 # hf_1b_vs_llama_1b (HF Llama-3.2-1B shape vs our 1B, same workload, one call; fits one GPU),
 # hf_finetune_longtail (the CLI on long-tailed chats next to the e2e bench's odc run of the same model;
-# fits one GPU). Results go to OUT/<section>_n<GPUs>/; each lane is packed into
+# fits one GPU), sim_heldout_8b (issue 31: the step simulator's next held-out 8B run, another seed and 2 samples
+# per GPU). Results go to OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
@@ -36,7 +37,7 @@ declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [comm]=240 [optim]=240 [ch
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
-                  [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570)
+                  [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570 [sim_heldout_8b]=570)
 
 per_test_bound() {  # pytest-timeout's option, where the plugin is installed (carry its wheel); spawn bounds either way
   if python3 -c 'import pytest_timeout' 2>/dev/null; then echo "--timeout $1"; else echo "-p no:timeout"; fi
@@ -104,6 +105,12 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --activation-checkpointing --compile --methods odc hf_fsdp2 --keep-going --out $dir" \
            "--alloc-conf expandable_segments:True --commit $COMMIT $extra" ;;
+    sim_heldout_8b)  # issue 31: held out from the simulator's 8B fit (n2_8b_longtail_memory_949626a: seed 0, 4 per
+      # GPU): seed 1 and 2 long-tailed samples per GPU, another data stream; then step_sim.py --validate --size 8b
+      # --held-out <this run's results/e2e folder>. About 3 runs x 5 steps of ~8 s + compile and builds, in 570 s
+      echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((2 * n)) --seed 1 --steps 4" \
+           "--warmup 1 --activation-checkpointing --compile --methods fsdp2 odc --keep-going --out $dir" \
+           "--commit $COMMIT $extra" ;;
     hf_1b_vs_llama_1b)  # the same long-tailed samples (128256-token vocabulary) through our 1B and the HF 1B shape
       local e2e="benchmarks/e2e_bench.py --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
             flags="--activation-checkpointing --compile --keep-going --alloc-conf expandable_segments:True --commit $COMMIT $extra"

@@ -1,7 +1,13 @@
 """Step-time simulator: where ODC + LB-Mini beats FSDP2's balancers, from 2 to 64 GPUs (issue 26).
 
-    python benchmarks/step_sim.py --out results/sim/<name>                # the sweep (JSON + markdown + chart)
-    python benchmarks/step_sim.py --validate --out results/sim/<name>     # predictions vs the committed 2/4-GPU runs
+    python benchmarks/step_sim.py --size 8b --out results/sim/<name>      # the sweep (JSON + markdown + chart)
+    python benchmarks/step_sim.py --validate --size 8b --out results/sim/<name>   # refit + revalidate (see below)
+
+``--validate`` is the refit entry point (``step_sim_fit.refit``): it refits the size's time model on the committed
+runs (``step_sim_fit.SETUPS[size]``: its fit runs and host-floor run) and prices the fit's own steps (in-sample),
+its held-out runs (another seed or samples per GPU; ``--held-out RUN`` adds a newly committed one) and its
+same-stream checks; each speedup with its error in the gain (speedup - 1). The sweep fits the same runs unless
+``--fit`` names others; ``--size`` without a setup needs ``--fit``.
 
 It replays seeded length distributions through the balancers we ship (``odcfsdp.data.balance``) and the ones
 users run, and prices every plan with a cost model fitted on committed GPU runs (``results/e2e/``). No GPU.
@@ -42,9 +48,13 @@ Fit (``step_sim_fit.py``): least squares of one-sided ranks' measured compute se
 ranks do not wait for each other, collective ones do); ``o_2`` = the mean over steps of the smallest rank's
 optimizer seconds (the last rank to finish waits for no one); ``h`` = the host-issue seconds per micro-batch of a
 committed balanced run (4K-token micro-batches, host-bound), the least over its methods (the model's own launch
-path, which every method pays), scaled by the layer count for other sizes. Both methods use the same ``t``: the simulator
-predicts what balancing does; FSDP2's own per-micro-batch speed (measured 2-4% slower than odcfsdp on the same
-plan) is not in it, so its ratios are balancing's share of ODC's gain.
+path, which every method pays), scaled by the layer count for other sizes. A run of another model shape (the HF
+8B's 128256-token LM head) is priced with the fit's rates scaled as for another size (``step_sim_fit.scaled``).
+Both methods use the same ``t``: the simulator predicts what balancing does; FSDP2's own per-micro-batch speed
+(measured 2-4% slower than odcfsdp on the same plan) is not in it, so its ratios are balancing's share of ODC's
+gain. ``fsdp2_nosync`` (no reduce-scatter before the last micro-batch) is priced as collective too: its layers
+still re-gather for every micro-batch's backward, and with 2 micro-batches per rank (the committed 8B runs) the
+first one's forward gathers and the last one's backward reduces with every rank either way.
 
 What it found about LB-Mini (``--study``, ``results/sim/sweep_1b/``): on the long-tailed distributions LB-Mini's
 step is within 3% of the bound (within 2% at 4 or more samples per GPU); Karmarkar-Karp on cost gains at most 0.9%
@@ -96,7 +106,8 @@ DISTRIBUTIONS = {
                               "the committed long-tailed e2e runs use it"),
     "swe": Distribution("swe", LengthConfig(kind="lognormal", min_len=2048, max_len=131072, median=30000, sigma=0.55),
                         131072, "SWE-Smith-like agent trajectories (Yang et al. 2025): lognormal, median 30K, "
-                        "sigma 0.55, 2K-128K (mean ~35K); an assumed shape with the issue's mean, not fitted to the data"),
+                        "sigma 0.55, 2K-128K (mean ~35K); an assumed shape with the issue's mean, not fitted to the "
+                        "data"),
     "chat": Distribution("chat", LengthConfig(kind="lognormal", min_len=16, max_len=16384, median=600, sigma=1.0),
                          16384, "short chat SFT (ShareGPT / UltraChat-like): lognormal, median 600, sigma 1.0, "
                          "16-16K (mean ~1K); an assumed shape with the issue's mean"),
@@ -264,12 +275,14 @@ def simulate(dist: Distribution, n: int, per_gpu: int, tm: TimeModel, over: Over
 def parse(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--validate", action="store_true", help="predict the committed runs instead of sweeping")
-    p.add_argument("--fit", nargs="+", default=["n2_longtail_cudnn_costfit_compiled_93d573e"],
-                   help="results/e2e long-tailed runs whose one-sided ranks fit the sweep's time model (pooled)")
-    p.add_argument("--host-run", default="n2_balanced_cudnn_compiled_d89966a",
-                   help="results/e2e balanced run whose host-issue seconds per micro-batch give the host floor h")
-    p.add_argument("--size", default="1b", help="model size priced: the fit's own, or another scaled by FLOPs")
+    p.add_argument("--validate", action="store_true", help="refit on the committed runs and predict them (in-sample, "
+                   "held out, same stream) instead of sweeping: step_sim_fit.refit")
+    p.add_argument("--fit", nargs="+", default=None, help="results/e2e long-tailed runs whose one-sided ranks fit "
+                   "the time model (pooled); default: the size's setup (step_sim_fit.SETUPS)")
+    p.add_argument("--host-run", default=None, help="results/e2e balanced run whose host-issue seconds per "
+                   "micro-batch give the host floor h; default: the size's setup")
+    p.add_argument("--held-out", nargs="+", default=[], help="--validate: more held-out runs, priced by the fit")
+    p.add_argument("--size", default="1b", help="model size priced: its setup's fit, or --fit's scaled by FLOPs")
     p.add_argument("--distributions", nargs="+", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
     p.add_argument("--gpus", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     p.add_argument("--per-gpu", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="samples per GPU per minibatch")
@@ -281,6 +294,15 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(n < 1 or (n > 8 and n % 8) for n in args.gpus):
         p.error("--gpus: 1..8, or a multiple of 8 (8 GPUs per node beyond one node)")
+    if args.held_out and not args.validate:
+        p.error("--held-out: with --validate (held-out runs are priced, not swept)")
+    import step_sim_fit
+
+    setup = step_sim_fit.SETUPS.get(args.size)
+    if setup is None and (args.validate or not (args.fit and args.host_run)):
+        p.error(f"--size {args.size}: no fit setup ({', '.join(step_sim_fit.SETUPS)}); name --fit and --host-run")
+    if not args.validate:
+        args.fit, args.host_run = args.fit or list(setup.fit), args.host_run or setup.host_run
     args.command = "python benchmarks/step_sim.py " + " ".join(sys.argv[1:] if argv is None else argv)
     return args
 
@@ -293,19 +315,25 @@ def main(argv=None) -> dict:
     args = parse(argv)
     meta = {"date": datetime.date.today().isoformat(), "commit": provenance.default_commit(), "command": args.command}
     if args.validate:
-        data = {"meta": meta, **step_sim_fit.validate(host_run=args.host_run, nccl_gbps=args.nccl_gbps)}
+        try:
+            found = step_sim_fit.refit(args.size, tuple(args.held_out), tuple(args.fit or ()), args.host_run,
+                                       args.nccl_gbps)
+        except ValueError as e:  # a refused held-out pair or a run that does not replay: one line
+            sys.exit(f"step_sim --validate: {e}")
+        data = {"meta": meta, **found}
         text = step_sim_report.validation_markdown(data)
     else:
         fit = step_sim_fit.fit_runs(args.fit, args.host_run)
         tm, params, opt2 = step_sim_fit.for_size(fit, args.size)
-        meta.update(fit=fit.as_dict(), size=args.size, time_model=vars(tm), opt_s_at_2=opt2,
+        meta.update(fit=fit.as_dict(), size=args.size, time_model=vars(tm), opt_s_at_2=opt2, scaled=tm != fit.time,
                     distributions={d: DISTRIBUTIONS[d].source for d in args.distributions})
         points = []
         over = {n: overheads(n, params, opt2, args.nccl_gbps) for n in args.gpus}  # measured rates read once per N
         for d, n, k in itertools.product(args.distributions, args.gpus, args.per_gpu):
             count = min(64, max(8, args.samples // (n * k)))
             points.append(simulate(DISTRIBUTIONS[d], n, k, tm, over[n], count, args.seed, args.study))
-        data = {"meta": meta, "points": points, "measured": step_sim_fit.measured_speedups()}
+        known = step_sim_fit.setup_runs(args.size) if args.size in step_sim_fit.SETUPS else []  # the size's runs
+        data = {"meta": meta, "points": points, "measured": step_sim_fit.measured_speedups(known)}
         text = step_sim_report.sweep_markdown(data)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_sim.json").write_text(json.dumps(data, indent=1))

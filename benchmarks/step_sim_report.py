@@ -15,13 +15,13 @@ def sweep_markdown(data: dict) -> str:
     meta, fit = data["meta"], data["meta"]["fit"]
     tm = meta["time_model"]
     lines = _head(meta, f"Step-time simulation: ODC + LB-Mini vs FSDP2's balancers ({meta['size']})")
-    lines += [f"- time model: fitted on {', '.join(f'`{r}`' for r in fit['runs'])} ({fit['size']}, {fit['points']} "
+    lines += [f"- time model: fitted on {', '.join(f'`{r}`' for r in fit['runs'])} ({fit['model']}, {fit['points']} "
               f"rank-steps, largest residual {fit['max_rel_residual']:.1%}): a = {tm['a']:.4g} s/pos^2, "
               f"b = {tm['b']:.4g} s/pos, c = {tm['c']:.4g} s per micro-batch, host floor h = {tm['h']:.4g} s per "
               f"micro-batch; optimizer at 2 GPUs "
               f"{meta['opt_s_at_2']['odc']:.3f} s (odc), {meta['opt_s_at_2']['fsdp2']:.3f} s (fsdp2)"
-              + ("" if meta["size"] == fit["size"] else
-                 f"; {meta['size']}: the {fit['size']} rates scaled by attention and matmul FLOPs (not validated)"),
+              + (f"; {meta['size']}: the {fit['model']} rates scaled by attention and matmul FLOPs (not validated)"
+                 if meta["scaled"] else ""),
               "- step = FSDP2: sum over micro-batches of the slowest rank's; ODC: the slowest rank's sum; both "
               "+ optimizer; bound = every rank at the mean work (`benchmarks/step_sim.py`, [step-sim])",
               "- speedups are balancing's share only: FSDP2's own per-micro-batch speed (2-4% below odcfsdp's on "
@@ -42,37 +42,76 @@ def sweep_markdown(data: dict) -> str:
     study = [p for p in data["points"] if "odc_kk" in p["step_s"]]
     if study:
         lines += ["## LB-Mini against other partitions (mean step / balance bound; lower is better)", "",
-                  "| distribution | GPUs | samples/GPU | LB-Mini (LPT or LB-Micro's shares) | Karmarkar-Karp | LPT + overhead share |",
+                  "| distribution | GPUs | samples/GPU | LB-Mini (LPT or LB-Micro's shares) | Karmarkar-Karp "
+                  "| LPT + overhead share |",
                   "|---|---|---|---|---|---|"]
         for p in study:
             s, b = p["step_s"], p["step_s"]["bound"]
             lines.append(f"| {p['distribution']} | {p['gpus']} | {p['samples_per_gpu']} | {s['odc_lb_mini'] / b:.4f} | "
                          f"{s['odc_kk'] / b:.4f} | {s['odc_lpt_overhead'] / b:.4f} |")
         lines.append("")
-    lines += ["## Measured (committed runs, 1B, LongAlign-like; ODC + LB-Mini over FSDP2 + LB-Micro)", "",
-              "| run | GPUs | samples/GPU | measured |", "|---|---|---|---|"]
-    lines += [f"| `{m['run']}` | {m['gpus']} | {m['samples_per_gpu']} | {m['speedup_vs_lb_micro']:.3f}x |"
-              for m in data["measured"]]
+    lines += [f"## Measured (committed runs of {meta['size']}, LongAlign-like; ODC + LB-Mini over FSDP2 + "
+              "LB-Micro)", "",
+              "| run | model | GPUs | samples/GPU | seed | baseline | measured |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| `{m['run']}` | {m['model']} | {m['gpus']} | {m['samples_per_gpu']} | {m['seed']} | {m['baseline']} | "
+              f"{m['speedup_vs_lb_micro']:.3f}x |" for m in data["measured"]]
     return "\n".join(lines) + "\n"
 
 
-def validation_markdown(data: dict) -> str:
-    """The validation table: fit on one committed run, predict another; errors against the 5% target."""
-    lines = _head(data["meta"], "Step simulator against the committed long-tailed runs (1B)")
-    lines += ["- each row: the time model fitted on the `fit` run's one-sided ranks, the `target` run's steps "
-              "replayed (same seeded samples, same plans) and priced; target: within 5%", ""]
-    for name, f in data["fits"].items():
-        lines.append(f"- fit `{name}`: a = {f['a']:.4g}, b = {f['b']:.4g}, c = {f['c']:.4g}, h = {f['h']:.4g}, optimizer at 2 GPUs "
-                     f"{f['opt_s_at_2']['odc']:.3f} / {f['opt_s_at_2']['fsdp2']:.3f} s (odc / fsdp2), "
-                     f"largest residual {f['max_rel_residual']:.1%} over {f['points']} rank-steps")
-    lines += ["", "| fit -> target | what changes | GPUs | samples/GPU | quantity | measured | predicted | error | "
-              "within 5% |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        lines.append(f"| `{r['fit']}` -> `{r['target']}` | {r['what']} | {r['gpus']} | {r['samples_per_gpu']} | "
-                     f"{r['quantity']} | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} | "
+def _fit_line(name: str, f: dict) -> str:
+    return (f"- fit `{name}` ({f['model']}): a = {f['a']:.4g}, b = {f['b']:.4g}, c = {f['c']:.4g}, h = {f['h']:.4g}, "
+            f"optimizer at 2 GPUs {f['opt_s_at_2']['odc']:.3f} / {f['opt_s_at_2']['fsdp2']:.3f} s (odc / fsdp2), "
+            f"largest residual {f['max_rel_residual']:.1%} over {f['points']} rank-steps")
+
+
+def _table(rows: list[dict], with_fit: bool) -> list[str]:
+    """Rows as a markdown table (what differs listed once per pair above it): ratio error and, for speedups, the
+    error in the gain; a summary line."""
+    if not rows:
+        return []
+    lines = []
+    if with_fit:
+        pairs = dict.fromkeys((r["fit"], r["target"], r["what"], r["note"]) for r in rows)
+        lines += [f"- `{f}` -> `{t}` ({w}){': ' + n if n else ''}"
+                  for f, t, w, n in pairs] + [""]
+    head = ("| fit -> target " if with_fit else "| target ") + (
+        "| GPUs | samples/GPU | seed | quantity | measured | predicted | error | gain error (pp) | gain error (rel) "
+        "| within 5% |")
+    lines += [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        who = f"`{r['fit']}` -> `{r['target']}`" if with_fit else f"`{r['target']}`"
+        gain = "| | " if r["gain_pp"] is None else (
+            f"| {r['gain_pp']:+.1f} | " + ("n/a" if r["gain_rel"] is None else f"{r['gain_rel']:+.0%}") + " ")
+        lines.append(f"| {who} | {r['gpus']} | {r['samples_per_gpu']} | {r['seed']} | {r['quantity']} | "
+                     f"{r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} {gain}| "
                      f"{'yes' if abs(r['error']) <= 0.05 else 'NO'} |")
-    misses = sum(abs(r["error"]) > 0.05 for r in data["rows"])
-    lines += ["", f"{len(data['rows']) - misses} of {len(data['rows'])} within 5%."]
+    misses = sum(abs(r["error"]) > 0.05 for r in rows)
+    gains = [abs(r["gain_pp"]) for r in rows if r["gain_pp"] is not None]
+    return lines + ["", f"{len(rows) - misses} of {len(rows)} within 5%; largest gain error "
+                        f"{max(gains, default=0.0):.1f} pp over {len(gains)} speedups.", ""]
+
+
+def validation_markdown(data: dict) -> str:
+    """The validation (``step_sim_fit.refit``): the fit's own steps, held-out runs, same-stream checks."""
+    size, fit = data["size"], data["fit"]
+    lines = _head(data["meta"], f"Step simulator against the committed long-tailed runs ({size})")
+    lines += ["- each row: the time model fitted on the `fit` runs' one-sided ranks, the target run's measured steps "
+              "replayed (same seeded samples, same plans) and priced; error = predicted / measured - 1 (target: "
+              "within 5%); for a speedup s, the error in its gain s - 1: (s_pred - 1) - (s_meas - 1) in percentage "
+              "points, and relative, (s_pred - 1) / (s_meas - 1) - 1",
+              "- held out = another data stream (another seed, or another number of samples per GPU); a target with "
+              "a fit run's seed and samples per GPU draws the same samples and is a same-stream check, not held out",
+              f"- host floor h from `{data['host_run']}`", ""]
+    lines += [_fit_line(k, f) for k, f in data["fits"].items()]
+    lines += ["", f"## Fit (in-sample): {', '.join(f'`{r}`' for r in fit['runs'])}", ""]
+    lines += _table(data["fit_rows"], with_fit=False)
+    lines += ["## Held out (another data stream)", ""]
+    lines += _table(data["held_out_rows"], with_fit=True) or [
+        f"None committed for {size}: every other {size} run replays the fit's data stream (below). "
+        + data.get("pending", ""), ""]
+    if data["same_stream_rows"]:
+        lines += ["## Same data stream (not held out)", ""]
+        lines += _table(data["same_stream_rows"], with_fit=True)
     return "\n".join(lines) + "\n"
 
 
@@ -112,7 +151,7 @@ def chart(data: dict, path: Path) -> Path | None:
             ax.set_xlabel("GPUs")
             ax.set_ylabel("step-time speedup (dashed: balance bound)")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, title="red x: measured (1B)", title_fontsize=7)
+    axes[0][0].legend(fontsize=7, title=f"red x: measured ({data['meta']['size']})", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -101,25 +101,78 @@ def test_lb_mini_against_lb_micros_plan():
 
 @pytest.fixture(scope="module")
 def validation():
-    """The validation over the committed runs (replay, fit, predict)."""
-    return F.validate()
+    """The 1B validation over the committed runs (``refit``: replay, fit, predict)."""
+    return F.refit("1b")
 
 
 def test_validation_on_the_committed_runs(validation):
     """Replayed plans reproduce the recorded ones (else replay raises); the measured column is the JSON's own
-    step_s_mean; every prediction is within 5% except d89966a's lb_mini, whose rank 0 ran host-bound in step 2."""
-    rows = validation["rows"]
-    assert len(rows) == 6 * 6
-    for r in rows:
+    step_s_mean; every prediction is within 5% except d89966a's lb_mini, whose rank 0 ran host-bound in step 2; the
+    tables: in-sample (the fit's run), held out (4 <-> 8 samples per GPU), same stream (other plans, 2 <-> 4 GPUs)."""
+    v = validation
+    assert v["fit"]["runs"] == list(F.SETUPS["1b"].fit) and len(v["fit_rows"]) == 6
+    assert len(v["held_out_rows"]) == 2 * 6 and len(v["same_stream_rows"]) == 4 * 6
+    assert all(r["note"].startswith("not held out:") for r in v["same_stream_rows"])
+    assert {r["samples_per_gpu"] for r in v["held_out_rows"]} == {4, 8}
+    for r in v["fit_rows"] + v["held_out_rows"] + v["same_stream_rows"]:
         if r["quantity"] == "odc + lb_mini step s":
             data = json.loads((F.E2E / r["target"] / "e2e_bench.json").read_text())
             want = next(x for x in data["results"] if (x["method"], x["balance"]) == ("odc", "lb_mini"))
             assert r["measured"] == pytest.approx(want["step_s_mean"], rel=1e-9)
         if r["target"] != "n2_longtail_cudnn_compiled_d89966a" or r["quantity"].startswith("speedup"):
             assert abs(r["error"]) <= 0.05, r
-    n4 = [r for r in rows if r["target"] == "n4_longtail_ba211a2" and r["quantity"].startswith("speedup: odc lb_mini "
-                                                                                              "over fsdp2")]
+    n4 = [r for r in v["same_stream_rows"] if r["target"] == "n4_longtail_ba211a2"
+          and r["quantity"] == "speedup: odc lb_mini over fsdp2 lb_micro"]
     assert len(n4) == 1 and n4[0]["measured"] > 1.2 and abs(n4[0]["error"]) < 0.02  # 2 GPUs predict 4
+
+
+def test_gain_errors_closed_form(validation):
+    """The error in the gain (speedup - 1): percentage points and relative, by hand and on every speedup row."""
+    pp, rel = F.gain_errors(1.2, 1.25)  # gains 20% and 25%
+    assert pp == pytest.approx(-5.0) and rel == pytest.approx(0.2 / 0.25 - 1)
+    assert F.gain_errors(1.5, 1.0) == (pytest.approx(50.0), None)  # no measured gain: no relative error
+    rows = validation["fit_rows"] + validation["held_out_rows"] + validation["same_stream_rows"]
+    speedups = [r for r in rows if r["quantity"].startswith("speedup")]
+    assert speedups and all(r["gain_pp"] is None for r in rows if r not in speedups)
+    for r in speedups:
+        p, m = r["predicted"], r["measured"]
+        assert r["gain_pp"] == pytest.approx(100 * ((p - 1) - (m - 1)))
+        assert r["gain_rel"] == pytest.approx((p - 1) / (m - 1) - 1)
+        assert r["error"] == pytest.approx(p / m - 1)
+
+
+def test_held_out_refuses_the_same_stream(monkeypatch):
+    """A held-out pair of one run, or of the fit's seed and samples per GPU, is refused in one line; another
+    samples-per-GPU count is held out; refit refuses such a pair declared held-out."""
+    n2, n4 = F.replay("n2_longtail_ba211a2"), F.replay("n4_longtail_ba211a2")  # seed 0, 4 per GPU, 2 and 4 GPUs
+    with pytest.raises(ValueError, match="not held out: .* is a fit run itself") as e:
+        F.check_held_out([n2], n2)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="seed 0 and 4 samples per GPU .*the same data stream"):
+        F.check_held_out([n2], n4)
+    F.check_held_out([F.replay("n2_longtail_compiled_40df8df")], F.replay("n2_longtail_b16_compiled_40df8df"))
+    bad = F.Setup(("n2_longtail_ba211a2",), F.SETUPS["1b"].host_run,
+                  held_out=((("n2_longtail_ba211a2",), "n4_longtail_ba211a2", "2 -> 4 GPUs"),))
+    monkeypatch.setitem(F.SETUPS, "bad", bad)
+    with pytest.raises(ValueError, match="not held out"):
+        F.refit("bad")
+    with pytest.raises(ValueError, match="is a fit run itself"):
+        F.refit("1b", extra_held_out=(F.SETUPS["1b"].fit[0],))
+
+
+def test_refit_8b_on_the_committed_runs():
+    """The 8B entry point on today's runs: the HF 8B run replays (its own vocabulary and model shape), is refused
+    as held out (the fit's seed and samples per GPU) and priced as a same-stream check; every step within 5%."""
+    pytest.importorskip("transformers", reason="the HF run's model shape needs transformers (test extra)")
+    v = F.refit("8b")
+    assert v["fit"]["runs"] == ["n2_8b_longtail_memory_949626a"] and v["fit"]["model"] == "Llama 8b"
+    assert v["held_out_rows"] == [] and "sim_heldout_8b" in v["pending"]
+    quantities = {r["quantity"] for r in v["fit_rows"]}
+    assert {"fsdp2_nosync + lb_micro step s", "speedup: odc lb_mini over fsdp2_nosync lb_micro"} <= quantities
+    hf = v["same_stream_rows"]
+    assert hf and all(r["target"] == "n2_hf_8b_longtail_9921c73" and "seed 0" in r["note"] for r in hf)
+    assert "speedup: odc lb_mini over hf_fsdp2 lb_micro" in {r["quantity"] for r in hf}
+    assert all(abs(r["error"]) <= 0.05 for r in v["fit_rows"] + hf)
 
 
 def test_replay_refuses_a_run_it_cannot_reproduce(tmp_path, monkeypatch):
@@ -142,7 +195,12 @@ def test_cli_validate_and_refusals(tmp_path):
                         timeout=300, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
     md = (tmp_path / "v" / "step_sim.md").read_text()
-    assert md.count("| `n2_longtail") + md.count("| `n4_longtail") == 36 and "within 5%." in md
+    assert md.count("| `n2_longtail") + md.count("| `n4_longtail") == 42 and "within 5%; largest gain error" in md
+    assert "## Fit (in-sample)" in md and "## Held out (another data stream)" in md and "gain error (pp)" in md
+    refused = subprocess.run([*env_cmd, "--validate", "--held-out", "n2_longtail_cudnn_compiled_d89966a", "--out",
+                              str(tmp_path / "r")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert "not held out" in refused.stderr and not (tmp_path / "r").exists()
     bad = subprocess.run([*env_cmd, "--gpus", "12", "--out", str(tmp_path / "b")], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "multiple of 8" in bad.stderr
