@@ -29,6 +29,7 @@ import dataclasses
 import inspect
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 from typing import Any
@@ -140,15 +141,64 @@ def _closest(key: str) -> str:
     return did_you_mean(key, [k for k, _, _ in key_table()])
 
 
+def _parsed(arg: str):
+    """Hydra's parse of one override; ``ValueError`` in one line where its grammar refuses it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides([arg])[0]
+    except OverrideParseException:
+        key, _, value = arg.partition("=")
+        raise ValueError(f"{arg}: the value cannot be read; quote it ({key}='{value}'), as paths with spaces or "
+                         "non-ASCII characters must be") from None
+
+
+def _check_type(arg: str, key: str, typed):
+    """``ValueError`` naming ``key`` and the type it takes when ``arg``'s value is not of it (Hydra would say so in
+    4-6 lines, after the config was composed); returns the structured config it checks against, built once."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    override = _parsed(arg)
+    if override.is_sweep_override():
+        return typed
+    typed = OmegaConf.structured(TrainConfig) if typed is None else typed
+    try:
+        OmegaConf.update(typed, key, override.value(), merge=True)
+    except OmegaConfBaseException:
+        raise ValueError(f"{arg}: {key} takes {_type_name(key)}, not {override.value()!r}") from None
+    return typed
+
+
+def _type_name(key: str) -> str:
+    """The type a config key takes, in words (``a float``, ``an int``, ``a list of floats``, ...)."""
+    node: Any = TrainConfig
+    for part in key.split(".")[:-1]:
+        node = {f.name: f.type for f in dataclasses.fields(node)}[part]
+        node = eval(node, vars(sys.modules[TrainConfig.__module__])) if isinstance(node, str) else node  # noqa: S307
+    kind = {f.name: f.type for f in dataclasses.fields(node)}[key.split(".")[-1]]
+    kind = str(kind).replace("typing.", "")
+    words = {"float": "a float", "int": "an int", "bool": "true or false", "str": "a string",
+             "list[float]": "a list of floats", "float | None": "a float or null", "int | None": "an int or null",
+             "str | None": "a string or null", "bool | None": "true, false or null"}
+    return words.get(kind, kind)
+
+
 def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) -> list[str]:
     """The command line with its overrides checked and rewritten as [cli-keys] says; ``ValueError`` for an unknown key.
 
     ``groups`` are config groups (``+experiment=NAME``), not keys of the tree.
     """
-    out = []
+    out, typed = [], None
     for arg in args:
         m = re.fullmatch(r"(\+\+|\+|~)?([\w.\[\]-]+)(=.*)?", arg, re.S)
+        if not arg.startswith("-") and "_target_" in arg.split("=")[0] or arg.split("=")[0].lstrip("+~").startswith(
+                ("hydra.callbacks", "hydra/callbacks", "hydra/launcher", "hydra/sweeper")):
+            raise ValueError(f"{arg.split('=')[0]}: the command line takes no hydra keys that import or run code")
         if arg.startswith("-") or not m or (m[3] is None and m[1] != "~"):
+            if "=" in arg and not arg.startswith("-"):
+                _parsed(arg)  # not even an override: Hydra's grammar would say so in several lines
             out.append(arg)  # a flag (--multirun), or not an override
             continue
         prefix, key, value = m[1] or "", m[2], m[3] or ""
@@ -156,6 +206,8 @@ def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) 
             out.append(arg)
             continue
         state, (where, node) = _node_at(key)
+        if state == "ok" and value and not dataclasses.is_dataclass(node) and not isinstance(node, dict):
+            typed = _check_type(arg, key, typed)
         if state == "unknown" and where == "optim":  # an optimizer keyword argument
             key, state = "optim.kwargs." + key.removeprefix("optim."), "free"
         if state == "unknown":

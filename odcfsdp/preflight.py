@@ -13,6 +13,7 @@ exits with code 2, as for config errors.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from .checkpoint import latest_checkpoint
@@ -53,13 +54,15 @@ def _jsonl(key: str, path: str, data: DataConfig) -> list[str]:
 
 
 def _writable(key: str, path: str | Path) -> None:
-    """``path`` exists as a writable directory, or can be created (its first existing ancestor is writable)."""
+    """``path`` is a directory this process can write: created (with its parents) and a file made and removed in
+    it. Trying, not ``os.access``: root passes every access check, yet cannot write /proc or a read-only mount."""
     p = Path(path).absolute()
-    probe = p
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}={str(path)!r} is not writable ({probe} is not a writable directory)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".odcfsdp-write-test-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{key}={str(path)!r} is not writable: {e.strerror or e}") from None
 
 
 def used_run_dir(out_dir: str | Path) -> bool:
