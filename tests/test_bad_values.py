@@ -87,3 +87,39 @@ def test_a_run_whose_update_made_weights_non_finite_stops_without_saving_it(tmp_
     with pytest.raises(trainer.NonFiniteError, match=r"not saving step 2: 1 non-finite values .*first: "):
         trainer.train(cfg)
     assert [p.name for p in list_checkpoints(checkpoint_dir(cfg))] == ["step_00000001"]
+
+
+DATA = [  # (file name, bytes, the one line's message)
+    ("surrogate.jsonl", b'{"text": "\\ud800"}\n', "surrogate.jsonl:1: holds '\\\\ud800', a lone UTF-16 surrogate"),
+    ("deep.jsonl", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "deep.jsonl:1: nested too deeply"),
+    ("no_content.jsonl", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "yo"}]}\n',
+     "no_content.jsonl:1: messages[1] (assistant) has no 'content'"),
+    ("data.parquet", b"PAR1\x15\x04\x15\xff\xfe\x00", "data.parquet: not UTF-8 text: data files are JSONL, or a .json array"),
+]
+
+
+@pytest.mark.parametrize("name, data, message", DATA, ids=[d[0] for d in DATA])
+def test_bad_data_files_are_refused_before_ranks_start_naming_file_and_line(tmp_path, name, data, message):
+    from odcfsdp.preflight import preflight
+
+    (tmp_path / name).write_bytes(data)
+    cfg = config_from({"data": {"path": str(tmp_path / name)}, "run": {"out_dir": str(tmp_path / "run")}})
+    with pytest.raises(ValueError) as e:
+        preflight(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_json_file_holding_one_array_trains_like_jsonl(tmp_path):
+    """HF datasets' ``to_json(lines=False)`` writes one array: its records are read as JSONL's lines are."""
+    import json
+
+    from odcfsdp.data.jsonl import JsonlSource, read_records
+    from odcfsdp.data.tokenizer import ByteTokenizer
+
+    records = [{"prompt": f"q{i}", "completion": f"answer {i}"} for i in range(5)]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=1))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [r for _, r in read_records(tmp_path / "a.json")] == records
+    tok = ByteTokenizer()
+    a, b = JsonlSource(str(tmp_path / "a.json"), tok, 64), JsonlSource(str(tmp_path / "a.jsonl"), tok, 64)
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a.records, b.records))

@@ -149,6 +149,8 @@ def _turns(messages, key: str) -> list[dict]:
         role = ROLE_NAMES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
             raise ValueError(f"{where} has role {speaker!r}; known: {', '.join(ROLE_NAMES)}")
+        if "content" not in m and "value" not in m and not m.get("tool_calls"):  # a typo'd key trained on nothing
+            raise ValueError(f"{where} ({role}) has no 'content' (nor 'value', nor 'tool_calls'); keys: {sorted(m)}")
         turn = {"role": role, "content": _text(m["content"] if "content" in m else m.get("value"), where)}
         turn.update((k, m[k]) for k in TURN_KEYS if m.get(k) is not None)
         turns.append(turn)

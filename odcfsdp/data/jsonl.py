@@ -40,22 +40,55 @@ def encode_record(record: dict, tokenizer, where: str, data_format: str = "auto"
 
 
 def read_records(path: str | Path, key: str = "data.path") -> Iterator[tuple[int, dict]]:
-    """(line number, parsed record) of every non-empty line of a JSONL file.
+    """(line number, parsed record) of every non-empty line of a JSONL file; of a ``.json`` file holding one array,
+    (position from 1, record) of each element.
 
-    Raises ``FileNotFoundError`` naming ``key`` for a missing file and ``ValueError``
-    naming the line for one that is not JSON.
+    Raises ``FileNotFoundError`` naming ``key`` for a missing file and ``ValueError`` naming the line (or position)
+    for one that is not JSON, is nested too deeply to read, or holds a string that is not text (a lone UTF-16
+    surrogate such as ``"\\ud800"``, which no tokenizer can encode).
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{key}={str(path)!r} is not a file")
-    with p.open() as f:
+    with p.open(encoding="utf-8", errors="strict") as f:
+        try:
+            head = f.read(1 << 16).lstrip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text: data files are JSONL, or a .json array ({PARQUET_HINT})") \
+                from None
+        f.seek(0)
+        if head.startswith("["):  # one JSON array of records, as HF datasets' to_json(lines=False) writes
+            records = _loads(f.read(), f"{path}")
+            if not isinstance(records, list):
+                raise ValueError(f"{path}: a JSON file must hold one array of records, or one record per line")
+            yield from ((i, _text_only(r, f"{path}: record {i}")) for i, r in enumerate(records, 1))
+            return
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if line.strip():
+                yield lineno, _text_only(_loads(line, f"{path}:{lineno}"), f"{path}:{lineno}")
+
+
+#: what a binary data file (parquet, arrow) is told to become
+PARQUET_HINT = "convert a parquet file with pandas.read_parquet(...).to_json(path, orient='records', lines=True)"
+
+
+def _loads(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to read (a record is a flat object of fields)") from None
+
+
+def _text_only(record, where: str):
+    """``record`` unchanged, or ``ValueError`` where one of its strings holds a lone surrogate (not encodable)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end].encode("unicode_escape").decode()
+        raise ValueError(f"{where}: holds {bad!r}, a lone UTF-16 surrogate, not text") from None
+    return record
 
 
 class JsonlSource:
