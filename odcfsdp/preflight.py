@@ -65,6 +65,22 @@ def _writable(key: str, path: str | Path) -> None:
         raise ValueError(f"{key}={str(path)!r} is not writable: {e.strerror or e}") from None
 
 
+#: files one of which a Hugging Face tokenizer directory holds (fast tokenizer, sentencepiece, tiktoken, BPE vocab)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "spiece.model")
+
+
+def _tokenizer_files(cfg: TrainConfig) -> None:
+    """A JSONL run that reads its tokenizer from a directory finds one there (else the ranks failed after ~17 s
+    asking for sentencepiece or tiktoken)."""
+    from .builders import tokenizer_path
+
+    path = tokenizer_path(cfg) if data_source(cfg) == "jsonl" else None
+    if path and Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        key = "data.tokenizer_path" if cfg.data.tokenizer_path else "model.path"
+        raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+                         "model's tokenizer files there, or give data.tokenizer_path=<a tokenizer directory>")
+
+
 def used_run_dir(out_dir: str | Path) -> bool:
     """Whether ``out_dir`` already holds a run's metrics."""
     return (Path(out_dir) / "metrics.jsonl").is_file()
@@ -84,6 +100,7 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
             raise ValueError(f"{key}={path!r} does not exist (local paths only)")
     if m.path and not (Path(m.path) / "config.json").is_file():
         raise ValueError(f"model.path={m.path!r} holds no config.json: it must be a Hugging Face model directory")
+    _tokenizer_files(cfg)
     _writable("run.out_dir", r.out_dir)
     if ck.dir:
         _writable("checkpoint.dir", ck.dir)

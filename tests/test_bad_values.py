@@ -123,3 +123,19 @@ def test_a_json_file_holding_one_array_trains_like_jsonl(tmp_path):
     tok = ByteTokenizer()
     a, b = JsonlSource(str(tmp_path / "a.json"), tok, 64), JsonlSource(str(tmp_path / "a.jsonl"), tok, 64)
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a.records, b.records))
+
+
+def test_a_model_directory_without_tokenizer_files_is_refused_up_front(tmp_path):
+    """Weights and config but no tokenizer: refused naming model.path and the files looked for (the ranks failed
+    after ~17 s asking for sentencepiece or tiktoken)."""
+    from odcfsdp.preflight import preflight
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    cfg = config_from({"model": {"name": "hf", "path": str(tmp_path / "model")},
+                       "data": {"path": str(tmp_path / "d.jsonl")}, "run": {"out_dir": str(tmp_path / "run")}})
+    with pytest.raises(ValueError, match=r"model.path='.*model' holds no tokenizer \(none of tokenizer.json, "):
+        preflight(cfg)
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    preflight(cfg)  # found: the rest is the tokenizer loader's to check

@@ -50,6 +50,7 @@ from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
 from ..sharding.shard import ODCShard
 from .files import crc32_of, fsync_path, write_json_durably
+from .nonfinite import NonFiniteStateError, first_nonfinite
 from .manifest import (
     FORMAT, MANIFEST, VERSION, CheckpointError, check_files_bound, check_params, check_size, file_binding, rank_file,
     read_manifest,
@@ -57,21 +58,6 @@ from .manifest import (
 
 _COMPLETE = re.compile(r"^step_(\d{8})$")
 _ASIDE = re.compile(r"^step_(\d{8})\.old-[0-9a-f]+$")  # the previous copy of a step saved twice
-
-
-class NonFiniteStateError(CheckpointError):
-    """A save refused because a parameter or an optimizer state holds a NaN or an infinity."""
-
-
-def _first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> tuple[str | None, int]:
-    """(name of the first tensor holding a non-finite value or None, how many such values in all), on each
-    tensor's own device, one host read at the end."""
-    counts = [(~torch.isfinite(t)).sum() for _, t in named if t.numel() and t.is_floating_point()]
-    if not counts:
-        return None, 0
-    per = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
-    names = [n for n, t in named if t.numel() and t.is_floating_point()]
-    return next((n for n, c in zip(names, per) if c), None), int(sum(per))
 
 
 def _plan(model: ODCShard) -> list[dict]:
@@ -209,7 +195,7 @@ def save_checkpoint(
     opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer,
                                                                                     copy=mesh.replica == 0)
     masters = [(sp.name, shard) for sp, shard in model.shard_state.shards()]
-    bad = _first_nonfinite(masters + [(k.rpartition("/")[0] + f" ({k.rpartition('/')[2]})", v)
+    bad = first_nonfinite(masters + [(k.rpartition("/")[0] + f" ({k.rpartition('/')[2]})", v)
                                       for k, v in opt_tensors.items()])
     # One meeting decides both refusals alike on every rank (a rank raising alone would leave the others waiting).
     counts = everyone.all_reduce_sum(torch.tensor([float(model.pending_pushes), float(bad[1])], device=mesh.device))
