@@ -103,7 +103,8 @@ section_cmd() {  # section, gpus in lane, port, dir
     hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro;
       # expandable segments for every method, as the CLI's long-tailed runs are advised to (reserved near allocated)
       echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
-           "--warmup 1 --activation-checkpointing --compile --methods odc hf_fsdp2 --keep-going --out $dir" \
+           "--warmup 1 --activation-checkpointing --compile --methods hf_fsdp2 hf_fsdp2_nosync odc --keep-going" \
+           "--out $dir" \
            "--alloc-conf expandable_segments:True --commit $COMMIT $extra" ;;
     sim_heldout_8b)  # issue 31: held out from the simulator's 8B fit (n2_8b_longtail_memory_949626a: seed 0, 4 per
       # GPU): seed 1 and 2 long-tailed samples per GPU, another data stream; then step_sim.py --validate --size 8b
