@@ -13,6 +13,7 @@ exits with code 2, as for config errors.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -57,12 +58,19 @@ def _writable(key: str, path: str | Path) -> None:
     """``path`` is a directory this process can write: created (with its parents) and a file made and removed in
     it. Trying, not ``os.access``: root passes every access check, yet cannot write /proc or a read-only mount."""
     p = Path(path).absolute()
+    top = p
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    made = not top.exists()
     try:
         p.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=p, prefix=".odcfsdp-write-test-"):
             pass
     except OSError as e:
         raise ValueError(f"{key}={str(path)!r} is not writable: {e.strerror or e}") from None
+    finally:
+        if made and top.exists():  # a refusal later in the checks leaves nothing behind; the run makes it again
+            shutil.rmtree(top, ignore_errors=True)
 
 
 #: files one of which a Hugging Face tokenizer directory holds (fast tokenizer, sentencepiece, tiktoken, BPE vocab)
