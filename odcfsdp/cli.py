@@ -29,8 +29,8 @@ import dataclasses
 import inspect
 import io
 import re
-import sys
 import tokenize
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -175,14 +175,26 @@ def _type_name(key: str) -> str:
     """The type a config key takes, in words (``a float``, ``an int``, ``a list of floats``, ...)."""
     node: Any = TrainConfig
     for part in key.split(".")[:-1]:
-        node = {f.name: f.type for f in dataclasses.fields(node)}[part]
-        node = eval(node, vars(sys.modules[TrainConfig.__module__])) if isinstance(node, str) else node  # noqa: S307
-    kind = {f.name: f.type for f in dataclasses.fields(node)}[key.split(".")[-1]]
-    kind = str(kind).replace("typing.", "")
+        node = typing.get_type_hints(node)[part]
+    hint = typing.get_type_hints(node)[key.split(".")[-1]]
+    plain = isinstance(hint, type) and typing.get_origin(hint) is None
+    kind = hint.__name__ if plain else str(hint).replace("typing.", "")
     words = {"float": "a float", "int": "an int", "bool": "true or false", "str": "a string",
              "list[float]": "a list of floats", "float | None": "a float or null", "int | None": "an int or null",
              "str | None": "a string or null", "bool | None": "true, false or null"}
     return words.get(kind, kind)
+
+
+#: Hydra keys and groups whose values name code to import and run
+CODE_KEYS = ("hydra.callbacks", "hydra/callbacks", "hydra/launcher", "hydra/sweeper")
+
+
+def _runs_code(arg: str) -> bool:
+    """Whether the override ``arg`` would make Hydra import or call something (a ``_target_``, a callback)."""
+    if arg.startswith("-"):
+        return False
+    key = arg.split("=")[0].lstrip("+~")
+    return "_target_" in key or key.startswith(CODE_KEYS)
 
 
 def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) -> list[str]:
@@ -193,8 +205,7 @@ def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) 
     out, typed = [], None
     for arg in args:
         m = re.fullmatch(r"(\+\+|\+|~)?([\w.\[\]-]+)(=.*)?", arg, re.S)
-        if not arg.startswith("-") and "_target_" in arg.split("=")[0] or arg.split("=")[0].lstrip("+~").startswith(
-                ("hydra.callbacks", "hydra/callbacks", "hydra/launcher", "hydra/sweeper")):
+        if _runs_code(arg):
             raise ValueError(f"{arg.split('=')[0]}: the command line takes no hydra keys that import or run code")
         if arg.startswith("-") or not m or (m[3] is None and m[1] != "~"):
             if "=" in arg and not arg.startswith("-"):

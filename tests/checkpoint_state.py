@@ -17,6 +17,18 @@ def build(cfg: LlamaConfig = CFG, group_bytes: int = 4096, seed: int = 0, mesh=N
     return model, torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
 
 
+def save_outcome(path, model: ODCShard, opt: torch.optim.Optimizer, error: type[Exception] | None = None) -> str:
+    """``save_checkpoint`` of step 1 on this rank: "saved", or the message of the refusal (``error``, by default
+    ``CheckpointError``) that every rank must make alike."""
+    from odcfsdp.checkpoint import CheckpointError, save_checkpoint
+
+    try:
+        save_checkpoint(path, model, opt, step=1)
+    except (error or CheckpointError) as e:
+        return str(e)
+    return "saved"
+
+
 def train_steps(model: ODCShard, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed + model.rank)
     for _ in range(steps):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from odcfsdp.checkpoint import CheckpointError, NonFiniteStateError, list_checkpoints, load_checkpoint, save_checkpoint
 from odcfsdp.launch import spawn
 
-from checkpoint_state import build, train_steps
+from checkpoint_state import build, save_outcome, train_steps
 
 
 def test_an_update_that_made_weights_non_finite_is_not_saved(tmp_path):
@@ -38,11 +38,7 @@ def _nan_in_rank_1s_optimizer_state(path: str) -> str:
     if dist.get_rank() == 1:
         state = next(s for s in opt.state.values() if s["exp_avg"].to_local().numel())
         state["exp_avg"].to_local().view(-1)[0] = float("nan")
-    try:
-        save_checkpoint(path, model, opt, step=1)
-    except NonFiniteStateError as e:
-        return str(e)
-    return "saved"
+    return save_outcome(path, model, opt, NonFiniteStateError)
 
 
 def test_non_finite_optimizer_state_on_one_rank_stops_every_rank(tmp_path):

@@ -133,7 +133,8 @@ def check_files_bound(path: Path, manifest: dict) -> None:
     path = Path(path)
     replicas = manifest.get("replicas", 1)
     want = {rank_file(r, k) for r in range(manifest["world_size"]) for k in range(replicas)}
-    listed = {f["file"] for f in manifest["files"]}
+    infos = {f["file"]: f for f in manifest["files"]}
+    listed = set(infos)
     if listed != want:
         extra, missing = sorted(listed - want), sorted(want - listed)
         raise CheckpointError(f"{path / MANIFEST}: lists {len(listed)} rank files for world_size "
@@ -142,7 +143,7 @@ def check_files_bound(path: Path, manifest: dict) -> None:
                               "the manifest was edited or belongs to another checkpoint")
     expected = file_binding(manifest["step"], manifest["world_size"], replicas, manifest["params"])
     for name in sorted(listed):
-        file, info = path / name, next(f for f in manifest["files"] if f["file"] == name)
+        file, info = path / name, infos[name]
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")
         check_size(file, info)  # before the header: a truncated file is named as such

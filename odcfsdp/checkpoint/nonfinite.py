@@ -15,9 +15,9 @@ class NonFiniteStateError(CheckpointError):
 def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> tuple[str | None, int]:
     """(name of the first tensor holding a non-finite value or None, how many such values in all), on each
     tensor's own device, one host read at the end."""
-    counts = [(~torch.isfinite(t)).sum() for _, t in named if t.numel() and t.is_floating_point()]
-    if not counts:
+    checked = [(n, t) for n, t in named if t.numel() and t.is_floating_point()]
+    if not checked:
         return None, 0
-    per = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
-    names = [n for n, t in named if t.numel() and t.is_floating_point()]
-    return next((n for n, c in zip(names, per) if c), None), int(sum(per))
+    device = checked[0][1].device
+    per = torch.stack([(~torch.isfinite(t)).sum().to(device) for _, t in checked]).tolist()
+    return next((n for (n, _), c in zip(checked, per) if c), None), int(sum(per))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -58,14 +59,17 @@ def read_records(path: str | Path, key: str = "data.path") -> Iterator[tuple[int
                 from None
         f.seek(0)
         if head.startswith("["):  # one JSON array of records, as HF datasets' to_json(lines=False) writes
-            records = _loads(f.read(), f"{path}")
+            text = f.read()
+            records = _loads(text, f"{path}")
             if not isinstance(records, list):
                 raise ValueError(f"{path}: a JSON file must hold one array of records, or one record per line")
-            yield from ((i, _text_only(r, f"{path}: record {i}")) for i, r in enumerate(records, 1))
+            escapes = _may_hold_surrogates(text)
+            yield from ((i, _text_only(r, f"{path}: record {i}") if escapes else r) for i, r in enumerate(records, 1))
             return
         for lineno, line in enumerate(f, 1):
             if line.strip():
-                yield lineno, _text_only(_loads(line, f"{path}:{lineno}"), f"{path}:{lineno}")
+                record = _loads(line, f"{path}:{lineno}")
+                yield lineno, _text_only(record, f"{path}:{lineno}") if _may_hold_surrogates(line) else record
 
 
 #: what a binary data file (parquet, arrow) is told to become
@@ -79,6 +83,12 @@ def _loads(text: str, where: str):
         raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply to read (a record is a flat object of fields)") from None
+
+
+def _may_hold_surrogates(text: str) -> bool:
+    """Whether JSON ``text`` has a ``\\uD8xx``-``\\uDFxx`` escape, the only way a lone surrogate gets in (UTF-8
+    input cannot hold one): the records of the rest need no second look."""
+    return re.search(r"\\u[dD][89a-fA-F]", text) is not None
 
 
 def _text_only(record, where: str):
