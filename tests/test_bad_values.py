@@ -109,6 +109,16 @@ def test_bad_data_files_are_refused_before_ranks_start_naming_file_and_line(tmp_
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_cli_refuses_a_bad_data_file_in_one_line_before_ranks_start(tmp_path):
+    """The ranks crashed on a lone surrogate; the CLI now exits 2 with one line naming file and line."""
+    (tmp_path / "s.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "\\ud800"}\n')
+    proc = cli(f"data.path={tmp_path / 's.jsonl'}", f"run.out_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: data.path: ") and "s.jsonl:2: holds '\\\\ud800'" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_json_file_holding_one_array_trains_like_jsonl(tmp_path):
     """HF datasets' ``to_json(lines=False)`` writes one array: its records are read as JSONL's lines are."""
     import json
