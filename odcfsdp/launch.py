@@ -20,8 +20,8 @@ A hang must cost one call, never a whole run of tests, and must say where every 
    killed by a fatal signal writes its own there), and the stacks are added to the error;
 4. then it is killed, and joined with a bound: a process stuck in the GPU driver past SIGKILL is
    reported and left, not waited for.
-Workers die with the parent, however it dies (Linux ``PR_SET_PDEATHSIG``): killing a
-``python -m odcfsdp.train`` leaves no rank running.
+Workers die with the parent, however it dies, at once and quietly ([launcher-link] in
+``launcher_link.py``): killing a ``python -m odcfsdp.train`` leaves no rank running.
 
 Design note [private-store]
 ---------------------------
@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from .interrupts import Interrupted, install, restore
+from .launcher_link import die_with_parent, watch_launcher
 
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
@@ -80,6 +81,8 @@ CUDA_BACKENDS = "cuda:nccl,cpu:gloo"
 GUARD_FRACTION, PROCESS_GROUP_TIMEOUT_S = 0.7, 120.0
 #: seconds a rank gets to write its stack, and a killed rank to exit ([bounded-spawn] 3-4).
 DUMP_WAIT_S, KILL_WAIT_S = 3.0, 10.0
+#: a -W option for multiprocessing's resource tracker: a killed launcher's queue is cleaned up without a warning
+TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
 _stack_file = None  # a worker's open stack file (faulthandler writes to its descriptor)
 
 
@@ -113,28 +116,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when its parent dies, however it dies (no orphaned ranks).
-
-    Under a fork server the kernel's parent is the server, which exits as soon as the process
-    that started it is gone (its end of a pipe closes): the chain holds.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the parent's own cleanup is all there is
-        return
-    if os.getppid() == parent_pid:
-        return
-    try:  # forked by a server: the process that called spawn must still be there
-        os.kill(parent_pid, 0)
-    except ProcessLookupError:  # it died before the request took effect
-        os._exit(1)
 
 
 def _context(backend: str, fn: Callable):
@@ -199,9 +180,11 @@ def loopback_store(world_size: int) -> dist.TCPStore:
 
 
 def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_pid=None, env=None,
-            own_group=False, guard_s=120.0, stack_path=None, secret="") -> None:
+            own_group=False, guard_s=120.0, stack_path=None, secret="", link=None) -> None:
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)
+    if link is not None:
+        watch_launcher(link)
     _record_stacks(stack_path)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
@@ -211,7 +194,8 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         if env is not None:  # the caller's environment now, not the fork server's at its start
             os.environ.clear()
             os.environ.update(env)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                          ODCFSDP_STORE_HOST=f"the launcher (pid {parent_pid or os.getppid()})")
         os.environ["LOCAL_RANK"] = str(rank)
         torch.set_num_threads(threads)
         from .sharding.watchdog import set_fatal_handler, set_wait_cap
@@ -314,6 +298,10 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = default_spawn_timeout(backend) if timeout is None else timeout
     ctx = _context(backend, fn)
+    # The queue's semaphores are named ones, which multiprocessing's resource tracker removes if this process is
+    # killed: it does, and warns about "leaked" semaphores; it starts with this process's -W options.
+    if TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(TRACKER_QUIET)
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
@@ -321,11 +309,12 @@ def spawn(
     port, secret = store.port, secrets.token_hex(16)  # [private-store]
     threads = max(1, (os.cpu_count() or 1) // world_size)
     stacks_dir = tempfile.TemporaryDirectory(prefix="odcfsdp-stacks-")
+    link, link_end = ctx.Pipe(duplex=False)  # [launcher-link] 2: the ranks read link; only this process holds the end
     paths = [os.path.join(stacks_dir.name, f"rank{r}.txt") for r in range(world_size)]
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, args, r, world_size, port, backend, threads, results, os.getpid(), dict(os.environ),
-                          signal.SIGINT in forward, GUARD_FRACTION * timeout, paths[r], secret))
+                          signal.SIGINT in forward, GUARD_FRACTION * timeout, paths[r], secret, link))
         for r in range(world_size)
     ]
     received = [] if received is None else received
@@ -337,6 +326,7 @@ def spawn(
             if received:  # stopped while starting: start no more (the started ones got the signal)
                 raise Interrupted(received[0])
             p.start()
+        link.close()  # the ranks hold their copies
         deadline = time.monotonic() + timeout
         while len(out) < world_size:
             try:
@@ -375,6 +365,8 @@ def spawn(
         finally:
             restore(forwarded)
             stacks_dir.cleanup()
+            link.close()  # a no-op where the ranks started; else a rank may still be sending for it
+            link_end.close()  # every rank has exited (or was left for dead)
     return [out[r] for r in range(world_size)]
 
 

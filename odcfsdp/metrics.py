@@ -41,6 +41,7 @@ class MetricsWriter:
         else:
             self._file = self.path.open("w")
         self._tb = None
+        self._failed = False
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -50,15 +51,23 @@ class MetricsWriter:
                 print("run.tensorboard=true but tensorboard is not installed; writing JSONL only", file=sys.stderr)
 
     def write(self, row: dict) -> None:
-        self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: name the file (a bare "[Errno 28]" names nothing); earlier rows stay
+            self._failed = True
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         if self._tb is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # the row that failed is still buffered; its error was raised already
+            if not self._failed:
+                raise
         if self._tb is not None:
             self._tb.close()
 

@@ -2,7 +2,8 @@
 
 ``validate`` (``config.py``) checks values against each other; ``preflight`` checks them
 against the world: the files a run reads exist and parse (every record in its data format,
-``odcfsdp/data/formats.py``), the directories it writes are writable, a resume path is a
+``odcfsdp/data/formats.py``; a pretrained model's safetensors files are whole), the model's weights and
+gradients fit the machine's memory, the directories it writes are writable, a resume path is a
 checkpoint, the world size fits the machine, and ``run.out_dir`` does not already hold another
 run (a run's history is never overwritten unless ``run.overwrite`` says so:
 ``checkpoint.resume=auto`` continues a run only from one of its checkpoints). Each failure is a
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from .checkpoint.hf import check_weight_files
 from .config import DataConfig, TrainConfig, checkpoint_dir, data_source
 from .data.formats import Chat, parse
 from .data.jsonl import read_records
@@ -89,6 +92,58 @@ def _tokenizer_files(cfg: TrainConfig) -> None:
                          "model's tokenizer files there, or give data.tokenizer_path=<a tokenizer directory>")
 
 
+def _gpu_memory(count: int) -> int | None:
+    """The smallest total memory of the first ``count`` GPUs in bytes, from ``nvidia-smi`` (no CUDA context in the
+    launcher, whose children own the GPUs); None where it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.split()
+        return min(int(mib) for mib in out[:count]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def _fits_memory(cfg: TrainConfig, cuda: bool) -> None:
+    """The model's fp32 weights and gradient accumulators (8 bytes a parameter, sharded over the ranks; optimizer
+    state and activations come on top) fit the memory they live in: the GPUs', or the host's where the ranks run on
+    CPU or offload. A lower bound, so it refuses only what cannot run (``data.vocab_size=1e8`` asked 102 GB of
+    one machine after the ranks started)."""
+    from .specs import model_spec
+
+    if data_source(cfg) != "synthetic":  # a tokenizer's vocabulary is the model's; reading it is the ranks' work
+        return
+    params = model_spec(cfg.model.name).parameters(cfg, cfg.data.vocab_size)
+    if not params:
+        return
+    ranks = cfg.run.world_size
+    on_gpu = cuda and not cfg.shard.offload_policy
+    have = _gpu_memory(ranks) if on_gpu else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    need = 8 * params / ranks if on_gpu else 8 * params  # the host holds every rank's shard
+    if have and need > have:
+        where = f"each of {ranks} GPUs has {have / 2**30:.0f} GiB" if on_gpu else \
+            f"this machine has {have / 2**30:.0f} GiB of memory"
+        raise ValueError(f"the model has {params / 1e9:.2f}B parameters (model.size={cfg.model.size}, data.vocab_size="
+                         f"{cfg.data.vocab_size}): its fp32 weights and gradients alone need {need / 2**30:.0f} GiB "
+                         f"{'per GPU' if on_gpu else 'in all'} and {where}: choose a smaller model or vocabulary")
+
+
+def _resumes_alike(cfg: TrainConfig) -> None:
+    """A resumed checkpoint was written by a run with LoRA adapters exactly when this one has them (PEFT renames
+    every base weight, so the ranks' parameter check could only say that all of them are missing)."""
+    ck = cfg.checkpoint
+    path = latest_checkpoint(checkpoint_dir(cfg)) if ck.resume == "auto" else \
+        None if ck.resume == "none" else Path(ck.resume)
+    try:
+        saved = read_manifest(path).get("config") or {} if path else {}
+    except CheckpointError:
+        return  # the ranks name what is wrong with the checkpoint itself
+    r = ((saved.get("model") or {}).get("lora") or {}).get("r")
+    if r is not None and bool(r) != bool(cfg.model.lora.r):
+        raise ValueError(f"checkpoint.resume: {path} was written {'with' if r else 'without'} LoRA adapters "
+                         f"(model.lora.r={r}) and this run has model.lora.r={cfg.model.lora.r}: resume with "
+                         f"model.lora.r={r}")
+
+
 def used_run_dir(out_dir: str | Path) -> bool:
     """Whether ``out_dir`` already holds a run's metrics."""
     return (Path(out_dir) / "metrics.jsonl").is_file()
@@ -108,6 +163,11 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
             raise ValueError(f"{key}={path!r} does not exist (local paths only)")
     if m.path and not (Path(m.path) / "config.json").is_file():
         raise ValueError(f"model.path={m.path!r} holds no config.json: it must be a Hugging Face model directory")
+    if m.path:
+        try:  # headers only: a truncated copy is named here, not as a SafetensorError of some rank
+            check_weight_files(m.path)
+        except CheckpointError as e:
+            raise ValueError(f"model.path: {e}") from None
     _tokenizer_files(cfg)
     _writable("run.out_dir", r.out_dir)
     if ck.dir:
@@ -120,6 +180,7 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
             hint = (f": fine-tune a Hugging Face directory with model.name=hf model.path={ck.resume}"
                     if (p / "config.json").is_file() else " (a step_XXXXXXXX directory written by a run)")
             raise ValueError(f"checkpoint.resume={ck.resume!r} is not a training checkpoint{hint}")
+    _resumes_alike(cfg)
     if used_run_dir(r.out_dir) and ck.resume == "none" and not r.overwrite:
         raise ValueError(f"run.out_dir={r.out_dir!r} already holds a run: choose another run.out_dir, continue it "
                          "with checkpoint.resume=auto, or replace it with run.overwrite=true")
@@ -129,13 +190,14 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
         raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} holds no "
                          "checkpoint to continue it from: choose another run.out_dir, or replace the run with "
                          "run.overwrite=true")
-    if not torchrun and r.world_size > 1:
+    if not torchrun:  # under torchrun the launcher, not this process, placed the ranks
         import torch
 
         cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())
         have = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
-        if r.world_size > have:
+        if r.world_size > 1 and r.world_size > have:
             raise ValueError(f"run.world_size={r.world_size} ranks on a machine with {have} "
                              f"{'GPUs' if cuda else 'CPU cores'}: use at most {have} (each rank is a process "
                              "with its own copy of the data pipeline)")
+        _fits_memory(cfg, cuda)
     return notes

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 if __name__ == "__main__":  # the command line: a signal while torch and Hydra load ends with one line
@@ -55,6 +56,23 @@ def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
         return e
 
 
+def _write_report(out_dir: Path, report: str) -> str:
+    """Write a failure's whole report (the ranks' tracebacks and stacks) to ``out_dir/error.log``, else, where that
+    cannot be written (the disk that filled up and failed the run), to a temporary file; says where it went."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "error.log").write_text(report)
+        return f"traceback in {out_dir / 'error.log'}"
+    except OSError as e:
+        (out_dir / "error.log").unlink(missing_ok=True) if (out_dir / "error.log").is_file() else None
+        try:
+            with tempfile.NamedTemporaryFile("w", prefix="odcfsdp-error-", suffix=".log", delete=False) as f:
+                f.write(report)
+            return f"traceback in {f.name}: {out_dir / 'error.log'} could not be written ({e.strerror or e})"
+        except OSError:
+            return f"no traceback written: {out_dir / 'error.log'}: {e.strerror or e}"
+
+
 def run(cfg: TrainConfig) -> None:
     """Start ranks as needed (torchrun's, or spawned locally) and train."""
     validate(cfg)
@@ -74,12 +92,10 @@ def run(cfg: TrainConfig) -> None:
             # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted)
             install(exit_after_stop if received else signal.SIG_IGN)
         except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
-            log = Path(cfg.run.out_dir) / "error.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text("\n".join([str(e), *getattr(e, "__notes__", [])]))  # the ranks' stacks too
+            where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
-            raise RankError(f"{head} (traceback in {log})") from None
+            raise RankError(f"{head} ({where})") from None
         if isinstance(results[0], NonFiniteError):
             raise results[0]
     else:

@@ -25,6 +25,11 @@ BAD = [  # (overrides, the one line's message)
     ({"run": {"timeout_s": float("nan")}}, "run.timeout_s=nan must be a number > 0"),
     ({"run": {"warmup_steps": -2}}, "run.warmup_steps=-2 must be >= 0"),
     ({"run": {"out_dir": ""}}, "run.out_dir is empty"),
+    ({"model": {"overrides": {"dim": 100, "n_heads": 3}}}, "model.overrides: dim=100 must be divisible by n_heads=3"),
+    ({"model": {"overrides": {"n_kv_heads": 3}}}, "model.overrides: n_heads=4 must be divisible by n_kv_heads=3"),
+    ({"model": {"overrides": {"n_layers": 0}}}, "model.overrides: n_layers=0 must be >= 1"),
+    ({"model": {"overrides": {"dim": "wide"}}}, "model.overrides.dim='wide' must be int"),
+    ({"model": {"overrides": {"depth": 4}}}, "model.overrides has unknown LlamaConfig fields ['depth']"),
 ]
 
 
@@ -48,6 +53,11 @@ def test_an_infinite_timeout_means_no_watchdog_and_is_accepted():
     ("data.path=/tmp/d\u00e9j\u00e0.jsonl", "data.path=/tmp/d\u00e9j\u00e0.jsonl: the value cannot be read; quote it"),
     ("+hydra.callbacks.x._target_=os.makedirs", "+hydra.callbacks.x._target_: the command line takes no hydra keys"),
     ("run.out_dir=/proc/odcfsdp", "run.out_dir='/proc/odcfsdp' is not writable"),
+    ("model.overrides={dim:100,n_heads:3}", "model.overrides: dim=100 must be divisible by n_heads=3"),
+    # 1e9 x 64 x 2 (embedding and head) parameters: 954 GiB of fp32 weights and gradients (the ranks tried to
+    # allocate 102 GB at data.vocab_size=1e8)
+    ("data.vocab_size=1000000000", "the model has 128.00B parameters (model.size=tiny, data.vocab_size=1000000000): "
+                                   "its fp32 weights and gradients alone need 954 GiB in all"),
 ])
 def test_the_cli_refuses_them_in_one_line_before_ranks_start(tmp_path, arg, message):
     out = [] if arg.startswith("run.out_dir") else [f"run.out_dir={tmp_path / 'run'}"]
@@ -140,8 +150,11 @@ def test_a_model_directory_without_tokenizer_files_is_refused_up_front(tmp_path)
     after ~17 s asking for sentencepiece or tiktoken)."""
     from odcfsdp.preflight import preflight
 
+    from safetensors.torch import save_file
+
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, tmp_path / "model" / "model.safetensors")
     (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
     cfg = config_from({"model": {"name": "hf", "path": str(tmp_path / "model")},
                        "data": {"path": str(tmp_path / "d.jsonl")}, "run": {"out_dir": str(tmp_path / "run")}})
@@ -149,3 +162,64 @@ def test_a_model_directory_without_tokenizer_files_is_refused_up_front(tmp_path)
         preflight(cfg)
     (tmp_path / "model" / "tokenizer.json").write_text("{}")
     preflight(cfg)  # found: the rest is the tokenizer loader's to check
+
+
+@pytest.mark.parametrize("files", ["single", "index"])
+def test_a_truncated_safetensors_file_is_named_up_front(tmp_path, files):
+    """A weights file cut short (a copy or a download that stopped) is named by the launcher from its header, in one
+    line, before any rank starts (the ranks failed with a SafetensorError naming no file); load_hf says the same."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from odcfsdp.checkpoint import CheckpointError
+    from odcfsdp.checkpoint.hf import check_weight_files
+    from odcfsdp.preflight import preflight
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    name = "model.safetensors" if files == "single" else "model-00002-of-00002.safetensors"
+    save_file({"a": torch.randn(64, 8)}, model / name)
+    if files == "index":
+        save_file({"b": torch.randn(3)}, model / "model-00001-of-00002.safetensors")
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"b": "model-00001-of-00002.safetensors", "a": name}}))
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    cfg = config_from({"model": {"name": "hf", "path": str(model)}, "data": {"path": str(tmp_path / "d.jsonl")},
+                       "run": {"out_dir": str(tmp_path / "run")}})
+    preflight(cfg)  # whole: accepted
+    whole = (model / name).read_bytes()
+    (model / name).write_bytes(whole[:-100])
+    with pytest.raises(ValueError) as e:
+        preflight(cfg)
+    assert str(e.value) == (f"model.path: {model / name} is not a whole safetensors file (its tensors need "
+                            f"{len(whole)} bytes and the file has {len(whole) - 100}): copy or download it again")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(CheckpointError, match="is not a whole safetensors file"):
+        check_weight_files(model)  # what load_hf calls first on every rank
+
+
+def test_a_disk_that_fills_up_mid_run_is_one_line_naming_the_file(tmp_path):
+    """run.out_dir's disk full when a step's metrics are written (metrics.jsonl -> /dev/full, which refuses every
+    write with ENOSPC): exit code 1 and one error line naming the file, the report in error.log; were error.log
+    unwritable too, the report goes to a temporary file and the line says so (it was a traceback of its own)."""
+    from pathlib import Path
+
+    from odcfsdp.train import _write_report
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")
+    proc = cli("run.out_dir=run", "run.steps=3", "optim.warmup_steps=1", cwd=tmp_path, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("step ")]
+    assert proc.returncode == 1 and errors == [
+        "error: rank 0 failed: OSError: [Errno 28] No space left on device: 'run/metrics.jsonl' "
+        "(traceback in run/error.log)"], proc.stderr
+    assert "No space left on device" in (tmp_path / "run" / "error.log").read_text()
+
+    where = _write_report(Path("/proc/odcfsdp-run"), "the report")
+    assert where.startswith("traceback in ") and ": /proc/odcfsdp-run/error.log could not be written (" in where, where
+    written = Path(where.split()[2].rstrip(":"))
+    assert written.read_text() == "the report"
+    written.unlink()

@@ -218,6 +218,16 @@ def test_lora_fine_tune_trains_only_the_adapters(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
+    # Issue 32: resuming this checkpoint without LoRA is one line before ranks start (it was "21 missing")
+    tree["model"]["lora"] = {"r": 0}
+    tree["run"]["out_dir"] = str(tmp_path / "run_without_lora")
+    again = cli(*as_cli(tree), f"checkpoint.resume={checkpoint}", cwd=tmp_path, timeout=120)
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and len(lines) == 1, again.stderr[-3000:]
+    assert lines[0] == (f"error: checkpoint.resume: {checkpoint} was written with LoRA adapters (model.lora.r=4) "
+                        "and this run has model.lora.r=0: resume with model.lora.r=4"), lines
+    assert not (tmp_path / "run_without_lora").exists()
+
 
 def test_generate_and_resume_from_an_hf_directory(tmp_path):
     """wrapped.generate on the CLI's model class equals plain transformers' greedy generation; pointing

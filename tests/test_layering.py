@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "odcfsdp"
 # Lower layers first; a module may import only from its own layer or lower ones (README: Layout).
 LAYERS = [
-    ["kernels", "schedule", "mfu", "metrics", "checks", "data", "bundle", "interrupts"],
+    ["kernels", "schedule", "mfu", "metrics", "checks", "data", "bundle", "interrupts", "launcher_link"],
     ["sharding", "models", "optim", "launch", "plot"],
     ["checkpoint", "memory", "loop"],
     ["specs"],

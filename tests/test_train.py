@@ -282,13 +282,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
-    """Killing `python -m odcfsdp.train` mid-run leaves no rank process after 10 s: SIGKILL (the kernel kills the
-    ranks with it), or SIGTERM (passed on to the ranks, which finish the step and exit)."""
+    """Killing `python -m odcfsdp.train` mid-run leaves no rank process after 10 s: SIGKILL (the ranks end at once and
+    quietly, [launcher-link]: nothing on the terminal but progress, no step or checkpoint after the kill), or SIGTERM
+    (passed on to the ranks, which finish the step and exit)."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.steps=100000", "run.out_dir=run"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.steps=100000", "run.out_dir=run",
+                             "checkpoint.interval=1"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
@@ -297,16 +299,28 @@ def test_ranks_do_not_outlive_their_parent(tmp_path, sig):
     ranks = _ranks_of(proc.pid)
     assert len(ranks) == 2
     ranks += [c for c in _children(proc.pid) if _alive(c)]  # multiprocessing's helpers: fork server, tracker
+    rank_pids = ranks[:2]
     proc.send_signal(getattr(signal, sig))
+    killed = time.monotonic()
     rc = proc.wait(timeout=30)
     assert rc != 0 if sig == "SIGKILL" else rc == 0  # SIGTERM: the ranks finish the step and the run ends cleanly
-    deadline = time.monotonic() + 10
-    while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+    steps = metrics.read_text().count("\n")
+    while any(_alive(r) for r in rank_pids) and time.monotonic() < killed + 10:
+        time.sleep(0.02)
+    ranks_s = time.monotonic() - killed
+    while any(_alive(r) for r in ranks) and time.monotonic() < killed + 10:
         time.sleep(0.2)
     left = [r for r in ranks if _alive(r)]
     for r in left:  # do not leave them behind for the rest of the suite
         os.kill(r, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their parent"
+    if sig == "SIGKILL":
+        err.close()
+        lines = (tmp_path / "stderr.txt").read_text().splitlines()
+        assert all(line.startswith(("step ", "note:")) for line in lines if line.strip()), lines[-20:]
+        assert ranks_s < 3.0 and metrics.read_text().count("\n") == steps  # at once: no step after the kill
+        saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*") if ".tmp" not in p.name)
+        assert saved and int(saved[-1][5:]) <= steps, (saved, steps)
 
 
 def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path):

@@ -14,6 +14,7 @@ from such files: each rank reads only the slices of each tensor that its rows ne
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -248,6 +249,31 @@ def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: s
     return out_dir
 
 
+def check_weight_file(file: Path) -> None:
+    """``file`` is a whole safetensors file: its header parses and its tensors end where the file does (a copy cut
+    short, or a download that stopped, is named here rather than failing deep in a rank). Reads the header only."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"its header claims {n} bytes of a {size}-byte file")
+            header = json.loads(f.read(n))
+        ends = [info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"]
+        if 8 + n + max(ends, default=0) != size:
+            raise ValueError(f"its tensors need {8 + n + max(ends, default=0)} bytes and the file has {size}")
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{file} is not a whole safetensors file ({e}): copy or download it again") from None
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Every safetensors file of the Hugging Face model directory ``path`` is whole (``check_weight_file``)."""
+    for file in sorted(set(_weight_map(Path(path)).values())):  # a single file is checked before it is opened
+        if not file.is_file():
+            raise CheckpointError(f"{file} is named by {Path(path) / INDEX} but does not exist")
+        check_weight_file(file)
+
+
 def _weight_map(path: Path) -> dict[str, Path]:
     if (path / INDEX).is_file() and (path / SINGLE).is_file():
         raise CheckpointError(f"{path} holds both {SINGLE} and {INDEX}: which export is current is ambiguous")
@@ -255,6 +281,7 @@ def _weight_map(path: Path) -> dict[str, Path]:
         index = json.loads((path / INDEX).read_text())
         return {name: path / file for name, file in index["weight_map"].items()}
     if (path / SINGLE).is_file():
+        check_weight_file(path / SINGLE)
         with safe_open(str(path / SINGLE), framework="pt") as f:
             return {name: path / SINGLE for name in f.keys()}
     raise CheckpointError(f"{path} holds neither {SINGLE} nor {INDEX}")
@@ -268,6 +295,7 @@ def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str]
     """
     name_map = name_map or default_name_map(model)
     path = Path(path)
+    check_weight_files(path)
     where = _weight_map(path)
     # One file open at a time: a file's pages this rank touched stay mapped (and resident) while it is open,
     # and parameters mostly come in file order.

@@ -81,12 +81,23 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def _has_adapters(names) -> bool:
+    """Whether parameter ``names`` hold PEFT's LoRA adapters (``...lora_A.default.weight``)."""
+    return any(".lora_A." in n or ".lora_B." in n for n in names)
+
+
 def check_params(manifest: dict, slots: dict, where: Path) -> None:
     """Raise ``CheckpointError`` naming the first parameter that differs between manifest and model.
 
     ``slots`` maps each model parameter name to (shape, dtype name, requires_grad).
     """
     saved = {p["name"]: p for p in manifest["params"]}
+    if _has_adapters(saved) != _has_adapters(slots):  # every name differs (PEFT renames the base weights too)
+        r = ((manifest.get("config") or {}).get("model") or {}).get("lora", {}).get("r")
+        raise CheckpointError(
+            f"{where} was written {'with' if _has_adapters(saved) else 'without'} LoRA adapters and the model "
+            f"{'has none' if _has_adapters(saved) else 'has them'}: resume with the adapters the run had"
+            f"{f' (model.lora.r={r})' if r is not None else ''}")
     missing = sorted(set(slots) - set(saved))
     unexpected = sorted(set(saved) - set(slots))
     if missing:

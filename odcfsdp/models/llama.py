@@ -45,6 +45,9 @@ class LlamaConfig:
     attention_backend: str = "auto"  # "auto" (cuDNN on Hopper+, else flash), "cudnn" or "flash": see [attention-kernels]
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dim % self.n_heads:
@@ -96,6 +99,12 @@ def llama_config(size: str, vocab_size: int, **overrides) -> LlamaConfig:
     unknown = set(fields) - set(LlamaConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"model.overrides has unknown LlamaConfig fields {sorted(unknown)}")
+    for name, value in overrides.items():  # a number's field takes a number (a string fails later, obscurely)
+        default = LlamaConfig.__dataclass_fields__[name].default
+        numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float) if isinstance(default, float)
+                                                                     else int)):
+            raise ValueError(f"model.overrides.{name}={value!r} must be {type(default).__name__}")
     return LlamaConfig(**fields)
 
 

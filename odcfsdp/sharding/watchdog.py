@@ -23,6 +23,10 @@ it, a stopped rank 0 makes the store unreachable, which ends the others after
    A peer found stopped (SIGSTOP) is SIGKILLed first, since it acts on no other signal and its
    launcher would wait out a grace period, but only a sibling: a process of this rank's own
    parent (``stopped_sibling``), never any other pid a store names.
+3. The store itself: a store call that fails, or answers only after ``timeout_s`` (its host, the
+   launcher, was stopped), ends the rank naming the store's host (``store_host``), not as a rank
+   missing at a meeting. A meeting whose ranks all set their keys is whole even if the store was
+   too slow to count them before the deadline.
 
 Each ``ShardMesh`` owns one ``Watchdog``, over all its ranks (with HSDP every replica's).
 """
@@ -90,6 +94,21 @@ def stopped_sibling(pid: int) -> bool:
     return fields[0] in ("T", "t") and int(fields[1]) == os.getppid()
 
 
+def store_host() -> str:
+    """Who hosts this process's store, for a report that it went silent: the launcher that said so
+    (``ODCFSDP_STORE_HOST``, set by ``odcfsdp.launch.spawn``), torchrun's agent, or the address."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if os.environ.get("ODCFSDP_STORE_HOST"):
+        return os.environ["ODCFSDP_STORE_HOST"]
+    return f"torchrun's agent ({where})" if "TORCHELASTIC_RUN_ID" in os.environ else f"the process serving {where}"
+
+
+def store_silent(seconds: float, where: str) -> str:
+    """The line for a store that did not answer for ``seconds``: the launcher hosting it is stopped or gone."""
+    return (f"the process group's store did not answer for {seconds:.0f} s {where}: it lives in {store_host()}, "
+            "which is stopped or gone")
+
+
 class _Heartbeat:
     """A daemon thread that beats for this rank and ends the process when a peer's beat stops.
 
@@ -126,18 +145,19 @@ class _Heartbeat:
         seen = {r: (None, time.monotonic()) for r in range(len(self._keys)) if r != self._rank}
         unreachable_since = None
         while not self._stop.wait(period):
+            asked = time.monotonic()
             try:
                 self._store.add(self._keys[self._rank], 1)
                 values = [int(v) for v in self._store.multi_get(self._keys)]
                 unreachable_since = None
-            except Exception as e:  # noqa: BLE001 - a store hiccup is retried; a store gone for good ends the run
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since > self._timeout_s and not self._stop.is_set():
-                    self._give_up(f"the process group's store did not answer for {self._timeout_s:g} s "
-                                  f"({type(e).__name__})")
+            except Exception:  # noqa: BLE001 - a store hiccup is retried; a store gone for good ends the run
+                unreachable_since = unreachable_since or asked
+                if time.monotonic() - unreachable_since > self._timeout_s and not self._stop.is_set():
+                    self._give_up(store_silent(time.monotonic() - unreachable_since, "to the heartbeat"))
                 continue
             now = time.monotonic()
+            if now - asked > self._timeout_s and not self._stop.is_set():  # it answered, after a stall (SIGSTOP)
+                self._give_up(store_silent(now - asked, "to the heartbeat"))
             for r, (last, _) in list(seen.items()):
                 if values[r] < 0:
                     del seen[r]  # closed its mesh
@@ -218,6 +238,24 @@ class Watchdog:
             self._stop_heartbeat()
             self._heartbeat = None
 
+    def _asker(self, what: str) -> Callable:
+        """``ask(fn, *args)``: a store call that raises naming the store's host when the store fails, or answers
+        only after ``timeout_s`` (its host was stopped), rather than as a missing rank or a C++ stack."""
+
+        def ask(fn, *args):
+            asked = time.monotonic()
+            try:
+                out = fn(*args)
+            except RuntimeError as e:  # c10d's DistStoreError / DistNetworkError: its own timeout, a closed socket
+                raise RuntimeError(f"{store_silent(time.monotonic() - asked, f'at {what}')}; rank {self._rank} "
+                                   f"stops here ({type(e).__name__})") from None
+            if time.monotonic() - asked > self.timeout_s:
+                raise RuntimeError(f"{store_silent(time.monotonic() - asked, f'at {what}')}; rank {self._rank} "
+                                   "stops here")
+            return out
+
+        return ask
+
     def arrive(self, what: str) -> None:
         """Wait until every rank has arrived here; after ``timeout_s`` raise naming the ranks that did not.
 
@@ -229,19 +267,22 @@ class Watchdog:
         seq = self._arrivals
         self._arrivals += 1
         key = f"{self._prefix}/{seq}"
-        self._store.set(f"{key}/{self._rank}", "1")
+        ask = self._asker(what)
+        ask(self._store.set, f"{key}/{self._rank}", "1")
         deadline = time.monotonic() + self.timeout_s
         pause = 1e-4
-        arrived = self._store.add(key, 1)
+        arrived = ask(self._store.add, key, 1)
         while arrived < self._world_size:
             if time.monotonic() > deadline:
-                missing = [r for r in range(self._world_size) if not self._store.check([f"{key}/{r}"])]
+                missing = [r for r in range(self._world_size) if not ask(self._store.check, [f"{key}/{r}"])]
+                if not missing:  # all came, while the store was slow to count them: the meeting is whole
+                    break
                 raise RuntimeError(
                     f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} s (run.timeout_s / "
                     f"ODCShard(timeout=)); rank {self._rank} stops here")
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-            arrived = self._store.add(key, 0)
+            arrived = ask(self._store.add, key, 0)
         if seq >= 2:  # every rank is past meeting seq - 1, so nobody reads seq - 2's keys again
             old = f"{self._prefix}/{seq - 2}"
             if self._rank == 0:

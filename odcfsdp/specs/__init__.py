@@ -51,6 +51,10 @@ def _no_checks(cfg: Any) -> None:
     return None
 
 
+def _unknown_size(cfg: Any, vocab_size: int) -> int | None:
+    return None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One kind of model (``model.name=<name>``): how to check its keys, build it and finish it after wrapping.
@@ -68,6 +72,9 @@ class ModelSpec:
             ``weights=False`` when a checkpoint load follows (no weights to read).
         tokenizer_path: ``tokenizer_path(cfg)``: the tokenizer the model comes with, used
             when ``data.tokenizer_path`` is not set (None: bytes).
+        parameters: ``parameters(cfg, vocab_size)``: the model's parameter count from its config,
+            without building it, or None where only the built model can tell (the launcher's
+            memory check, ``odcfsdp.preflight``).
         lora: whether ``model.lora`` adapters (PEFT) are supported.
         reads: the ``model.*`` keys only this kind of model reads (``size``, ``path``, ...); an
             override of another spec's key is rejected as unused (``odcfsdp.config.unused_key``).
@@ -79,6 +86,7 @@ class ModelSpec:
     pretrained: Callable[[Any], bool] = _from_scratch
     finish: Callable[..., None] | None = None
     tokenizer_path: Callable[[Any], str | None] = _no_tokenizer
+    parameters: Callable[[Any, int], int | None] = _unknown_size
     lora: bool = False
     reads: tuple[str, ...] = ()
 
