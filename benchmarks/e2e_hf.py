@@ -168,7 +168,7 @@ def _hf(model: str, model_path: str | None, vocab: int, recompute: bool, compile
             m.enable_activation_checkpointing()
         return m.train()  # HF's gradient checkpointing runs in training mode only
 
-    def finish(wrapped: nn.Module) -> None:  # after wrapping, as the CLI's spec compiles (odcfsdp/specs/hf.py)
+    def finish(wrapped: nn.Module) -> None:  # after wrapping, as the CLI's spec compiles (odcfsdp/app/specs/hf.py)
         if compile_backend:
             for layer in decoder_layers(wrapped, units):
                 layer.compile(backend=compile_backend)

@@ -151,7 +151,7 @@ def balance_bound(results: list[dict]) -> list[str]:
     return out
 
 
-# Rows of the peak table, in this order (then any other category a rule produced); see odcfsdp/memory.py.
+# Rows of the peak table, in this order (then any other category a rule produced); see odcfsdp/memory/.
 PEAK_ORDER = ("masters", "rows", "accumulators", "gradients", "optimizer_state", "unsharded_params", "grad_buffers",
               "comm_buffers", "optimizer_step", "grad_norm", "fsdp2_other", "preexisting_other",
               "activations_and_other")
@@ -204,7 +204,7 @@ def memory_report(results: list[dict]) -> list[str]:
                         "replayed to the peak; each block alive then is attributed by address (parameters, "
                         "gradients, optimizer state, odc's rows) or by its allocation frames, else "
                         "`activations_and_other` (allocated in the step) or `preexisting_other` (alive before it). "
-                        "See [memory-model] and [peak-replay] in `odcfsdp/memory.py`.",
+                        "See [memory-model] and [peak-replay] in `odcfsdp/memory/`.",
                         [f"{r['workload']} {r['method']} {r['balance']} (rank {k})" for r, k, _ in peaks], rows)
         lines.append("")
         for r, k, p in peaks:

@@ -20,7 +20,7 @@
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
 # Needs python3 with torch/triton, and nvshmem4py + hydra on PYTHONPATH.
-# Tests sections cannot hang a call ([bounded-spawn] in odcfsdp/launch.py): every spawn is bounded (90 s for NCCL
+# Tests sections cannot hang a call ([bounded-spawn] in odcfsdp/launch/processes.py): every spawn is bounded (90 s for NCCL
 # ranks unless a test says otherwise), with the ranks' own guards firing first and their stacks in the error;
 # every test is bounded by pytest-timeout (--timeout); and each test's outcome is appended to outcomes.jsonl as it
 # ends, so a section cut off by its limit still says what passed, failed or hung.

@@ -116,8 +116,8 @@ def long_chats(n: int, tokenizer_dir: Path, cap: int, seed: int = 0) -> tuple[li
 
 def run_source(overrides: dict):
     """The run's config and its training samples, read as the CLI reads them (the chats tokenized once)."""
-    from odcfsdp.builders import build_source
-    from odcfsdp.config import config_from
+    from odcfsdp.app.builders import build_source
+    from odcfsdp.app.config import config_from
 
     cfg = config_from(overrides)
     return cfg, build_source(cfg)[0]

@@ -1,7 +1,7 @@
 """Checks of configuration values whose errors name the key and what is allowed.
 
-Shared by ``odcfsdp.config.validate`` and the model specs' own checks
-(``odcfsdp.specs``), so that every configuration error reads the same way.
+Shared by ``odcfsdp.app.config.validate`` and the model specs' own checks
+(``odcfsdp.app.specs``), so that every configuration error reads the same way.
 """
 
 from __future__ import annotations

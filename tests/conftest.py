@@ -3,7 +3,7 @@
 This must happen before any module defines a ``@triton.jit`` kernel, hence here.
 With ``ODC_TEST_OUTCOMES`` set, every test's outcome is appended to that file (JSON lines) as the test ends,
 so that a run cut off by its time limit still says which tests passed, failed or hung ([bounded-spawn] in
-``odcfsdp/launch.py``; the GPU suite's tests sections set it).
+``odcfsdp/launch/processes.py``; the GPU suite's tests sections set it).
 """
 
 import json

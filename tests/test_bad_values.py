@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from odcfsdp.checkpoint import list_checkpoints
-from odcfsdp.config import checkpoint_dir, config_from, validate
+from odcfsdp.app.config import checkpoint_dir, config_from, validate
 from test_train import cli
 
 BAD = [  # (overrides, the one line's message)
@@ -71,7 +71,7 @@ def test_a_run_whose_update_made_weights_non_finite_stops_without_saving_it(tmp_
     """An update can make weights non-finite with a finite gradient norm (the guard's check): the save of that
     step is refused, the run stops as at a non-finite norm (NonFiniteError: rc 3 from the CLI), and the only
     checkpoints are the finite ones before it."""
-    import odcfsdp.trainer as trainer
+    import odcfsdp.app.trainer as trainer
 
     build = trainer.build_optimizer
 
@@ -110,7 +110,7 @@ DATA = [  # (file name, bytes, the one line's message)
 
 @pytest.mark.parametrize("name, data, message", DATA, ids=[d[0] for d in DATA])
 def test_bad_data_files_are_refused_before_ranks_start_naming_file_and_line(tmp_path, name, data, message):
-    from odcfsdp.preflight import preflight
+    from odcfsdp.app.preflight import preflight
 
     (tmp_path / name).write_bytes(data)
     cfg = config_from({"data": {"path": str(tmp_path / name)}, "run": {"out_dir": str(tmp_path / "run")}})
@@ -148,7 +148,7 @@ def test_a_json_file_holding_one_array_trains_like_jsonl(tmp_path):
 def test_a_model_directory_without_tokenizer_files_is_refused_up_front(tmp_path):
     """Weights and config but no tokenizer: refused naming model.path and the files looked for (the ranks failed
     after ~17 s asking for sentencepiece or tiktoken)."""
-    from odcfsdp.preflight import preflight
+    from odcfsdp.app.preflight import preflight
 
     from safetensors.torch import save_file
 
@@ -174,7 +174,7 @@ def test_a_truncated_safetensors_file_is_named_up_front(tmp_path, files):
 
     from odcfsdp.checkpoint import CheckpointError
     from odcfsdp.checkpoint.hf import check_weight_files
-    from odcfsdp.preflight import preflight
+    from odcfsdp.app.preflight import preflight
 
     model = tmp_path / "model"
     model.mkdir()
@@ -207,7 +207,7 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_naming_the_file(tmp_path):
     unwritable too, the report goes to a temporary file and the line says so (it was a traceback of its own)."""
     from pathlib import Path
 
-    from odcfsdp.train import _write_report
+    from odcfsdp.app.train import _write_report
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")

@@ -196,8 +196,8 @@ def _check_suite_command(section: str, cmd: str) -> None:
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
 
-        from odcfsdp.config import register, validate
-        from odcfsdp.train import CONFIGS_DIR
+        from odcfsdp.app.config import register, validate
+        from odcfsdp.app.train import CONFIGS_DIR
 
         overrides = words[words.index("odcfsdp.train") + 1:]
         register()

@@ -1,4 +1,4 @@
-"""[bounded-spawn] in odcfsdp/launch.py: a hung rank costs one bounded call and names where every rank stood.
+"""[bounded-spawn] in odcfsdp/launch/processes.py: a hung rank costs one bounded call and names where every rank stood.
 
 Each case runs spawn on 2 CPU ranks (gloo) with a short bound and checks the time it took, the error and the stacks
 attached to it; the GPU suite runs the same spawn with its 90 s bound around NCCL ranks.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from odcfsdp.launch import DUMP_WAIT_S, GUARD_FRACTION, KILL_WAIT_S, spawn
+from odcfsdp.launch.processes import DUMP_WAIT_S, GUARD_FRACTION, KILL_WAIT_S, spawn
 
 
 def _sleep_forever_on(rank_to_hang: int) -> int:

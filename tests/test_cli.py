@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_fixtures import write_jsonl
-from odcfsdp.config import TrainConfig
+from odcfsdp.app.config import TrainConfig
 from test_train import cli
 
 TEXTS = [f"sample {i}: " + "ab" * (3 + i) for i in range(12)]  # byte tokenizer: len(text) + 1 targets (EOS) each
@@ -124,14 +124,14 @@ def test_epochs_set_the_steps_and_visit_every_record_once_per_epoch(tmp_path, te
 def test_optimizer_by_name_matches_plain_torch_sgd(tmp_path):
     """optim.name=SGD optim.momentum=0.9 optim.nesterov=true on 2 ranks: the losses of plain torch.optim.SGD
     (same keyword arguments, param_groups' no-decay group, the warm-up schedule) on one process."""
-    from odcfsdp.builders import build_source, cost_models
-    from odcfsdp.config import config_from
+    from odcfsdp.app.builders import build_source, cost_models
+    from odcfsdp.app.config import config_from
     from odcfsdp.data.packing import pack
     from odcfsdp.loop import plan_step
     from odcfsdp.models import causal_lm_loss
     from odcfsdp.optim import param_groups
     from odcfsdp.schedule import warmup_cosine
-    from odcfsdp.specs import model_spec
+    from odcfsdp.app.specs import model_spec
 
     args = {"optim": {"name": "SGD", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
             "run": {"steps": 3, "seed": 1}, "data": {"batch_size": 6, "micro_batch_tokens": 128},
@@ -170,7 +170,7 @@ def test_optimizer_by_name_matches_plain_torch_sgd(tmp_path):
 
 
 def _leaf_keys(node, prefix=""):
-    """Every leaf key of the config tree, walked independently of odcfsdp.cli."""
+    """Every leaf key of the config tree, walked independently of odcfsdp.app.cli."""
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):

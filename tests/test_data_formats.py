@@ -11,7 +11,7 @@ from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases, reference
 from hf_fixtures import write_jsonl
 from test_train import cli
 
-from odcfsdp.config import FieldsConfig, config_from, validate
+from odcfsdp.app.config import FieldsConfig, config_from, validate
 from odcfsdp.data.formats import FORMATS, Chat, Completion, parse
 from odcfsdp.data.jsonl import JsonlSource, encode_record
 from odcfsdp.data.tokenizer import ByteTokenizer
@@ -158,7 +158,7 @@ def test_hf_chat_template_mask_equals_transformers_assistant_mask(tmp_path):
 def test_a_field_mapping_that_renames_nothing_is_reported(tmp_path):
     """data.fields naming a column no record of the file has is a note at start (a sweep over files may share one
     mapping); one that some record has is silent."""
-    from odcfsdp.preflight import preflight
+    from odcfsdp.app.preflight import preflight
 
     path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "add", "output": "5"}, {"question": "q", "answer": "a"}])
     cfg = config_from({"data": {"path": str(path), "fields": {"prompt": "question", "completion": "answer",

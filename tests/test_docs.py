@@ -33,7 +33,7 @@ def test_every_shard_key_has_its_help_from_odcshards_args():
     """``shard.*`` keys are derived from ODCShard's signature; each takes its Args line as help ([derived-shard-config])."""
     import dataclasses
 
-    from odcfsdp.shard_config import ShardConfig
+    from odcfsdp.app.shard_config import ShardConfig
 
     assert all(f.metadata["help"] for f in dataclasses.fields(ShardConfig))
 

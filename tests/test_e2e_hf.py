@@ -127,8 +127,8 @@ def test_misfit_arguments_are_refused(argv, message, capsys):
 def test_cli_counts_the_flops_the_bench_counts(tmp_path, tied):
     """The CLI's HF spec (MFU of ``python -m odcfsdp.train``) counts the matmul parameters e2e_hf counts: a tied
     LM head is a matmul too, listed once under the input embedding."""
-    from odcfsdp.config import config_from
-    from odcfsdp.specs import model_spec
+    from odcfsdp.app.config import config_from
+    from odcfsdp.app.specs import model_spec
 
     config = e2e_hf.hf_config("tiny")
     config.tie_word_embeddings = tied

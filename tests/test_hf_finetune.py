@@ -20,8 +20,8 @@ from odcfsdp import ODCShard  # noqa: E402
 from odcfsdp.checkpoint import export_hf, load_hf  # noqa: E402
 from odcfsdp.data.jsonl import JsonlSource  # noqa: E402
 from odcfsdp.data.tokenizer import load_tokenizer  # noqa: E402
-from odcfsdp.builders import build_optimizer, build_source  # noqa: E402
-from odcfsdp.config import config_from  # noqa: E402
+from odcfsdp.app.builders import build_optimizer, build_source  # noqa: E402
+from odcfsdp.app.config import config_from  # noqa: E402
 
 STEPS = 3
 
@@ -164,7 +164,7 @@ def test_meta_built_hf_model_rebuilds_rotary_buffers_and_loads_weights(tmp_path)
 
 def test_decoder_layers_are_the_default_units(tmp_path):
     from odcfsdp.models.hf import HFCausalLM
-    from odcfsdp.shard_config import unit_classes
+    from odcfsdp.app.shard_config import unit_classes
 
     model_dir = save_pretrained_model(tmp_path / "qwen", "qwen2")
     with torch.device("meta"):
@@ -234,7 +234,7 @@ def test_generate_and_resume_from_an_hf_directory(tmp_path):
     checkpoint.resume at an HF directory names model.path."""
     from odcfsdp.checkpoint import CheckpointError
     from odcfsdp.models.hf import HFCausalLM
-    from odcfsdp.trainer import resume
+    from odcfsdp.app.trainer import resume
 
     model_dir = save_pretrained_model(tmp_path / "qwen", "qwen2")
     with torch.device("meta"):

@@ -51,7 +51,7 @@ def test_loss_chart_draws_the_held_out_loss(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from odcfsdp.plot import plot_run
+    from odcfsdp.app.plot import plot_run
 
     rows = [{"step": s, "loss": 3.0 - 0.1 * s, "grad_norm": 1.0, "rank_compute_s": [0.1, 0.2],
              "rank_wait_s": [0.0, 0.1], **({"eval_loss": 3.5 - 0.2 * s} if s % 2 == 0 else {})} for s in range(1, 5)]

@@ -160,7 +160,7 @@ def test_a_failure_after_a_signal_is_an_error_not_an_interrupt():
     import traceback
 
     from odcfsdp.interrupts import Interrupted
-    from odcfsdp.launch import _ended_by_signal
+    from odcfsdp.launch.processes import _ended_by_signal
 
     def tb(exc: BaseException) -> str:
         try:

@@ -1,4 +1,4 @@
-"""Memory accounting (odcfsdp/memory.py): live categories on the shm transport, the snapshot replay, the e2e report."""
+"""Memory accounting (odcfsdp/memory/): live categories on the shm transport, the snapshot replay, the e2e report."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.launch import spawn
-from odcfsdp.memory import FRAME_RULES, _Claims, classify_frames, memory_breakdown, peak_breakdown, replay_peak
+from odcfsdp.memory import FRAME_RULES, classify_frames, memory_breakdown, peak_breakdown, replay_peak
+from odcfsdp.memory.live import _Claims
 from odcfsdp.models import Llama, LlamaConfig
 from odcfsdp.models.llama import DecoderLayer
 from odcfsdp.sharding import GroupState
@@ -118,7 +119,7 @@ def _frame(path: str, name: str, line: int = 1) -> dict:
     return {"filename": path, "name": name, "line": line}
 
 
-MARKER = [_frame("/src/odcfsdp/memory.py", "_probe_marker"), _frame("/src/odcfsdp/memory.py", "probe")]
+MARKER = [_frame("/src/odcfsdp/memory/peak.py", "_probe_marker"), _frame("/src/odcfsdp/memory/peak.py", "probe")]
 FORWARD = [_frame("/src/odcfsdp/models/llama.py", "forward", 170),
            _frame("/usr/lib/torch/nn/modules/module.py", "_call_impl"),
            _frame("/src/odcfsdp/sharding/shard.py", "forward")]  # outer frames never decide

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from odcfsdp import ODCShard
 from odcfsdp.launch import spawn
-from odcfsdp.shard_config import ShardConfig, shard_arguments
+from odcfsdp.app.shard_config import ShardConfig, shard_arguments
 from parity import Run, mixed_precision_reference, sharded_run
 
 BF16_REDUCE = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)

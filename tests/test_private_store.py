@@ -1,4 +1,4 @@
-"""[private-store] in odcfsdp/launch.py: the launcher's store listens on loopback only, its ranks' keys are out of
+"""[private-store] in odcfsdp/launch/processes.py: the launcher's store listens on loopback only, its ranks' keys are out of
 reach of other clients, and the watchdog signals only its rank's siblings, whatever pid a store names (issue 32)."""
 
 from __future__ import annotations

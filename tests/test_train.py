@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from odcfsdp.config import TrainConfig, config_from, validate
+from odcfsdp.app.config import TrainConfig, config_from, validate
 from odcfsdp.launch import spawn
-from odcfsdp.plot import plot_run
-from odcfsdp.train import _train_worker
+from odcfsdp.app.plot import plot_run
+from odcfsdp.app.train import _train_worker
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 GOLDEN_OVERRIDES = {
@@ -136,7 +136,7 @@ def test_compiled_whole_layer_run_matches_the_golden_losses(tmp_path):
 
 def test_unknown_unit_class_is_named():
     from odcfsdp.models import Llama, LlamaConfig
-    from odcfsdp.shard_config import unit_classes
+    from odcfsdp.app.shard_config import unit_classes
 
     with pytest.raises(ValueError, match=r"shard.units names \['DecoderLayr'\].*'DecoderLayer'"):
         unit_classes(Llama(LlamaConfig()), ["DecoderLayr"])
@@ -156,7 +156,7 @@ def test_default_config_is_valid():
 
 
 def test_torn_metrics_line_is_skipped(tmp_path):
-    from odcfsdp.metrics import read_metrics
+    from odcfsdp.app.metrics import read_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]

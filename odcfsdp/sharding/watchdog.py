@@ -84,7 +84,7 @@ def _die(message: str) -> None:
 
 def stopped_sibling(pid: int) -> bool:
     """Whether ``pid`` is a stopped process started by this process's own parent (the launcher): the only kind
-    the watchdog may signal, whatever pid a store names ([private-store] 3 in ``odcfsdp/launch.py``)."""
+    the watchdog may signal, whatever pid a store names ([private-store] 3 in ``odcfsdp/launch/processes.py``)."""
     if pid == os.getpid() or pid <= 1:
         return False
     try:

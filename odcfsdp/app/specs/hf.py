@@ -15,7 +15,7 @@ def build(cfg, vocab_size: int) -> BuiltModel:
     A pretrained model is built wherever the caller's device context says (the meta device
     in ``build_sharded_model``); ``model.lora`` wraps it in PEFT adapters.
     """
-    from ..models.hf import HFCausalLM
+    from ...models.hf import HFCausalLM
 
     m = cfg.model
     model = HFCausalLM(m.path or m.hf_config, None if m.path else vocab_size)
@@ -46,7 +46,7 @@ def pretrained(cfg) -> bool:
 def finish(model, cfg, *, weights: bool = True) -> None:
     """After wrapping: the pretrained weights and initial LoRA adapters, then ``model.compile``'s per-layer compile."""
     if cfg.model.path and weights:
-        from ..checkpoint import load_hf
+        from ...checkpoint import load_hf
 
         load_hf(model, cfg.model.path)  # base weights; LoRA adapters are in no file: start them as PEFT does
         if cfg.model.lora.r:

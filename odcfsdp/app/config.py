@@ -13,7 +13,7 @@ comment is its one-line help (``--help`` prints it), so keep it to what the key 
 
 The ``shard`` group is derived from ``ODCShard``'s arguments ([derived-shard-config] in
 ``shard_config.py``); ``model.name``'s values and the checks of the keys each model reads
-come from the model specs ([model-specs] in ``odcfsdp/specs``).
+come from the model specs ([model-specs] in ``odcfsdp/app/specs``).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from .checks import choice, did_you_mean, in_range, positive
-from .data.balance import BALANCERS
-from .data.formats import FORMAT_CHOICES
-from .data.lengths import KINDS as LENGTH_KINDS
-from .data.lengths import LengthConfig
-from .optim import optimizer_class, optimizer_keywords
+from ..checks import choice, did_you_mean, in_range, positive
+from ..data.balance import BALANCERS
+from ..data.formats import FORMAT_CHOICES
+from ..data.lengths import KINDS as LENGTH_KINDS
+from ..data.lengths import LengthConfig
+from ..optim import optimizer_class, optimizer_keywords
 from .specs import model_specs
 from .shard_config import OFFLOAD_CHOICES, ShardConfig
-from .sharding.transport import COMM_CHOICES, capabilities
+from ..sharding.transport import COMM_CHOICES, capabilities
 
 
 @dataclass
@@ -54,7 +54,7 @@ class LoraSettings:
 class ModelConfig:
     """Which model: our Llama at a named size, or a Hugging Face causal LM from a local directory."""
 
-    name: str = "llama"  # llama | hf: a spec of odcfsdp/specs (see [model-specs])
+    name: str = "llama"  # llama | hf: a spec of odcfsdp/app/specs (see [model-specs])
     size: str = "tiny"  # llama: tiny | 150m | 1b | 3b | 8b
     overrides: dict[str, Any] = field(default_factory=dict)  # any LlamaConfig field, e.g. {n_layers: 4}
     path: str | None = None  # name=hf: a local pretrained checkpoint (config.json + safetensors) to fine-tune

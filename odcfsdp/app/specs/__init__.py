@@ -5,9 +5,9 @@ Design note [model-specs]
 After torchtitan's ``TrainSpec``: each module of this package defines one
 ``SPEC = ModelSpec(...)``, found by ``model_specs()`` (``pkgutil``), so adding a model to
 ``python -m odcfsdp.train`` is one new file here and nothing else: ``model.name``'s allowed
-values, its checks and the builder (``odcfsdp.builders``) all come from the registry, with
+values, its checks and the builder (``odcfsdp.app.builders``) all come from the registry, with
 no branch on model names anywhere. A spec reads the run's config tree
-(``odcfsdp.config.TrainConfig``) by attribute and does not import it (config imports the
+(``odcfsdp.app.config.TrainConfig``) by attribute and does not import it (config imports the
 registry). Specs sit above ``models/`` and ``checkpoint/`` (the hf spec loads pretrained
 weights with ``checkpoint.load_hf``) and below the config. Its own hyper-parameters go in the generic ``model.*`` keys (``model.size``,
 ``model.overrides``, ``model.path``, ...). A spec module imports optional packages
@@ -64,7 +64,7 @@ class ModelSpec:
         build: ``build(cfg, vocab_size) -> BuiltModel``; the model is built on the device
             the caller's context says (the meta device when ``pretrained(cfg)``).
         validate: ``validate(cfg)`` raises ``ValueError`` (naming the key) for an invalid
-            value of a key this model reads; called by ``odcfsdp.config.validate``.
+            value of a key this model reads; called by ``odcfsdp.app.config.validate``.
         pretrained: ``pretrained(cfg)``: whether the weights are read from files after
             wrapping (then the model is built on the meta device: no rank holds all of it).
         finish: ``finish(wrapped, cfg, weights=...)``, steps after ``ODCShard`` wrapped the
@@ -74,10 +74,10 @@ class ModelSpec:
             when ``data.tokenizer_path`` is not set (None: bytes).
         parameters: ``parameters(cfg, vocab_size)``: the model's parameter count from its config,
             without building it, or None where only the built model can tell (the launcher's
-            memory check, ``odcfsdp.preflight``).
+            memory check, ``odcfsdp.app.preflight``).
         lora: whether ``model.lora`` adapters (PEFT) are supported.
         reads: the ``model.*`` keys only this kind of model reads (``size``, ``path``, ...); an
-            override of another spec's key is rejected as unused (``odcfsdp.config.unused_key``).
+            override of another spec's key is rejected as unused (``odcfsdp.app.config.unused_key``).
     """
 
     name: str

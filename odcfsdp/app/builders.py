@@ -1,6 +1,6 @@
 """The pieces of a training run, built from its config: data source, model, sharded model, optimizer, device.
 
-``odcfsdp.trainer.train`` calls these in order; ``odcfsdp.export`` rebuilds a run's
+``odcfsdp.app.trainer.train`` calls these in order; ``odcfsdp.export`` rebuilds a run's
 sharded model with them, and tests build the same data and optimizer as a run.
 """
 
@@ -9,18 +9,18 @@ from __future__ import annotations
 import torch
 
 from .config import OPTIMIZER_KEYS, TrainConfig, data_source
-from .data.balance import CostModel
-from .data.jsonl import JsonlSource
-from .data.lengths import LengthDistribution
-from .data.synthetic import SyntheticSFT
-from .data.tokenizer import load_tokenizer
+from ..data.balance import CostModel
+from ..data.jsonl import JsonlSource
+from ..data.lengths import LengthDistribution
+from ..data.synthetic import SyntheticSFT
+from ..data.tokenizer import load_tokenizer
 from .specs import BuiltModel, model_spec
-from .optim import optimizer_class, optimizer_keywords, param_groups
-from .schedule import warmup_cosine
+from ..optim import optimizer_class, optimizer_keywords, param_groups
+from ..schedule import warmup_cosine
 from .shard_config import shard_arguments
-from .sharding import ODCShard
-from .sharding.hsdp import hybrid_mesh
-from .sharding.transport import capabilities
+from ..sharding import ODCShard
+from ..sharding.hsdp import hybrid_mesh
+from ..sharding.transport import capabilities
 
 
 def build_source(cfg: TrainConfig):
@@ -65,7 +65,7 @@ def cost_models(cfg: TrainConfig, built: BuiltModel) -> tuple[CostModel, CostMod
 def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, weights: bool = True):
     """``model.name``'s model wrapped in ``ODCShard`` as ``cfg.shard`` says; with its FLOPs and cost models.
 
-    The model comes from its spec ([model-specs] in ``odcfsdp/specs``). A pretrained
+    The model comes from its spec ([model-specs] in ``odcfsdp/app/specs``). A pretrained
     one (a Hugging Face ``model.path``) is built on the meta device, so no rank holds the full
     model, and the spec's ``finish`` has each rank read only its slices of the files
     (``weights=False`` skips that read, for a checkpoint load that follows).

@@ -3,7 +3,7 @@
 Each step is ``odcfsdp.loop``'s (the standard PyTorch loop: micro-batches, then
 ``clip_grad_norm_``, the ``optim.name`` optimizer (AdamW by default), the LR schedule, ``zero_grad``); per-rank
 compute and wait times, the loss and the throughput are gathered once afterwards and
-written by rank 0. The pieces come from ``odcfsdp.builders``; starting ranks and the
+written by rank 0. The pieces come from ``odcfsdp.app.builders``; starting ranks and the
 command line are ``odcfsdp.train``'s. SIGTERM or SIGINT during the loop stops every rank after
 the same step with a checkpoint (``_StopFlag``; a second SIGINT ends at once).
 """
@@ -24,16 +24,16 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from .builders import build_optimizer, build_sharded_model, build_source, jsonl_source, pick_device, tokenizer_path
-from .checkpoint import (
+from ..checkpoint import (
     CheckpointError, NonFiniteStateError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest,
     save_checkpoint,
 )
 from .config import TrainConfig, checkpoint_dir, resolve, validate
-from .interrupts import Interrupted, install, restore
-from .loop import evaluate, gather_stats, plan_step, train_step
+from ..interrupts import Interrupted, install, restore
+from ..loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
-from .mfu import mfu, peak_tflops
-from .sharding import ODCShard
+from ..mfu import mfu, peak_tflops
+from ..sharding import ODCShard
 
 
 class NonFiniteError(RuntimeError):

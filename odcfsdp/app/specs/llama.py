@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..checks import choice
-from ..models.llama import LLAMA_SIZES, Llama, LlamaConfig, llama_config
+from ...checks import choice
+from ...models.llama import LLAMA_SIZES, Llama, LlamaConfig, llama_config
 from . import BuiltModel, ModelSpec
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .sharding.shard import ODCShard
+from ..sharding.shard import ODCShard
 
 # ODCShard arguments that are runtime objects, not config keys, and where the builder gets them.
 RUNTIME: dict[str, str] = {
@@ -176,7 +176,7 @@ def _config_type(name: str, annotation, namespace: dict) -> Any:
     if origin is dict and args and args[0] is str and args[1] in _PLAIN:
         return Dict[str, args[1]]
     raise TypeError(f"ODCShard's argument {name}: {annotation} is not a config type (int, float, bool, str, "
-                    "Optional, list or dict of those): add it to RUNTIME or CONVERSIONS in odcfsdp/shard_config.py")
+                    "Optional, list or dict of those): add it to RUNTIME or CONVERSIONS in odcfsdp/app/shard_config.py")
 
 
 def _field(default, help_text: str) -> dataclasses.Field:
@@ -195,7 +195,7 @@ def _derive_shard_config() -> type:
     for table in (RUNTIME, CONVERSIONS):
         unknown = sorted(set(table) - set(params))
         if unknown:
-            raise TypeError(f"odcfsdp/shard_config.py names {unknown}, which are not arguments of ODCShard")
+            raise TypeError(f"odcfsdp/app/shard_config.py names {unknown}, which are not arguments of ODCShard")
     helps = {**args_help(ODCShard.__doc__ or ""), **args_help(ODCShard.__init__.__doc__ or "")}  # class or __init__
     stripped = ODCShard.__doc__ is None  # python -OO strips docstrings: no help texts then, and no check
     namespace = vars(sys.modules[ODCShard.__module__])

@@ -70,8 +70,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .interrupts import Interrupted, install, restore
-from .launcher_link import die_with_parent, watch_launcher
+from ..interrupts import Interrupted, install, restore
+from .link import die_with_parent, watch_launcher
 
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
@@ -198,7 +198,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
                           ODCFSDP_STORE_HOST=f"the launcher (pid {parent_pid or os.getppid()})")
         os.environ["LOCAL_RANK"] = str(rank)
         torch.set_num_threads(threads)
-        from .sharding.watchdog import set_fatal_handler, set_wait_cap
+        from ..sharding.watchdog import set_fatal_handler, set_wait_cap
 
         set_wait_cap(guard_s)  # every ODCShard's watchdog fires before spawn's bound ([bounded-spawn] 2)
 

@@ -2,7 +2,7 @@
 
 Design note [cli-keys]
 ----------------------
-The typed config (``odcfsdp/config.py``) is the one list of keys and of what each does: a
+The typed config (``odcfsdp/app/config.py``) is the one list of keys and of what each does: a
 field's help is its ``metadata["help"]`` (the derived ``shard`` keys, [derived-shard-config]),
 else the comment that ends the field's line. ``--help`` prints every key with its default and that line, and the
 experiment presets with their first comment line.
@@ -13,7 +13,7 @@ and exit code 2, as for invalid values:
 * a key that is no field is refused with the closest key (Hydra would otherwise suggest
   ``+key=value``, which it then adds and the typed config silently drops);
 * ``optim.<k>=v`` for a ``k`` that is no ``optim`` field is the optimizer's keyword argument
-  ``k`` (``optim.kwargs.<k>``; ``odcfsdp.config.validate`` checks it against the class);
+  ``k`` (``optim.kwargs.<k>``; ``odcfsdp.app.config.validate`` checks it against the class);
 * keys under a dict-valued field (``model.overrides``, ``optim.kwargs``) are free, and added
   with Hydra's ``++`` so that they need no ``+``;
 * after composition, an override the run would not read (``unused_key``) is refused when it
@@ -34,7 +34,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .checks import did_you_mean
+from ..checks import did_you_mean
 from .config import TrainConfig, unused_key
 
 

@@ -1,74 +1,16 @@
-"""Where a rank's memory goes: an ``ODCShard`` model's bytes by category now, and a training step's peak by category.
-
-* ``memory_breakdown(model, optimizer)``: bytes per category of an ``ODCShard`` model at the moment of
-  the call, from its live tensors (every byte counted once: views and aliases such as a master that
-  *is* the row are deduplicated by address);
-* ``peak_breakdown(fn, known)`` (CUDA, any model: odcfsdp, FSDP2, DDP): run ``fn`` (one step) under
-  torch's allocator history and attribute the blocks alive at its peak ([peak-replay]);
-* ``replay_peak(snapshot, ...)``: that replay, a pure function of a ``torch.cuda.memory._snapshot()`` dict.
-
-Categories (``memory_breakdown``; N ranks per shard group, P parameters; "heap": outside torch's allocator):
-
-* ``masters``: fp32 master rows the optimizer updates that are not the communicated row: 4P/N (0 when
-  ``param_dtype`` is fp32: the row is the master); ``rows``: the communicated rows (bf16: 2P/N) and
-  ``accumulators``: fp32 gradient accumulators of trained groups (4P/N), on the heap for one-sided transports;
-  ``heap_other``: heap bytes beyond them (256-byte alignment); ``heap``: ``transport.heap_bytes`` (0 for
-  ``collective``);
-* ``optimizer_state``: every tensor in ``optimizer.state`` on the rows' device (DTensors: their local
-  tensors): AdamW 8P/N plus one 4-byte ``step`` per parameter;
-* ``unsharded_params``: unsharded buffers resident now (in use or prefetched): 2 bytes x N x row length per
-  gathered group; ``grad_buffers``: gradient buffers in flight during backward (the same size, one per group
-  between its pre-backward and its push);
-* on CUDA also ``torch_allocated`` (``torch.cuda.memory_allocated``), ``activations_and_other`` (that minus
-  the torch-allocated categories above: activations, autograd's saved tensors, caches, block rounding) and
-  ``allocator_slack`` (reserved - allocated).
-
-Design note [memory-model]
---------------------------
-Bytes per parameter per rank (fp32 parameters, bf16 compute, fp32 gradient reduction, AdamW, N ranks):
-
-======================  =================  ==================  ======================================
-category                odcfsdp one-sided  odcfsdp collective  FSDP2
-======================  =================  ==================  ======================================
-fp32 params (masters)   4P/N torch         4P/N torch          4P/N torch (its sharded parameters)
-bf16 rows               2P/N heap          2P/N torch          -
-fp32 gradients          4P/N heap          4P/N torch          4P/N torch, first reduce-scatter to
-                        (accumulators, resident for the run)   ``zero_grad`` (sharded ``.grad``)
-AdamW moments           8P/N torch         8P/N torch          8P/N torch (resident after step 1)
-resident sum            18P/N              18P/N               16P/N (12P/N before the first
-                                                               reduce-scatter of a minibatch)
-======================  =================  ==================  ======================================
-
-Transient, per group (odcfsdp, ``group_bytes`` of bf16 each) or per layer (FSDP2), G elements: odcfsdp
-holds 2G unsharded bf16 per gathered group (the hook site's groups plus ``prefetch`` sites ahead) and a
-2G bf16 gradient buffer per group in backward, until its push has read it (the push stream may hold it
-a little longer); the one-sided gather and scatter-accumulate need no staging; ``collective`` adds an
-all-gather staging buffer (2G) and a reduce-scatter input (4G, fp32) plus output (4G/N). FSDP2 holds the
-bf16 cast of its shard (2G/N, the all-gather input), the all-gather output (2G) and the unsharded
-parameters copied out of it (2G; both briefly), the bf16 unsharded gradients (2G, autograd's), the fp32
-reduce-scatter input (4G) and output (4G/N, the first micro-batch's becomes the sharded gradient); the
-next layer's prefetched all-gather doubles the unsharded part. DDP: fp32 parameters, gradients and
-buckets (4P each), AdamW 8P, autocast's bf16 weight copies.
-
-So at equal transients odcfsdp's default resident state is 2P/N (the rows) above FSDP2's. Its levers:
-``gather_masters=True`` (the fp32 master is the row: 16P/N, [gather-masters]) and a bf16 ``reduce_dtype``
-(accumulators 2P/N: 14P/N with both until the sync, 18P/N from the sync to the finish with the fp32 .grad copy). Activations follow each rank's largest micro-batch,
-which LB-Mini keeps small by spreading positions evenly ([even-packing] in ``odcfsdp/data/balance.py``). With one-sided transports 6P/N of it (rows, accumulators) is the heap, which torch's peak
-statistics do not see: compare torch's peak *plus* the heap with FSDP2's peak. NVSHMEM reserves 64 MiB
-beyond the heap (``HEAP_HEADROOM``) for its own use, and NCCL's buffers are outside torch as well.
-"""
+"""``peak_breakdown``: a training step's peak by category, for any model (odcfsdp, FSDP2, DDP), from torch's
+allocator history ([peak-replay]); ``replay_peak``: that replay as a pure function of a
+``torch.cuda.memory._snapshot()`` dict. Categories: ``odcfsdp/memory/__init__.py``."""
 
 from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
-import torch.nn as nn
 
-from .sharding import ODCShard
+from .live import _local, span
 
 _MARKER = "_probe_marker"  # the function whose allocation marks a probe in the trace
 
@@ -96,125 +38,6 @@ FRAME_RULES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
 )
 
 
-# -- live breakdown of an ODCShard model --------------------------------------------------------------------------
-@dataclass
-class MemoryBreakdown:
-    """Bytes per category of one rank at one moment (see the module's docstring); None: not measured (CPU)."""
-
-    masters: int
-    rows: int
-    accumulators: int
-    heap_other: int
-    heap: int
-    optimizer_state: int
-    unsharded_params: int
-    grad_buffers: int
-    outside_torch: tuple[str, ...]  # categories that live outside torch's allocator (on the heap)
-    torch_allocated: int | None = None
-    activations_and_other: int | None = None
-    allocator_slack: int | None = None
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "outside_torch": list(self.outside_torch)}
-
-
-class _Claims:
-    """Byte ranges counted so far (sorted, disjoint): each byte is counted once, by the first category claiming it."""
-
-    def __init__(self):
-        self._iv: list[tuple[int, int]] = []
-
-    def claim(self, lo: int, hi: int) -> int:
-        """Mark ``[lo, hi)`` counted; return how many of its bytes were not counted before."""
-        if hi <= lo:
-            return 0
-        iv = self._iv
-        i = bisect.bisect_right(iv, (lo, float("inf"))) - 1
-        if i < 0 or iv[i][1] < lo:
-            i += 1
-        covered, new_lo, new_hi, j = 0, lo, hi, i
-        while j < len(iv) and iv[j][0] <= hi:
-            a, b = iv[j]
-            covered += max(0, min(b, hi) - max(a, lo))
-            new_lo, new_hi, j = min(new_lo, a), max(new_hi, b), j + 1
-        iv[i:j] = [(new_lo, new_hi)]
-        return hi - lo - covered
-
-
-def _local(t):
-    """A DTensor's local tensor (no autograd op), any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
-
-
-def span(t: torch.Tensor | None) -> tuple[int, int] | None:
-    """The bytes ``[lo, hi)`` a tensor's elements occupy, within its storage's allocated bytes (None: no bytes)."""
-    if t is None:
-        return None
-    t = _local(t)
-    if t.is_meta or t.numel() == 0:
-        return None
-    storage = t.untyped_storage()
-    if storage.nbytes() == 0:  # a freed unsharded buffer ([storage-resize])
-        return None
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    lo = t.data_ptr()
-    hi = min(lo + extent * t.element_size(), storage.data_ptr() + storage.nbytes())
-    return (lo, hi) if hi > lo else None
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Every tensor in ``optimizer.state`` (DTensors: their local tensors)."""
-    if optimizer is None:
-        return []
-    return [_local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-
-
-def odc_tensors(model: ODCShard, optimizer=None) -> dict[str, list[torch.Tensor]]:
-    """An ``ODCShard`` model's tensors by category, in the order they are counted (see ``memory_breakdown``)."""
-    groups = [g for g in model.groups if g.row is not None]
-    device = groups[0].row.device if groups else None
-    return {
-        "rows": [g.row for g in groups],
-        "accumulators": [g.accumulator for g in groups if g.accumulator is not None],
-        "masters": [g.master for g in groups if g.master is not g.row],
-        "optimizer_state": [t for t in optimizer_tensors(optimizer) if t.device == device],
-        "unsharded_params": [g.unsharded for g in groups],
-        "grad_buffers": [g.grad_buffer for g in groups if g.grad_buffer is not None],
-    }
-
-
-def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
-    """Bytes per category of an ``ODCShard`` model on this rank now (see the module's docstring); no communication."""
-    if not isinstance(model, ODCShard):
-        raise TypeError(f"memory_breakdown takes an ODCShard model, got {type(model).__name__}")
-    claims, tensors = _Claims(), odc_tensors(model, optimizer)
-    counted = {cat: sum(claims.claim(*s) for t in ts if (s := span(t)) is not None) for cat, ts in tensors.items()}
-    heap = int(getattr(model.transport, "heap_bytes", 0) or 0)
-    outside = ("rows", "accumulators", "heap_other") if heap else ()
-    out = MemoryBreakdown(**counted, heap=heap, heap_other=heap - counted["rows"] - counted["accumulators"] if heap
-                          else 0, outside_torch=outside)
-    device = model.groups[0].row.device if model.groups and model.groups[0].row is not None else None
-    if device is not None and device.type == "cuda":
-        out.torch_allocated = torch.cuda.memory_allocated(device)
-        host = {k for k, ts in tensors.items() if ts and all(t.device.type == "cpu" for t in ts)}  # offloaded
-        inside = sum(v for k, v in counted.items() if k not in outside and k not in host)
-        out.activations_and_other = out.torch_allocated - inside
-        out.allocator_slack = torch.cuda.memory_reserved(device) - out.torch_allocated
-    return out
-
-
-def known_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[torch.Tensor]]:
-    """Tensors ``peak_breakdown`` recognises by address: an ``ODCShard`` model's categories, or any other model's
-    parameters (``masters``: FSDP2's sharded fp32 parameters, DDP's full ones), gradients and optimizer state."""
-    if isinstance(model, ODCShard):
-        return odc_tensors(model, optimizer)
-    params = list(model.parameters())
-    return {"masters": [_local(p) for p in params],
-            "gradients": [_local(p.grad) for p in params if p.grad is not None],
-            "optimizer_state": optimizer_tensors(optimizer)}
-
-
-# -- the peak of a step, from the allocator's trace -----------------------------------------------------------------
 def classify_frames(frames: list[dict], rules=FRAME_RULES) -> str | None:
     """The category of the first frame (innermost first) that matches a rule, or None."""
     for f in frames or ():
@@ -226,7 +49,7 @@ def classify_frames(frames: list[dict], rules=FRAME_RULES) -> str | None:
 
 
 def _is_marker(event: dict) -> bool:
-    return any(f.get("name") == _MARKER and str(f.get("filename", "")).endswith("memory.py")
+    return any(f.get("name") == _MARKER and str(f.get("filename", "")).replace("\\", "/").endswith("memory/peak.py")
                for f in event.get("frames") or ())
 
 
@@ -396,5 +219,4 @@ def peak_breakdown(fn: Callable[[], object], known: Callable[[], Mapping] | Mapp
     return out
 
 
-__all__ = ["FRAME_RULES", "MemoryBreakdown", "classify_frames", "known_tensors", "memory_breakdown",
-           "odc_tensors", "optimizer_tensors", "peak_breakdown", "replay_peak", "span"]
+__all__ = ["FRAME_RULES", "classify_frames", "peak_breakdown", "replay_peak"]

@@ -19,11 +19,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from .checkpoint.hf import check_weight_files
+from ..checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from ..checkpoint.hf import check_weight_files
 from .config import DataConfig, TrainConfig, checkpoint_dir, data_source
-from .data.formats import Chat, parse
-from .data.jsonl import read_records
+from ..data.formats import Chat, parse
+from ..data.jsonl import read_records
 
 
 def _jsonl(key: str, path: str, data: DataConfig) -> list[str]:

@@ -1,0 +1,179 @@
+"""Training entry point: ``python -m odcfsdp.train [key=value ...]`` (Hydra; see ``odcfsdp/app/config.py``).
+
+With no arguments it trains a tiny Llama on long-tailed synthetic SFT data with 2
+CPU ranks that it starts itself (gloo + the shm transport), prints a progress bar
+and writes ``runs/default/metrics.jsonl``. Under ``torchrun`` it uses the ranks
+torchrun started (NCCL + nvshmem on GPUs).
+
+This module is the command line and the ranks: Hydra's main, configuration errors
+as one line (exit code 2; ``odcfsdp.app.cli`` checks the keys, [cli-keys]), starting ranks
+(torchrun's, or spawned locally) and reporting their failures (1). The run itself is
+``odcfsdp.app.trainer.train``; its pieces come from ``odcfsdp.app.builders``.
+
+Interrupts: SIGTERM or a first Ctrl-C (SIGINT) during the run make every rank finish its
+step and save a checkpoint, one line says so, exit code 0 (continue with
+``checkpoint.resume=auto``); before the ranks train (start-up) there is nothing to save: one
+line and exit code 128 + the signal's number (143, 130). A second Ctrl-C ends at once (130).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+if __name__ == "__main__":  # the command line: a signal while torch and Hydra load ends with one line
+    from odcfsdp.interrupts import exit_during_imports, install
+
+    install(exit_during_imports)
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from .cli import check_given, check_overrides, given_keys, help_text
+from .config import TrainConfig, config_from, register, resolve, validate
+from ..interrupts import Interrupted, exit_after_stop, install, raise_interrupted
+from ..launch.processes import init_torchrun, spawn
+from .preflight import preflight
+from .trainer import NonFiniteError, train
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+class RankError(RuntimeError):
+    """A spawned rank failed; the message is one line naming the rank (the traceback goes to the run dir)."""
+
+
+def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
+    """One spawned rank: ``train`` the config; a ``NonFiniteError`` is returned to the parent, not raised."""
+    try:
+        return train(config_from(cfg_dict))
+    except NonFiniteError as e:  # every rank stops at the same step: hand the parent the message, not a traceback
+        return e
+
+
+def _write_report(out_dir: Path, report: str) -> str:
+    """Write a failure's whole report (the ranks' tracebacks and stacks) to ``out_dir/error.log``, else, where that
+    cannot be written (the disk that filled up and failed the run), to a temporary file; says where it went."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "error.log").write_text(report)
+        return f"traceback in {out_dir / 'error.log'}"
+    except OSError as e:
+        (out_dir / "error.log").unlink(missing_ok=True) if (out_dir / "error.log").is_file() else None
+        try:
+            with tempfile.NamedTemporaryFile("w", prefix="odcfsdp-error-", suffix=".log", delete=False) as f:
+                f.write(report)
+            return f"traceback in {f.name}: {out_dir / 'error.log'} could not be written ({e.strerror or e})"
+        except OSError:
+            return f"no traceback written: {out_dir / 'error.log'}: {e.strerror or e}"
+
+
+def run(cfg: TrainConfig) -> None:
+    """Start ranks as needed (torchrun's, or spawned locally) and train."""
+    validate(cfg)
+    if "RANK" in os.environ:  # started by torchrun
+        init_torchrun(use_cuda=cfg.run.device != "cpu" and torch.cuda.is_available())
+        try:
+            train(cfg)
+        finally:
+            dist.destroy_process_group()
+    elif cfg.run.world_size > 1:
+        cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        received: list[int] = []
+        try:
+            results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                            backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600,
+                            forward=(signal.SIGTERM, signal.SIGINT), received=received)
+            # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted)
+            install(exit_after_stop if received else signal.SIG_IGN)
+        except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
+            where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+            raise RankError(f"{head} ({where})") from None
+        if isinstance(results[0], NonFiniteError):
+            raise results[0]
+    else:
+        train(cfg)
+
+
+def _multirun_job_dir(cfg: TrainConfig) -> None:
+    """Under ``--multirun``, a job without its own ``run.out_dir`` override writes to its Hydra job directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    if not any(o.split("=")[0].lstrip("+~") == "run.out_dir" for o in hc.overrides.task):
+        cfg.run.out_dir = hc.runtime.output_dir
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"job {hc.job.num} ({' '.join(hc.overrides.task) or 'defaults'}) -> {cfg.run.out_dir}", file=sys.stderr)
+
+
+@hydra.main(version_base="1.3", config_name="train", config_path=None)
+def _hydra_main(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = resolve(OmegaConf.to_object(cfg))
+    _multirun_job_dir(cfg)
+    try:
+        validate(cfg)
+        notes = check_given(cfg, given_keys(list(HydraConfig.get().overrides.task)))
+        notes += preflight(cfg, torchrun="RANK" in os.environ)
+    except ValueError as e:  # a configuration error: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(note, file=sys.stderr)
+    try:
+        run(cfg)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
+    except RankError as e:
+        print(f"\nerror: {e}", file=sys.stderr)  # after a progress bar that may be mid-line
+        sys.exit(1)
+
+
+def main() -> None:
+    """Console-script entry point (``odcfsdp-train``)."""
+    install(raise_interrupted)  # one line, not a traceback, until the ranks take over
+    try:
+        _main(sys.argv[1:])
+    except Interrupted as e:  # before the ranks trained, or a second Ctrl-C: exit 128 + the signal's number
+        print(f"{chr(10) if sys.stderr.isatty() else ''}{e.message()}", file=sys.stderr)  # a bar may be mid-line
+        sys.exit(e.exit_code)
+
+
+def _main(args: list[str]) -> None:
+    register()
+    if "--help" in args or "-h" in args:
+        print(help_text(CONFIGS_DIR))
+        return
+    try:
+        args = check_overrides(args, groups=tuple(p.name for p in CONFIGS_DIR.iterdir() if p.is_dir())
+                               if CONFIGS_DIR.is_dir() else ())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    defaults = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                "hydra/hydra_logging=disabled"]
+    if CONFIGS_DIR.is_dir():  # source checkout: experiment presets under configs/
+        defaults.append(f"hydra.searchpath=[file://{CONFIGS_DIR}]")
+    given = {a.split("=")[0] for a in args}
+    extra = [d for d in defaults if d.split("=")[0] not in given]
+    # Hydra wants the overrides contiguous: put ours right before the user's first one.
+    first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
+    sys.argv[1:] = args[:first] + extra + args[first:]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""``memory_breakdown``: an ``ODCShard`` model's bytes by category at the moment of the call, from its live tensors
+(every byte counted once); ``known_tensors``: the tensors ``peak_breakdown`` recognises by address. Categories and
+[memory-model]: ``odcfsdp/memory/__init__.py``."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from ..sharding import ODCShard
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per category of one rank at one moment (see the module's docstring); None: not measured (CPU)."""
+
+    masters: int
+    rows: int
+    accumulators: int
+    heap_other: int
+    heap: int
+    optimizer_state: int
+    unsharded_params: int
+    grad_buffers: int
+    outside_torch: tuple[str, ...]  # categories that live outside torch's allocator (on the heap)
+    torch_allocated: int | None = None
+    activations_and_other: int | None = None
+    allocator_slack: int | None = None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "outside_torch": list(self.outside_torch)}
+
+
+class _Claims:
+    """Byte ranges counted so far (sorted, disjoint): each byte is counted once, by the first category claiming it."""
+
+    def __init__(self):
+        self._iv: list[tuple[int, int]] = []
+
+    def claim(self, lo: int, hi: int) -> int:
+        """Mark ``[lo, hi)`` counted; return how many of its bytes were not counted before."""
+        if hi <= lo:
+            return 0
+        iv = self._iv
+        i = bisect.bisect_right(iv, (lo, float("inf"))) - 1
+        if i < 0 or iv[i][1] < lo:
+            i += 1
+        covered, new_lo, new_hi, j = 0, lo, hi, i
+        while j < len(iv) and iv[j][0] <= hi:
+            a, b = iv[j]
+            covered += max(0, min(b, hi) - max(a, lo))
+            new_lo, new_hi, j = min(new_lo, a), max(new_hi, b), j + 1
+        iv[i:j] = [(new_lo, new_hi)]
+        return hi - lo - covered
+
+
+def _local(t):
+    """A DTensor's local tensor (no autograd op), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def span(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """The bytes ``[lo, hi)`` a tensor's elements occupy, within its storage's allocated bytes (None: no bytes)."""
+    if t is None:
+        return None
+    t = _local(t)
+    if t.is_meta or t.numel() == 0:
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:  # a freed unsharded buffer ([storage-resize])
+        return None
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    lo = t.data_ptr()
+    hi = min(lo + extent * t.element_size(), storage.data_ptr() + storage.nbytes())
+    return (lo, hi) if hi > lo else None
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor in ``optimizer.state`` (DTensors: their local tensors)."""
+    if optimizer is None:
+        return []
+    return [_local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def odc_tensors(model: ODCShard, optimizer=None) -> dict[str, list[torch.Tensor]]:
+    """An ``ODCShard`` model's tensors by category, in the order they are counted (see ``memory_breakdown``)."""
+    groups = [g for g in model.groups if g.row is not None]
+    device = groups[0].row.device if groups else None
+    return {
+        "rows": [g.row for g in groups],
+        "accumulators": [g.accumulator for g in groups if g.accumulator is not None],
+        "masters": [g.master for g in groups if g.master is not g.row],
+        "optimizer_state": [t for t in optimizer_tensors(optimizer) if t.device == device],
+        "unsharded_params": [g.unsharded for g in groups],
+        "grad_buffers": [g.grad_buffer for g in groups if g.grad_buffer is not None],
+    }
+
+
+def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
+    """Bytes per category of an ``ODCShard`` model on this rank now (see the module's docstring); no communication."""
+    if not isinstance(model, ODCShard):
+        raise TypeError(f"memory_breakdown takes an ODCShard model, got {type(model).__name__}")
+    claims, tensors = _Claims(), odc_tensors(model, optimizer)
+    counted = {cat: sum(claims.claim(*s) for t in ts if (s := span(t)) is not None) for cat, ts in tensors.items()}
+    heap = int(getattr(model.transport, "heap_bytes", 0) or 0)
+    outside = ("rows", "accumulators", "heap_other") if heap else ()
+    out = MemoryBreakdown(**counted, heap=heap, heap_other=heap - counted["rows"] - counted["accumulators"] if heap
+                          else 0, outside_torch=outside)
+    device = model.groups[0].row.device if model.groups and model.groups[0].row is not None else None
+    if device is not None and device.type == "cuda":
+        out.torch_allocated = torch.cuda.memory_allocated(device)
+        host = {k for k, ts in tensors.items() if ts and all(t.device.type == "cpu" for t in ts)}  # offloaded
+        inside = sum(v for k, v in counted.items() if k not in outside and k not in host)
+        out.activations_and_other = out.torch_allocated - inside
+        out.allocator_slack = torch.cuda.memory_reserved(device) - out.torch_allocated
+    return out
+
+
+def known_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[torch.Tensor]]:
+    """Tensors ``peak_breakdown`` recognises by address: an ``ODCShard`` model's categories, or any other model's
+    parameters (``masters``: FSDP2's sharded fp32 parameters, DDP's full ones), gradients and optimizer state."""
+    if isinstance(model, ODCShard):
+        return odc_tensors(model, optimizer)
+    params = list(model.parameters())
+    return {"masters": [_local(p) for p in params],
+            "gradients": [_local(p.grad) for p in params if p.grad is not None],
+            "optimizer_state": optimizer_tensors(optimizer)}
+
+
+__all__ = ["MemoryBreakdown", "known_tensors", "memory_breakdown", "odc_tensors", "optimizer_tensors", "span"]
