@@ -5,14 +5,14 @@ A step, as numbered steps:
 1. ``plan_step``: the global minibatch is samples ``[step * B, (step + 1) * B)`` of the
    source; every rank computes the same balancing plan from the samples' lengths (no
    communication) and takes its share of micro-batches;
-2. ``train_step``: each micro-batch is packed, moved to the device and run forward
-   and backward; the model returns its loss summed over target tokens (the head fused
-   with the cross-entropy, [linear-cross-entropy]), divided here by the number of
-   target tokens of the whole minibatch (ranks' shares differ), then scaled by
-   ``loss_scale`` (methods that average gradients over ranks pass the world size);
+2. ``train_step``: each micro-batch is packed, moved to the device and run forward and backward (with ``ODCShard``,
+   [lifecycle] 1-7 in ``sharding/lifecycle.py``); the model returns its loss summed over target tokens (the head fused
+   with the cross-entropy, [linear-cross-entropy]), divided here by the number of target tokens of the whole minibatch
+   (ranks' shares differ), then scaled by ``loss_scale`` (methods that average gradients over ranks pass the world
+   size);
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
    optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
-   with ``ODCShard`` is also where ranks meet ([step-protocol]);
+   with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]);
 4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
 
 ``evaluate`` is the held-out loss between steps: the same packing and loss, without

@@ -307,3 +307,32 @@ def test_the_design_notes_transition_table_is_the_protocols():
 
     rows = re.findall(r"^(ACCUMULATING|EMPTY|READY) +([A-Z]+) +(_\w+)", protocol.__doc__, re.M)
     assert sorted(rows) == sorted((s.name, e.name, method) for (s, e), method in protocol.TRANSITIONS.items())
+
+
+def test_each_lifecycle_step_is_a_profiler_range():
+    """[lifecycle]: a profiled step of the standard loop shows each phase as an ``odc::`` range, as FSDP2's show in a
+    trace: gather and reshard per site in forward, re-gather and push per site in backward, the flush at the end of
+    each backward, then one sync and one finish per minibatch (two micro-batches here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = ODCShard(_tiny(), units=(torch.nn.Linear,), reshard_after_forward=True)
+    opt = torch.optim.SGD(param_groups(model), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()  # a first step outside the trace: nothing left to set up in it
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("odc::"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    sites = 2  # the two Linear units (Tanh holds no parameter)
+    assert counts == {"odc::gather": 2 * sites, "odc::reshard": 2 * sites, "odc::pre_backward": 2 * sites,
+                      "odc::push": counts.get("odc::push", 0), "odc::flush": 2, "odc::sync": 1, "odc::finish": 1}, counts
+    assert counts["odc::push"] >= 2  # the last Linear's inputs need a gradient; the first one's (data) do not
+    model.close()

@@ -33,7 +33,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     manifest = read_manifest(Path(checkpoint))
     if not manifest.get("config"):
         raise CheckpointError(f"{checkpoint}: the manifest holds no run configuration (saved outside "
-                              "`python -m odcfsdp.train`); export from Python with odcfsdp.checkpoint.export_pretrained")
+                              "`python -m odcfsdp.train`); export from Python with "
+                              "odcfsdp.checkpoint.export_pretrained")
     cfg = config_from(manifest["config"])
     cfg.model.compile = False
     cfg.shard.comm = "auto"

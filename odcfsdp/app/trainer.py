@@ -92,7 +92,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         table = gather_stats([out["loss"], out["compute_s"], model.sync_wait_s, len(minibatch.mine),
                               sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
                               float(terminate.signum)],
-                             model.mesh.device, model.mesh.everyone.group)  # the stop flag rides along: no extra meeting
+                             model.mesh.device, model.mesh.everyone.group)  # the stop flag rides along: no meeting
         row = _step_row(step, out, table, minibatch.global_targets, lr, peak, world, device)
         in_a_row = 0 if out["finite"] else in_a_row + 1
         if not out["finite"]:

@@ -112,7 +112,8 @@ def check_params(manifest: dict, slots: dict, where: Path) -> None:
             raise CheckpointError(f"{where}: parameter {name!r} has shape {tuple(p['shape'])} in the checkpoint, "
                                   f"{tuple(shape)} in the model")
         if p["dtype"] != dtype:
-            raise CheckpointError(f"{where}: parameter {name!r} is {p['dtype']} in the checkpoint, {dtype} in the model")
+            raise CheckpointError(
+                f"{where}: parameter {name!r} is {p['dtype']} in the checkpoint, {dtype} in the model")
         if p["requires_grad"] != trained:
             raise CheckpointError(f"{where}: parameter {name!r} is {'trained' if p['requires_grad'] else 'frozen'} "
                                   f"in the checkpoint but not in the model")

@@ -85,7 +85,8 @@ def _jsonable(value):
 
 
 def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
-    """The optimizer's parameter groups as lists of the model's ``ShardedParam``s (every parameter must be the model's)."""
+    """The optimizer's parameter groups as lists of the model's ``ShardedParam``s (every parameter must be the
+    model's)."""
     groups = []
     for group in optimizer.param_groups:
         sps = []
@@ -326,7 +327,8 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
             for name, buf in buffers.items():
                 key = f"__buffer__/{name}"
                 if key not in f0.keys():
-                    raise CheckpointError(f"{path / rank_file(0)}: buffer {name!r} of the model is not in the checkpoint")
+                    raise CheckpointError(
+                        f"{path / rank_file(0)}: buffer {name!r} of the model is not in the checkpoint")
                 with torch.no_grad():
                     buf.copy_(f0.get_tensor(key))
     if optimizer is not None:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from .tokenizer import ROLES
 
-# Each format's fields (the required ones first, then the optional ones), in detection order: its reader sees only these.
+# Each format's fields (the required ones first, then the optional ones), in detection order: its reader sees
+# only these.
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("tools",)),
     "sharegpt": (("conversations",), ("system", "tools")),

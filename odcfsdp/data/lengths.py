@@ -43,7 +43,8 @@ def longalign_lengths(cap: int = 65536) -> LengthConfig:
     """LongAlign's 8K-64K spread scaled so the longest sample just fits ``cap`` positions (the benchmarks' long-tailed
     workload: ``cap + 1`` tokens, inputs and the shifted target)."""
     scale = (cap + 1) / LONGALIGN_BINS[-1][1]
-    return LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)] for lo, hi in LONGALIGN_BINS])
+    bins = [[max(2, int(lo * scale)), int(hi * scale)] for lo, hi in LONGALIGN_BINS]
+    return LengthConfig(kind="histogram", bins=bins)
 
 
 class LengthDistribution:

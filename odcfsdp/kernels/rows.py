@@ -26,7 +26,8 @@ import triton.language as tl
 
 from .chunks import CHUNK_FIELDS, ChunkTable
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+              torch.float64: tl.float64}
 
 
 @triton.jit

@@ -52,10 +52,11 @@ buckets (4P each), AdamW 8P, autocast's bf16 weight copies.
 
 So at equal transients odcfsdp's default resident state is 2P/N (the rows) above FSDP2's. Its levers:
 ``gather_masters=True`` (the fp32 master is the row: 16P/N, [gather-masters]) and a bf16 ``reduce_dtype``
-(accumulators 2P/N: 14P/N with both until the sync, 18P/N from the sync to the finish with the fp32 .grad copy). Activations follow each rank's largest micro-batch,
-which LB-Mini keeps small by spreading positions evenly ([even-packing] in ``odcfsdp/data/balance.py``). With one-sided transports 6P/N of it (rows, accumulators) is the heap, which torch's peak
-statistics do not see: compare torch's peak *plus* the heap with FSDP2's peak. NVSHMEM reserves 64 MiB
-beyond the heap (``HEAP_HEADROOM``) for its own use, and NCCL's buffers are outside torch as well.
+(accumulators 2P/N: 14P/N with both until the sync, 18P/N from the sync to the finish with the fp32 .grad copy).
+Activations follow each rank's largest micro-batch, which LB-Mini keeps small by spreading positions evenly
+([even-packing] in ``odcfsdp/data/balance.py``). With one-sided transports 6P/N of it (rows, accumulators) is the
+heap, which torch's peak statistics do not see: compare torch's peak *plus* the heap with FSDP2's peak. NVSHMEM
+reserves 64 MiB beyond the heap (``HEAP_HEADROOM``) for its own use, and NCCL's buffers are outside torch as well.
 """
 
 from .live import MemoryBreakdown, known_tensors, memory_breakdown, odc_tensors, optimizer_tensors, span

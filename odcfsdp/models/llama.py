@@ -42,7 +42,8 @@ class LlamaConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
     compile: bool = False  # torch.compile each decoder layer's dense parts (attention itself stays eager)
     compile_backend: str = "inductor"
-    attention_backend: str = "auto"  # "auto" (cuDNN on Hopper+, else flash), "cudnn" or "flash": see [attention-kernels]
+    # "auto" (cuDNN on Hopper+, else flash), "cudnn" or "flash": see [attention-kernels]
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of"):

@@ -16,13 +16,12 @@ cross-entropy does, written here with torch ops):
 4. ``dh_c = p W`` (kept for backward) and ``dW += p^T h_c``, ``db += sum p`` (fp32 accumulators,
    one rounding to the weight's dtype at the end).
 
-On CUDA steps 2-3 run as one compiled function (a reduction and a pointwise kernel over the
-compute-dtype logits, no fp32 copy). Backward only scales the kept ``dh`` and ``dW`` by the incoming gradient (the normaliser,
-a loss scale). Peak extra memory is one chunk's logits (~10 C V bytes; C is sized so the fp32
-chunk is ``chunk_bytes``, 512 MiB by default, i.e. 1K tokens at V = 128K) plus ``dh`` (the size
-of ``h``) and the fp32 ``dW`` (4 V H: 2.1 GB at 8B), the latter two only from the loss to the
-start of backward. FLOPs are the unfused path's (three matmuls of 2 S V H each); nothing is
-recomputed.
+On CUDA steps 2-3 run as one compiled function (a reduction and a pointwise kernel over the compute-dtype logits, no
+fp32 copy). Backward only scales the kept ``dh`` and ``dW`` by the incoming gradient (the normaliser, a loss scale).
+Peak extra memory is one chunk's logits (~10 C V bytes; C is sized so the fp32 chunk is ``chunk_bytes``, 512 MiB by
+default, i.e. 1K tokens at V = 128K) plus ``dh`` (the size of ``h``) and the fp32 ``dW`` (4 V H: 2.1 GB at 8B), the
+latter two only from the loss to the start of backward. FLOPs are the unfused path's (three matmuls of 2 S V H each);
+nothing is recomputed.
 
 The head runs as a module call (``LinearCrossEntropyHead``, an ``nn.Linear`` whose forward
 also takes ``targets``): sharding wrappers (ours, FSDP2) gather a module's parameters in its

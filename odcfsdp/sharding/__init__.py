@@ -1,7 +1,7 @@
 """Flat-group sharding: layout, transports, groups and the ``ODCShard`` wrapper."""
 
 from .group import FlatGroup, GroupState
-from .hooks import TrainingPhase
+from .lifecycle import StepLifecycle, TrainingPhase
 from .layout import GroupLayout, ParamSlot, plan_groups
 from .mesh import ShardMesh
 from .param import ODCLocalParameter, ODCParameter, ShardedParam
@@ -11,6 +11,6 @@ from .shard_state import ShardState
 
 __all__ = [
     "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCParameter", "ODCShard",
-    "ParamSlot", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepProtocol", "TrainingPhase",
-    "plan_groups",
+    "ParamSlot", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepLifecycle", "StepProtocol",
+    "TrainingPhase", "plan_groups",
 ]

@@ -4,13 +4,13 @@ A group's life, in numbered steps (its states are ``GroupState``):
 
 1. built: the transport allocated its row and accumulator; the master row is filled
    from the model's values and published to the row; SHARDED (modules hold shards);
-2. a site needs it: ``to_unsharded`` resizes the unsharded storage back and gathers
-   every rank's row into it (ahead of use on a side stream, [streams]); UNSHARDED
-   (modules hold the unsharded parameters, [params]);
-3. in backward: ``prepare_grad`` gives the trained parameters a zeroed gradient
-   buffer ([grad-buffers]); after the group's last site, ``push_grad`` adds it into
-   the owners' accumulator rows; ``to_sharded`` frees the storage: SHARDED again;
-4. at the minibatch's meetings (the step protocol, [step-protocol]): ``attach_grads``
+2. a site needs it ([lifecycle] 2 and 5 in ``lifecycle.py``): ``to_unsharded`` resizes
+   the unsharded storage back and gathers every rank's row into it (ahead of use on a
+   side stream, [streams]); UNSHARDED (modules hold the unsharded parameters, [params]);
+3. in backward ([lifecycle] 5-7): ``prepare_grad`` gives the trained parameters a zeroed
+   gradient buffer ([grad-buffers]); after the group's last site, ``push_grad`` adds it
+   into the owners' accumulator rows; ``to_sharded`` frees the storage: SHARDED again;
+4. at the minibatch's meetings ([lifecycle] 8-10, [step-protocol]): ``attach_grads``
    shows the accumulator as the shards' ``.grad``; the optimizer updates the master
    in place; ``publish`` copies the master into the row, ``detach_grads`` and the
    zeroed accumulator ([streams] 5) start the next minibatch;
@@ -134,7 +134,8 @@ class FlatGroup:
     """
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter],
-                 registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype, events: GradEvents, device_mesh,
+                 registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype,
+                 events: GradEvents, device_mesh,
                  first_position: int = 0, compute_dtype: torch.dtype | None = None,
                  host: torch.device | None = None, pin: bool = False):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded

@@ -9,8 +9,8 @@ move rows one-sidedly or, for ``collective``, through the same process group. A 
 one flat process group (the default one, a given ``process_group``, or a 1-D
 ``DeviceMesh``), or a 2-D replicate x shard ``DeviceMesh`` (HSDP, [hsdp]): then ``rank``,
 ``world_size`` and the collectives are the shard group's, ``replicate`` the group of this
-shard's copies and ``everyone`` all ranks (the watchdog, checkpoints). Without ``torch.distributed`` initialised it is a single rank and every
-collective is the identity.
+shard's copies and ``everyone`` all ranks (the watchdog, checkpoints). Without
+``torch.distributed`` initialised it is a single rank and every collective is the identity.
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ def as_global(local: torch.Tensor, shape: tuple[int, ...], device_mesh, requires
     """``local`` (a rank's dim-0 shard) as a ``cls`` DTensor of global ``shape`` (itself without a mesh)."""
     if device_mesh is None:
         return local
-    spec = DTensorSpec(device_mesh, shard_placements(device_mesh), TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype))
+    meta = TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype)
+    spec = DTensorSpec(device_mesh, shard_placements(device_mesh), meta)
     return cls(local, spec, requires_grad=requires_grad)
 
 

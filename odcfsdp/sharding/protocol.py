@@ -4,9 +4,10 @@ Design note [step-protocol]
 ---------------------------
 During a minibatch rows do not change, so any rank gathers any row at any time, and
 pushes are adds that need no order: ranks do not meet. They meet where the standard
-PyTorch loop already needs every rank's gradients, without any call of odcfsdp's own:
+PyTorch loop already needs every rank's gradients, without any call of odcfsdp's own
+(the steps are [lifecycle] 8-10 in ``lifecycle.py``; this note says when they run):
 
-1. *sync*, where a pass over the parameters first reads a sharded parameter's
+1. *sync* ([lifecycle] 8), where a pass over the parameters first reads a sharded parameter's
    ``.grad`` after the rank's micro-batches (``clip_grad_norm_``, or the optimizer's
    step): this rank's pushes are made complete and visible (its push stream, the
    transport's ``quiesce``), then one meeting; afterwards every rank's pushes are in,
@@ -14,8 +15,8 @@ PyTorch loop already needs every rank's gradients, without any call of odcfsdp's
    after a sum over the replicas, [hsdp] in ``hsdp.py``), and they are attached as
    the shards' ``.grad`` ([params]);
 2. the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
-   update the fp32 masters in place;
-3. *finish*, as soon as every trained parameter's gradient is consumed (stepped on
+   update the fp32 masters in place ([lifecycle] 9);
+3. *finish* ([lifecycle] 10), as soon as every trained parameter's gradient is consumed (stepped on
    by an optimizer, seen by a global step hook, or set to None by ``zero_grad``): in
    that hook, every group is resharded, masters are published to rows (trained groups,
    and any other whose master changed), ``.grad`` dropped, one meeting: nobody gathers
@@ -56,12 +57,11 @@ READY           FORWARD      _forward_after_read: drop the gradients read, or   
                              raise ([grad-protocol])
 ==============  ===========  ==================================================  ======================
 
-Events: READ, a ``.grad`` read that starts a pass ([grad-protocol]) outside forward
-and backward, except a ``zero_grad`` pass of a fresh minibatch ([zero-grad-pass]);
-STEP, an optimizer step over any of this model's parameters ([optimizer-events]); CLEARED, a trained parameter's ``.grad`` set to None
-(``zero_grad``); FORWARD, a root forward in grad mode. Every root forward first checks
-that no gradient was half consumed and no row is stale; ``rows_changing`` works
-from any state and ends in ACCUMULATING.
+Events: READ, a ``.grad`` read that starts a pass ([grad-protocol]) outside forward and backward, except a
+``zero_grad`` pass of a fresh minibatch ([zero-grad-pass]); STEP, an optimizer step over any of this model's
+parameters ([optimizer-events]); CLEARED, a trained parameter's ``.grad`` set to None (``zero_grad``); FORWARD, a root
+forward in grad mode. Every root forward first checks that no gradient was half consumed and no row is stale;
+``rows_changing`` works from any state and ends in ACCUMULATING.
 
 Design note [grad-protocol]
 ---------------------------
@@ -130,12 +130,17 @@ from typing import Iterator, Sequence
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .group import FlatGroup
 from .meetings import Meeting, Meetings
 from .mesh import ShardMesh
 from .optimizer_events import install_optimizer_hooks
 from .param import ShardedParam
 from .streams import CommStreams
+
+if TYPE_CHECKING:
+    from .lifecycle import StepLifecycle
 
 
 class GradState(enum.Enum):
@@ -197,12 +202,11 @@ class StepProtocol:
         busy: returns True while a forward or backward pass is in flight.
     """
 
-    def __init__(self, comm: CommStreams, mesh: ShardMesh, busy=lambda: False):
+    def __init__(self, comm: CommStreams, mesh: ShardMesh):
         self.groups: list[FlatGroup] = []
-        self.comm = comm
+        self.lifecycle = None  # the steps the transitions run ([lifecycle]); given by attach
         self.transport = comm.transport
         self.mesh = mesh
-        self.busy = busy
         #: ranks may push different numbers of times per minibatch (the transport's capability, read once here).
         self.uneven_micro_batches = self.transport.caps.uneven_micro_batches
         self.meetings = Meetings(mesh, self.transport.name, self.uneven_micro_batches)
@@ -216,22 +220,24 @@ class StepProtocol:
         self.fresh = True  # no forward in grad mode since the last finish or change ([zero-grad-pass])
         self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
-        self._trained: list[FlatGroup] = []
         self._trained_params: list[ShardedParam] = []
-        self._accumulators: list[torch.Tensor] = []  # this rank's accumulator rows (trained groups)
 
-    def attach(self, groups: Sequence[FlatGroup]) -> None:
-        """Take the model's groups; optimizers' steps reach it through the parameters ([optimizer-events])."""
+    def attach(self, groups: Sequence[FlatGroup], lifecycle: StepLifecycle) -> None:
+        """Take the model's groups and the steps its transitions run; optimizers' steps reach it through the
+        parameters ([optimizer-events])."""
         install_optimizer_hooks()
         self.groups = list(groups)
-        self._trained = [g for g in self.groups if g.layout.requires_grad]
-        self._trained_params = [sp for g in self._trained for sp in g.params if sp.trained]
-        self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
-        self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
+        self.lifecycle = lifecycle
+        self._trained_params = [sp for g in self.groups if g.layout.requires_grad for sp in g.params if sp.trained]
+
+    def busy(self) -> bool:
+        """A forward or backward pass is in flight (the lifecycle's phase)."""
+        return self.lifecycle is not None and self.lifecycle.busy
 
     def close(self) -> None:
         """The model is closing: later events (an optimizer that still holds its shards) change nothing."""
-        self.closed, self._accumulators = True, []  # the accumulators are the transport's to free
+        self.closed = True
+        self.lifecycle.close()
 
     def _fire(self, event: StepEvent, params: Sequence[ShardedParam] = ()) -> None:
         """Run the transition ``TRANSITIONS`` names for (state, ``event``), if any; ``params``: whose event it is."""
@@ -240,22 +246,17 @@ class StepProtocol:
             getattr(self, action)(params)
 
     # -- pushes ------------------------------------------------------------------------------------
-    def push(self, group: FlatGroup) -> None:
-        """Push ``group``'s pending gradient (if any) and count it."""
-        self.pushes += group.push_grad()
+    def count_pushes(self, n: int) -> None:
+        """``n`` gradient pushes of this rank ([lifecycle] 6-7)."""
+        self.pushes += n
 
     @property
     def pending_pushes(self) -> int:
         """Pushes whose gradients no finished minibatch has consumed yet."""
         return self.pushes
 
-    def reshard_all(self) -> None:
-        """Free every group's unsharded buffer (the modules hold shards)."""
-        for g in self.groups:
-            g.to_sharded()
-
     # -- meetings ------------------------------------------------------------------------------------
-    def _meet(self, kind: Meeting) -> int:
+    def meet(self, kind: Meeting) -> int:
         """One meeting of all ranks (``Meetings.meet``); returns every rank's pushes."""
         skipped, self.skipped_passes = self.skipped_passes, 0
         return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
@@ -265,36 +266,20 @@ class StepProtocol:
         return self.meetings.declare_minibatch(micro_batches, tokens)
 
     def _sync(self, _params=()) -> None:
-        """Meeting 1 of [step-protocol]: every rank's pushes are in; attach the gradient shards."""
+        """Meeting 1 of [step-protocol] ([lifecycle] 8): every rank's pushes are in; the gradient shards attached."""
         t0 = time.perf_counter()
-        self.comm.pushes_done()
-        self.synced_pushes = self._meet(Meeting.SYNC)  # with HSDP, over every replica
+        self.synced_pushes = self.lifecycle.sync()
         self.last_wait_s = time.perf_counter() - t0
-        if self.mesh.replicas > 1 and self.synced_pushes:  # [hsdp]: the replicas' one exchange of gradients
-            for g in self._trained:
-                self.mesh.replicate.all_reduce_sum(g.accumulator)
         self._consumed = set()
-        if self.synced_pushes:
-            for g in self._trained:
-                g.attach_grads()
-            if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
-                offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait for all
-            self.state = GradState.READY
-        else:  # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
-            self.state = GradState.EMPTY
+        # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
+        self.state = GradState.READY if self.synced_pushes else GradState.EMPTY
 
     def _finish(self, _params=()) -> None:
-        """Meeting 3 of [step-protocol]: publish the updated rows, zero the accumulators, start a minibatch."""
-        self.reshard_all()
-        self._settle([g for g in self.groups if g.layout.requires_grad or g.master_changed], Meeting.FINISH)
+        """Meeting 3 of [step-protocol] ([lifecycle] 10): publish the updated rows, zero the accumulators."""
+        self.lifecycle.finish()
+        self._new_minibatch()
 
-    def _settle(self, changed: Sequence[FlatGroup], kind: Meeting) -> None:
-        for g in changed:
-            g.publish()
-        for g in self._trained:
-            g.detach_grads()
-        self.comm.rows_published()
-        self.comm.zero_around_meeting(self._accumulators, lambda: self._meet(kind), self.mesh)
+    def _new_minibatch(self) -> None:
         self.pushes = 0
         self.minibatch += 1
         self.state = GradState.ACCUMULATING
@@ -305,11 +290,10 @@ class StepProtocol:
     @contextlib.contextmanager
     def rows_changing(self) -> Iterator[None]:
         """Context in which master rows may change (collective; pending gradients are dropped)."""
-        self.reshard_all()
-        self.comm.pushes_done()
-        self._meet(Meeting.CHANGE)
+        self.lifecycle.begin_change()
         yield
-        self._settle(self.groups, Meeting.CHANGE)
+        self.lifecycle.finish(self.groups, Meeting.CHANGE)
+        self._new_minibatch()
 
     # -- transitions that meet nobody ----------------------------------------------------------------
     def _accumulate(self, _params=()) -> None:
@@ -329,8 +313,7 @@ class StepProtocol:
                 "reading .grad ends the minibatch (it is where ranks meet, and ranks may run different numbers of "
                 "micro-batches). Read gradients only "
                 "after the minibatch's last backward, then opt.step() and/or opt.zero_grad()")
-        for g in self._trained:
-            g.detach_grads()
+        self.lifecycle.drop_grads()
         self.state = GradState.ACCUMULATING
 
     # -- events from the hooks -------------------------------------------------------------------------

@@ -8,29 +8,19 @@ It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
 * ``FlatGroup`` ([layout], [storage-resize], [grad-buffers], [masters]): one group's
   rows, buffers, state and use counts;
 * ``ShardedParam`` ([params]): one parameter's sharded and unsharded forms;
-* ``HookDriver`` ([hooks]) with its ``PrefetchSchedule`` ([prefetch]): what runs when;
+* ``StepLifecycle`` ([lifecycle]): the step, one method per phase, with its
+  ``PrefetchSchedule`` ([prefetch]); ``HookDriver`` ([hooks]): which hook runs which phase;
 * ``StepProtocol`` ([step-protocol], [grad-protocol], [optimizer-events]): the
   minibatch's state machine: when ranks meet, and every change of rows;
 * ``ShardState`` ([shard-state]): the one way into the sharded values (checkpoints,
   Hugging Face files, state dicts).
 
-Design note [transparent-wrapper]
----------------------------------
-The wrapper stands for the model the way FSDP2's ``fully_shard`` leaves it: its
-parameters, buffers and state-dict keys carry the wrapped model's names (no
-``module.`` prefix), ``state_dict()`` holds this rank's shards as DTensors (what
-``torch.distributed.checkpoint`` saves), and attributes it does not have itself
-(``config``, ``generate``, ...) are the wrapped model's. What would silently detach
-the model from its shards is refused with an error that names the supported way:
-moving or casting it (``.to()``, ``.double()``: on the wrapper or any submodule),
-and wrapping it in ``DistributedDataParallel`` (which Accelerate does).
-
+The wrapper stands for the model it wraps ([transparent-wrapper] in ``transparent.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Any, Iterator
 
 import torch
@@ -40,7 +30,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .arguments import check_params, compute_dtype, intact_problem, offload_target, registrations, shard_device
 from .group import FlatGroup
-from .hooks import HookDriver, TrainingPhase
+from .hooks import HookDriver
+from .lifecycle import StepLifecycle, TrainingPhase
 from .layout import GroupLayout, plan_groups
 from .materialize import materialize_buffers
 from .mesh import ShardMesh
@@ -49,25 +40,10 @@ from .prefetch import PrefetchSchedule
 from .protocol import StepProtocol
 from .shard_state import ShardState, persistent_buffers
 from .streams import CommStreams
+from .transparent import MOVE_ERROR, refuse_detaching
 from .transport import Transport, make_transport
 
 __all__ = ["ODCShard", "TrainingPhase"]
-
-_MOVE_ERROR = ("ODCShard does not support .to()/.cuda()/.float() and the like after wrapping; move or cast "
-               "the model before wrapping it (param_dtype= sets the compute dtype)")
-
-
-def _refuse_apply(module: nn.Module, fn, recurse: bool = True):
-    """Bound as ``_apply`` of every submodule of a wrapped model: moving or casting it would detach its shards."""
-    raise RuntimeError(_MOVE_ERROR)
-
-
-def _refuse_save_pretrained(*args, **kwargs):
-    """Set as ``save_pretrained`` of every Hugging Face model inside a wrapped one: it would write shards."""
-    raise RuntimeError("save_pretrained of a wrapped model would write this rank's shards: export the full weights "
-                       "with odcfsdp.checkpoint.export_hf(wrapped, out_dir) (collective: config.json, "
-                       "generation_config.json, safetensors), or train with run.export_hf=true")
-
 
 class ODCShard(nn.Module):
     """Shard ``module``'s parameters over the ranks of a process group, in flat groups.
@@ -187,7 +163,7 @@ class ODCShard(nn.Module):
         self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
                              [self.precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
-        self.protocol = StepProtocol(self.comm, self.mesh, busy=lambda: self._driver.busy)
+        self.protocol = StepProtocol(self.comm, self.mesh)
         by_name, regs = dict(named), registrations(module)
         # Every name a parameter is reachable by (tied parameters have several).
         canonical = {id(p): name for name, p in named}
@@ -201,19 +177,17 @@ class ODCShard(nn.Module):
                       self.comm, dtype, self.protocol, device_mesh, start, param_dtype, host, pin)
             for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
-        self.protocol.attach(self.groups)
+        self.lifecycle = StepLifecycle(self.groups, self.comm, self.mesh, PrefetchSchedule(prefetch),
+                                       reshard_after_forward, self.protocol, checks=self._check_intact)
+        self.protocol.attach(self.groups, self.lifecycle)
         if on_meta:
             materialize_buffers(module, device)
         self.mesh.barrier()  # every row written before anyone may read it
         self.shard_state = ShardState(self.groups, self.protocol, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
-        self._driver = HookDriver(module, self.groups, group_of, self.protocol, PrefetchSchedule(prefetch),
-                                  reshard_after_forward, units, checks=self._check_intact)
+        self._driver = HookDriver(module, group_of, self.lifecycle, units)
         self._cast_hooks = register_casts(module, self.precision)
-        for mod in module.modules():
-            mod._apply = types.MethodType(_refuse_apply, mod)
-            if callable(getattr(mod, "save_pretrained", None)):
-                mod.save_pretrained = _refuse_save_pretrained
+        refuse_detaching(module)  # [transparent-wrapper]
         self._closed = False
 
     # -- the wrapped model's surface -------------------------------------------------------------
@@ -280,11 +254,11 @@ class ODCShard(nn.Module):
     @property
     def phase(self) -> TrainingPhase:
         """Where the wrapper is in a forward/backward pass."""
-        return self._driver.phase
+        return self.lifecycle.phase
 
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (modules hold their shards again)."""
-        self.protocol.reshard_all()
+        self.lifecycle.reshard_all()
 
     @property
     def sync_wait_s(self) -> float:
@@ -367,7 +341,7 @@ class ODCShard(nn.Module):
         return _IncompatibleKeys(*self.shard_state.load_state_dict(self.module, state_dict, strict))
 
     def _apply(self, fn, recurse=True):
-        raise RuntimeError(_MOVE_ERROR)
+        raise RuntimeError(MOVE_ERROR)
 
     def close(self) -> None:
         """Release the transport, hooks and rows; the model cannot be used afterwards (collective)."""

@@ -18,7 +18,8 @@ class OneSidedTransport(Transport):
     ``peer_rows[q][g]`` / ``peer_accs[q][g]`` are rank q's row / accumulator of group
     g as seen from this rank; ``rows`` / ``accumulators`` are this rank's own. Owners'
     rows change only between two meetings of the step protocol ([step-protocol]: the sync
-    or change meeting, then the finish), so gathers need no synchronisation; pushes are atomic adds (or locked adds), so neither do they.
+    or change meeting, then the finish), so gathers need no synchronisation; pushes are atomic adds (or
+    locked adds), so neither do they.
     """
 
     def __init__(self, mesh: ShardMesh):

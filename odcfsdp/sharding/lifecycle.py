@@ -1,0 +1,254 @@
+"""One training step as this rank's wrapper lives it: each step of it is one method of ``StepLifecycle``.
+
+Design note [lifecycle]
+-----------------------
+The standard loop (``model(x)``, ``loss.backward()`` per micro-batch, then ``clip_grad_norm_``,
+``opt.step()``, ``opt.zero_grad()``) runs these steps, after FSDP2's ``FSDPParamGroup``
+(``pre_forward`` ... ``finalize_backward``). The hooks ([hooks] in ``hooks.py``) and the step
+protocol's transitions ([step-protocol] in ``protocol.py``) only decide *when*; each step is one
+method here, run under a ``torch.profiler.record_function`` range ``odc::<step>`` (named below), so
+a user's trace shows the phases as FSDP2's do. Steps 1-7 repeat for every micro-batch, and ranks may
+run different numbers of micro-batches (zero included): nothing in them waits for another rank.
+
+1. ``begin_forward`` (the root's forward pre-hook): checks that no row is stale and no gradient
+   half consumed, reports a forward to the protocol, resets the groups' use counts.
+2. ``gather`` (a site's forward pre-hook), ``odc::gather``: unshard the site's groups (waiting for
+   a gather started ahead on the side stream), then start gathering the groups the next sites need
+   ([prefetch] in ``prefetch.py``, [streams] in ``streams.py``).
+3. forward: the site's own code runs on unsharded parameters ([params] in ``param.py``,
+   [storage-resize] in ``group.py``); nothing of ours.
+4. ``reshard`` (a site's forward post-hook; ``end_forward`` at the root), ``odc::reshard``: once a
+   group's last site has run, free its unsharded storage if ``reshard_after_forward`` (always
+   without grad); the root's post-hook frees every group then.
+5. ``pre_backward`` (the first gradient of a site's outputs), ``odc::pre_backward``: re-gather the
+   site's groups and give each trained group a zeroed gradient buffer, which autograd accumulates
+   into ([grad-buffers] in ``group.py``).
+6. ``post_backward`` (the gradients of all a site's inputs are done), ``odc::push``: each group whose
+   last site is through is pushed (scatter-accumulate into the owners' accumulator rows) and
+   resharded.
+7. ``finalize_backward`` (autograd's end-of-backward callback), ``odc::flush``: push what is still
+   pending (sites whose inputs need no gradient, late gradients), reshard everything.
+8. ``sync`` (the first ``.grad`` read of a pass after the micro-batches: ``clip_grad_norm_`` or the
+   optimizer), ``odc::sync``: this rank's pushes complete, one meeting, then every rank's pushes are
+   in; with HSDP the replicas' one all-reduce ([hsdp] in ``hsdp.py``); the accumulator rows become
+   the shards' ``.grad``.
+9. clip and step: the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
+   (fp32 masters updated in place); the optimizer's post-hook reports it ([optimizer-events]).
+10. ``finish`` (every trained gradient consumed: stepped on, or cleared by ``zero_grad``),
+    ``odc::finish``: reshard every group, publish masters to rows, drop ``.grad``, and zero the
+    accumulators around one meeting ([streams] 5): nobody gathers or pushes before every row is final.
+
+So a minibatch costs two meetings (8 and 10) however many micro-batches each rank ran, and
+``zero_grad`` none ([zero-grad-pass]). Changes of rows outside a step (``rows_changing``: checkpoint
+and Hugging Face loads) run step 10's work around their own meetings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from .group import FlatGroup
+from .meetings import Meeting
+from .prefetch import PrefetchSchedule
+from .streams import CommStreams
+
+if TYPE_CHECKING:
+    from .mesh import ShardMesh
+
+Site = tuple[FlatGroup, ...]
+
+
+class TrainingPhase(enum.Enum):
+    """Where the wrapper is in a forward/backward pass."""
+
+    IDLE = enum.auto()
+    """No forward or backward pass in flight."""
+    FORWARD = enum.auto()
+    """Inside the root module's forward."""
+    BACKWARD = enum.auto()
+    """Between the first pre-backward hook and the end-of-backward callback."""
+
+
+def phase_range(name: str):
+    """A ``record_function`` range ``odc::<name>`` while a profiler records, else nothing (no cost per hook)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"odc::{name}")
+    return contextlib.nullcontext()
+
+
+class StepLifecycle:
+    """The steps of [lifecycle], one method each, over one model's groups.
+
+    Args:
+        groups: the model's groups.
+        comm: moves the groups' rows, on side streams where there are some ([streams]).
+        mesh: the ranks that meet.
+        prefetch: the site order and how far ahead to gather ([prefetch]).
+        reshard_after_forward: free a group after its last forward use (step 4).
+        protocol: the step protocol: takes the events (a forward, the end of backward), counts the
+            pushes and runs the meetings (``count_pushes``, ``meet``).
+        checks: run at the start of every root forward, before anything else (may raise).
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], comm: CommStreams, mesh: ShardMesh, prefetch: PrefetchSchedule,
+                 reshard_after_forward: bool, protocol, checks: Callable[[], None] = lambda: None):
+        self.groups = list(groups)
+        self.comm = comm
+        self.mesh = mesh
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.protocol = protocol
+        self.checks = checks
+        self.phase = TrainingPhase.IDLE
+        self._trained = [g for g in self.groups if g.layout.requires_grad]
+        self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
+        self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
+
+    @property
+    def busy(self) -> bool:
+        """A forward or backward pass is in flight."""
+        return self.phase is not TrainingPhase.IDLE
+
+    def close(self) -> None:
+        """The model is closing: the accumulators are the transport's to free."""
+        self._accumulators = []
+
+    # -- 1-4: forward ---------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """Step 1: the root forward starts: checks, the protocol's forward event, every site still to run."""
+        if self.phase is TrainingPhase.BACKWARD:  # the whole model recomputed in backward: nothing to reset
+            return
+        self.checks()
+        self.protocol.before_forward()
+        for g in self.groups:
+            g.reset_uses()
+        self.phase = TrainingPhase.FORWARD
+
+    def gather(self, site: Site) -> None:
+        """Step 2 (and 5's re-gather): unshard ``site``'s groups for the current stream, then prefetch what the
+        next sites need. During backward this is activation recomputation: what comes next is backward order."""
+        backward = self.phase is TrainingPhase.BACKWARD
+        with phase_range("pre_backward" if backward else "gather"):
+            self._unshard(site, backward)
+
+    def _unshard(self, site: Site, backward: bool) -> None:
+        for g in site:
+            g.to_unsharded()
+            g.wait_ready()
+            if backward:
+                g.prepare_grad()
+        self.prefetch.record(site)
+        for g in self.prefetch.targets(site, backward):
+            g.to_unsharded(ahead=True)  # on CPU (no side stream) a plain gather ahead of use
+
+    def reshard(self, site: Site) -> None:
+        """Step 4: after a forward use of ``site``, free each of its groups whose last site this was (with
+        ``reshard_after_forward``, or without grad). Forwards during backward (recomputation) never reshard."""
+        if self.phase is TrainingPhase.BACKWARD:
+            return
+        with phase_range("reshard"):
+            reshard = self.reshard_after_forward or not torch.is_grad_enabled()
+            for g in site:
+                if g.forward_use_done() and reshard:
+                    g.to_sharded()
+
+    def end_forward(self) -> None:
+        """Step 4 at the root: the forward is over (or failed): fix the site order, free what backward gathers
+        again."""
+        if self.phase is not TrainingPhase.FORWARD:
+            return
+        self.phase = TrainingPhase.IDLE
+        self.prefetch.finish_recording()
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard_all()
+
+    # -- 5-7: backward ------------------------------------------------------------------------------
+    def pre_backward(self, site: Site) -> None:
+        """Step 5: the first gradient of ``site``'s outputs: backward begins (the end-of-backward callback is
+        queued once), then re-gather with gradient buffers."""
+        if self.phase is not TrainingPhase.BACKWARD:
+            self.phase = TrainingPhase.BACKWARD
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+        with phase_range("pre_backward"):
+            self._unshard(site, backward=True)
+
+    def post_backward(self, site: Site) -> None:
+        """Step 6: the gradients of all of ``site``'s inputs are done: push and reshard each group whose last
+        site is through."""
+        with phase_range("push"):
+            for g in site:
+                if g.backward_use_done():
+                    self.push(g)
+                    g.to_sharded()
+
+    def finalize_backward(self) -> None:
+        """Step 7: autograd's end of backward: push everything still pending, late gradients too
+        ([grad-buffers]), reshard everything; the next ``.grad`` read starts a pass."""
+        with phase_range("flush"):
+            for g in self.groups:
+                self.push(g)
+                g.to_sharded()
+            late = [g for g in self.groups if g.collect_late_grads()]
+            for g in late:
+                self.push(g)
+        self.phase = TrainingPhase.IDLE
+        self.protocol.after_backward()
+
+    def push(self, group: FlatGroup) -> None:
+        """Push ``group``'s pending gradient (if any) into the owners' accumulators; the protocol counts it."""
+        self.protocol.count_pushes(group.push_grad())
+
+    def reshard_all(self) -> None:
+        """Free every group's unsharded buffer (the modules hold shards)."""
+        for g in self.groups:
+            g.to_sharded()
+
+    # -- 8-10: the minibatch's meetings ----------------------------------------------------------------
+    def sync(self) -> int:
+        """Step 8: this rank's pushes complete, one meeting, the HSDP replicas' all-reduce, then the accumulator
+        rows attached as ``.grad``. Returns every rank's pushes (0: nothing to attach)."""
+        with phase_range("sync"):
+            self.comm.pushes_done()
+            pushes = self.protocol.meet(Meeting.SYNC)  # with HSDP, over every replica
+            if self.mesh.replicas > 1 and pushes:  # [hsdp]: the replicas' one exchange of gradients
+                for g in self._trained:
+                    self.mesh.replicate.all_reduce_sum(g.accumulator)
+            if pushes:
+                for g in self._trained:
+                    g.attach_grads()
+                if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
+                    offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
+        return pushes
+
+    def finish(self, changed: Sequence[FlatGroup] | None = None, kind: Meeting = Meeting.FINISH) -> None:
+        """Step 10: reshard, publish the masters of the trained groups and of ``changed`` ones (default: those
+        whose master changed), drop ``.grad``, zero the accumulators around one meeting of ``kind``."""
+        with phase_range("finish"):
+            self.reshard_all()
+            if changed is None:
+                changed = [g for g in self.groups if g.layout.requires_grad or g.master_changed]
+            for g in changed:
+                g.publish()
+            for g in self._trained:
+                g.detach_grads()
+            self.comm.rows_published()
+            self.comm.zero_around_meeting(self._accumulators, lambda: self.protocol.meet(kind), self.mesh)
+
+    def begin_change(self) -> None:
+        """Before rows change outside a step (``rows_changing``): reshard, this rank's pushes complete, one
+        meeting; step 10 with every group follows the change."""
+        self.reshard_all()
+        self.comm.pushes_done()
+        self.protocol.meet(Meeting.CHANGE)
+
+    def drop_grads(self) -> None:
+        """Gradients read but not consumed go back to accumulating (the protocol's READY + FORWARD)."""
+        for g in self._trained:
+            g.detach_grads()
+
+
+__all__ = ["StepLifecycle", "TrainingPhase", "phase_range"]
