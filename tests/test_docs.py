@@ -8,11 +8,18 @@ import pytest
 from odcfsdp.sharding.transport import COMM_CHOICES, TRANSPORTS, transport_class, transport_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
+#: every page: the README and each docs/*.md
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+#: links to files that other branches of issue 33 add (docs/benchmarks.md; the [lifecycle] note's module): allowed
+#: to be missing until they land; drop each entry once its file is in the checkout
+PENDING = {"docs/benchmarks.md", "odcfsdp/sharding/lifecycle.py"}
 
 
-def test_readme_transport_table_is_the_generated_one():
-    """The README's table of transports is ``transport_table()`` verbatim (regenerate it when a transport changes)."""
-    assert transport_table() in README.read_text()
+def test_design_transport_table_is_the_generated_one():
+    """docs/design.md's table of transports is ``transport_table()`` verbatim (regenerate it when a transport
+    changes)."""
+    assert transport_table() in (DOCS / "design.md").read_text()
 
 
 def test_comm_choices_come_from_the_registry():
@@ -39,7 +46,6 @@ def test_every_shard_key_has_its_help_from_odcshards_args():
 
 
 # -- every figure traceable (issue 31) ---------------------------------------------------------------------------------
-HISTORY = README.parent / "docs" / "history.md"
 #: a measured figure: a number followed by x (a ratio), GiB, GB/s, tokens/s, % or ms ("2x2" is a mesh, not a ratio)
 FIGURE = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?:\s?K)?(?:x(?!\w)|\s?(?:GiB|GB/s|tokens/s|ms)(?!\w)|%)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -104,31 +110,104 @@ def test_the_checks_catch_an_unlinked_figure_and_a_broken_link(tmp_path):
     assert broken_links(page, tmp_path) == ["results/y.md"]
 
 
-@pytest.mark.parametrize("page", [README, HISTORY], ids=lambda p: p.name)
+def pending(target: Path, repo: Path = README.parent) -> bool:
+    """Whether ``target`` is a file another branch adds (``PENDING``) and is not here yet."""
+    return target.resolve().relative_to(repo.resolve()).as_posix() in PENDING
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_figure_links_to_its_results_file(page):
-    """Each paragraph, list item or table row of the README (and docs/history.md) that states a measured figure
-    links to the committed file under results/ it comes from (or to docs/history.md, which does)."""
+    """Each paragraph, list item or table row of the README and of every docs/*.md page that states a measured
+    figure links to the committed file under results/ it comes from (or to docs/history.md, which does)."""
     assert unlinked_figures(page) == []
 
 
-@pytest.mark.parametrize("page", [README, HISTORY], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_results_and_docs_link_resolves(page):
-    """Every relative link of the README and docs/history.md (results/, docs/, anything in the checkout) exists."""
-    assert broken_links(page) == []
+    """Every relative link of the README and of every docs/*.md page (results/, docs/, code, anything in the
+    checkout) exists, but for the files other branches add (``PENDING``)."""
+    assert [t for t in broken_links(page) if not pending(page.parent / t)] == []
 
 
-def test_readme_odcshard_heading_lists_every_argument_and_describes_it():
-    """The README's ODCShard heading lists the real signature, and every keyword argument is named in backticks
-    (``name`` or ``name=...``) elsewhere in the README."""
+def test_readme_is_at_most_16_kb():
+    """The README says what and why and links on; the rest lives in docs/ (issue 33)."""
+    assert len(README.read_bytes()) <= 16 * 1024
+
+
+def test_readme_starts_with_the_two_commands():
+    """The two commands at the README's top, exactly: install and run the main job, install and run the tests."""
+    assert README.read_text().startswith(
+        "# odcfsdp\n\n```bash\n"
+        "pip install -e . && python -m odcfsdp.train          # install, then train a tiny model on 2 CPU ranks "
+        "(default config)\n"
+        "pip install -e \".[test]\" && python -m pytest         # install, then run the test suite\n```\n\n"
+        "No GPU? Run `pip install torch --index-url https://download.pytorch.org/whl/cpu` first")
+
+
+def test_readme_example_runs_in_one_process():
+    """The README's Python example is a working loop (one process, CPU; 2 of its steps)."""
+    import subprocess
+    import sys
+
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    assert "for step in range(20):" in code and len(code.splitlines()) <= 24
+    code = code.replace("range(20)", "range(2)") + "\nassert torch.isfinite(norm)\n"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(README.parent)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_cli_page_is_the_generated_one():
+    """docs/cli.md's key reference is docs/gen_cli.py's output (run ``python docs/gen_cli.py`` after changing a
+    config field, its help or a preset)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_cli", DOCS / "gen_cli.py")
+    gen_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_cli)
+    page = (DOCS / "cli.md").read_text()
+    assert gen_cli.MARKER in page
+    assert page == gen_cli.render(page)
+    from odcfsdp.app.cli import key_table
+
+    assert [k for k, _, _ in key_table() if f"| `{k}` |" not in page] == []
+
+
+def test_documented_odcshard_arguments_are_its_signature():
+    """Wherever the README or a docs page lists ODCShard's arguments (a heading ``odcfsdp.ODCShard(...)``), the list
+    is ``inspect.signature(ODCShard)``'s, in order, and that page names every argument in backticks (``name`` or
+    ``name=...``) elsewhere."""
     import inspect
 
-    from odcfsdp import ODCShard
+    from odcfsdp.sharding.shard import ODCShard
 
     names = [n for n in inspect.signature(ODCShard.__init__).parameters if n != "self"]
-    text = README.read_text()
-    heading = re.search(r"^### `odcfsdp\.ODCShard\((.*)\)`$", text, re.M)
-    assert heading, "no ODCShard heading"
-    listed = [a.split("=")[0].strip() for a in heading.group(1).split(",") if a.strip() != "*"]
-    assert listed == names
-    body = text.replace(heading.group(0), "")
-    assert [n for n in names if not re.search(rf"`{n}[`=]", body)] == []
+    found = 0
+    for page in PAGES:
+        text = page.read_text()
+        for heading in re.finditer(r"^#+ `odcfsdp\.ODCShard\((.*)\)`$", text, re.M):
+            found += 1
+            listed = [a.split("=")[0].strip() for a in heading.group(1).split(",") if a.strip() != "*"]
+            assert listed == names, page.name
+            body = text.replace(heading.group(0), "")
+            assert [n for n in names if not re.search(rf"`{n}[`=]", body)] == [], page.name
+    assert found, "no page lists ODCShard's arguments"
+
+
+#: a design note named by tag and file: "[memory-model] in `odcfsdp/memory/__init__.py`" (the file may be a link)
+NOTE_REFERENCE = re.compile(r"\[([a-z0-9-]+)\](?: \d+)?\s+in\s+\[?`((?:odcfsdp|benchmarks)/[\w./-]+\.py)`")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_design_note_named_by_file_is_in_that_file(page):
+    """A design note the docs name by tag and file is in that file (notes move; the docs must follow)."""
+    text = " ".join(markdown_blocks(page.read_text()))
+    wrong = []
+    for tag, file in NOTE_REFERENCE.findall(text):
+        path = README.parent / file
+        if not path.exists():
+            wrong += [] if file in PENDING else [f"[{tag}] in {file}: no such file"]
+        elif f"[{tag}]" not in path.read_text():
+            wrong.append(f"[{tag}] in {file}: not there")
+    assert wrong == []
