@@ -27,13 +27,20 @@ class LengthConfig:
             8K-64K spread).
     """
 
-    kind: str = "lognormal"  # fixed (always max_len) | lognormal (median, sigma) | histogram (bins, weights)
-    min_len: int = 16  # shortest sample (tokens)
-    max_len: int = 512  # longest sample (tokens); every sample with kind=fixed
-    median: float = 64.0  # lognormal: the median length
-    sigma: float = 1.0  # lognormal: the standard deviation of log(length)
-    bins: list[list[int]] = field(default_factory=lambda: [list(b) for b in LONGALIGN_BINS])  # histogram: [lo, hi]s
-    weights: list[float] = field(default_factory=lambda: list(LONGALIGN_WEIGHTS))  # histogram: each bin's share
+    kind: str = "lognormal"
+    """fixed (always max_len) | lognormal (median, sigma) | histogram (bins, weights)"""
+    min_len: int = 16
+    """shortest sample (tokens)"""
+    max_len: int = 512
+    """longest sample (tokens); every sample with kind=fixed"""
+    median: float = 64.0
+    """lognormal: the median length"""
+    sigma: float = 1.0
+    """lognormal: the standard deviation of log(length)"""
+    bins: list[list[int]] = field(default_factory=lambda: [list(b) for b in LONGALIGN_BINS])
+    """histogram: [lo, hi]s"""
+    weights: list[float] = field(default_factory=lambda: list(LONGALIGN_WEIGHTS))
+    """histogram: each bin's share"""
 
 
 KINDS = ("fixed", "lognormal", "histogram")
@@ -43,7 +50,8 @@ def longalign_lengths(cap: int = 65536) -> LengthConfig:
     """LongAlign's 8K-64K spread scaled so the longest sample just fits ``cap`` positions (the benchmarks' long-tailed
     workload: ``cap + 1`` tokens, inputs and the shifted target)."""
     scale = (cap + 1) / LONGALIGN_BINS[-1][1]
-    return LengthConfig(kind="histogram", bins=[[max(2, int(lo * scale)), int(hi * scale)] for lo, hi in LONGALIGN_BINS])
+    return LengthConfig(kind="histogram",
+                        bins=[[max(2, int(lo * scale)), int(hi * scale)] for lo, hi in LONGALIGN_BINS])
 
 
 class LengthDistribution:
