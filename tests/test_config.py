@@ -93,3 +93,56 @@ def test_shard_arguments_hand_every_argument_key_to_odcshard():
     assert list(args) == [n for n in (f.name for f in dataclasses.fields(ShardConfig)) if n not in CONFIG_ONLY]
     inspect.signature(ODCShard.__init__).bind(None, nn.Linear(2, 2), **args)
     assert args["group_bytes"] == 32 << 20 and args["units"] == () and args["param_dtype"] is None
+
+
+# -- data sources ([data-sources]) -------------------------------------------------------------------------------------
+def test_data_source_choices_and_checks_come_from_the_registry():
+    import pytest
+
+    from odcfsdp.app.config import config_from, validate
+    from odcfsdp.app.sources import SOURCES, source_choices
+
+    assert source_choices() == ("auto", "synthetic", "jsonl") == ("auto", *SOURCES)
+    with pytest.raises(ValueError, match=r"data.source='parquet' is not allowed.*\('auto', 'synthetic', 'jsonl'\)"):
+        validate(config_from({"data": {"source": "parquet"}}))
+    assert config_from({"data": {"path": "x.jsonl"}}).data.source == "jsonl"
+    assert config_from({}).data.source == "synthetic"
+
+
+def test_a_new_source_is_one_registration(tmp_path):
+    """A registered source is a choice of data.source, built by build_source, checked by validate and preflight, and
+    its own keys are refused for the other sources' runs (and theirs for its runs)."""
+    import pytest
+
+    from odcfsdp.app import sources
+    from odcfsdp.app.builders import build_source, vocab_size
+    from odcfsdp.app.config import config_from, unused_key, validate
+    from odcfsdp.app.preflight import preflight
+
+    def must_be_small(cfg):
+        if cfg.data.vocab_size > 1000:
+            raise ValueError("data.source=constant takes data.vocab_size <= 1000")
+
+    constant = sources.DataSource(
+        "constant", build=lambda cfg: ("samples", 7), vocab_size=lambda cfg: 7, config_vocab=lambda cfg: 7,
+        validate=must_be_small, preflight=lambda cfg: ["note: constant data"], reads=("prompt_fraction",),
+        unread="constant data has no files")
+    sources.register(constant)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            sources.register(constant)
+        cfg = config_from({"data": {"source": "constant"}, "run": {"out_dir": str(tmp_path / "run"),
+                                                                    "world_size": 1}})
+        validate(cfg)
+        assert build_source(cfg) == ("samples", 7) and vocab_size(cfg) == 7
+        assert preflight(cfg) == ["note: constant data"]
+        assert unused_key(cfg, "data.format") == ("constant data has no files", True)
+        assert unused_key(cfg, "data.vocab_size") == ("constant data has no files", True)
+        assert unused_key(cfg, "data.prompt_fraction") is None
+        assert unused_key(config_from({"data": {"path": "x.jsonl"}}), "data.prompt_fraction")[1]
+        with pytest.raises(ValueError, match="data.source=constant takes data.vocab_size <= 1000"):
+            validate(config_from({"data": {"source": "constant", "vocab_size": 5000}}))
+        with pytest.raises(ValueError, match="run.epochs needs a JSONL data.path"):
+            validate(config_from({"data": {"source": "constant"}, "run": {"epochs": 1.0}}))
+    finally:
+        sources.SOURCES.pop("constant")

@@ -22,7 +22,7 @@ LAYERS = [
 APP_LAYERS = [
     ["metrics", "bundle", "plot"],
     ["specs"],
-    ["shard_config"],
+    ["shard_config", "sources"],
     ["validation"],
     ["config"],
     ["preflight", "builders", "cli"],

@@ -34,7 +34,8 @@ from omegaconf import OmegaConf
 
 from ..data.lengths import LengthConfig
 from .shard_config import ShardConfig
-from .validation import OPTIMIZER_KEYS, data_source, unused_key, validate
+from .sources import data_source
+from .validation import OPTIMIZER_KEYS, unused_key, validate
 
 __all__ = [
     "BalanceConfig", "CheckpointConfig", "DataConfig", "FieldsConfig", "LoraSettings", "ModelConfig",

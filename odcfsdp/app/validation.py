@@ -1,6 +1,7 @@
 """The checks of a training run's config (``odcfsdp.app.config`` re-exports them): ``validate`` checks the values
 Hydra cannot (choices, ranges, combinations) and names the key and the allowed values; ``unused_key`` says which
-keys a run does not read ([cli-keys] in ``cli.py``).
+keys a run does not read ([cli-keys] in ``cli.py``). What depends on the data source comes from its registration
+([data-sources] in ``sources.py``).
 
 The config is read by attribute (this module sits below ``config``, which imports it).
 """
@@ -18,18 +19,11 @@ from ..data.lengths import KINDS as LENGTH_KINDS
 from ..optim import optimizer_class, optimizer_keywords
 from ..sharding.transport import COMM_CHOICES, capabilities
 from .shard_config import OFFLOAD_CHOICES
+from .sources import SOURCES, source_choices, source_of
 from .specs import model_specs
 
 #: ``optim`` keys that are keyword arguments of the optimizer (passed when its class takes them), not loop settings.
 OPTIMIZER_KEYS = ("lr", "weight_decay", "betas", "eps", "fused")
-
-
-def data_source(cfg) -> str:
-    """The data source the run reads: ``data.source``, where ``auto`` is jsonl when ``data.path`` is set."""
-    if cfg.data.source == "auto":
-        return "jsonl" if cfg.data.path else "synthetic"
-    return cfg.data.source
-
 
 
 def _optimizer_checks(o) -> None:
@@ -68,12 +62,9 @@ def validate(cfg) -> None:
     if cfg.model.lora.r and not specs[cfg.model.name].lora:
         raise ValueError(f"model.lora.r > 0 needs model.name={'|'.join(n for n, s in specs.items() if s.lora)} "
                          "(adapters through PEFT)")
-    choice("data.source", cfg.data.source, ("auto", "synthetic", "jsonl"))
-    if cfg.data.source == "synthetic" and cfg.data.path:
-        raise ValueError(f"data.path={cfg.data.path!r} is not read with data.source=synthetic: drop data.source "
-                         "(a data.path means jsonl) or drop data.path")
-    if cfg.data.source == "jsonl" and not cfg.data.path:
-        raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
+    choice("data.source", cfg.data.source, source_choices())
+    if cfg.data.source != "auto":  # auto is by definition what the keys given mean
+        SOURCES[cfg.data.source].validate(cfg)
     choice("data.format", cfg.data.format, FORMAT_CHOICES)
     choice("data.lengths.kind", cfg.data.lengths.kind, LENGTH_KINDS)
     positive("data.batch_size", cfg.data.batch_size)
@@ -121,7 +112,7 @@ def validate(cfg) -> None:
     positive("run.steps", cfg.run.steps)
     if cfg.run.epochs is not None:
         positive("run.epochs", cfg.run.epochs)
-        if data_source(cfg) != "jsonl":
+        if not source_of(cfg).finite:
             raise ValueError("run.epochs needs a JSONL data.path (synthetic data has no end): use run.steps")
     if cfg.run.stop_after is not None:
         positive("run.stop_after", cfg.run.stop_after)
@@ -135,8 +126,10 @@ def validate(cfg) -> None:
     positive("run.max_skipped", cfg.run.max_skipped)
     if cfg.run.eval_interval and not cfg.data.eval_path:
         raise ValueError("run.eval_interval needs data.eval_path=<held-out file.jsonl>")
-    if cfg.data.eval_path and data_source(cfg) != "jsonl":
-        raise ValueError("data.eval_path needs data.source=jsonl (the held-out file is read with the same tokenizer)")
+    if cfg.data.eval_path and not source_of(cfg).held_out:
+        takes = "|".join(n for n, s in SOURCES.items() if s.held_out)
+        raise ValueError(f"data.eval_path needs data.source={takes} (the held-out file is read with the same "
+                         "tokenizer)")
     choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
     if not capabilities(cfg.shard.comm).uneven_micro_batches and cfg.balance.kind != "lb_micro":
         raise ValueError(
@@ -160,12 +153,10 @@ def unused_key(cfg, key: str) -> tuple[str, bool] | None:
     constant schedule, ``run.max_skipped`` with ``run.on_nonfinite=stop``), which a sweep over
     the mode holds on purpose.
     """
-    source, name = data_source(cfg), cfg.model.name
-    if source != "synthetic" and any(_under(key, f"data.{k}") for k in
-                                     ("vocab_size", "lengths", "prompt_fraction", "pool_tokens")):
-        return "it shapes synthetic data and this run reads data.path", True
-    if source == "synthetic" and any(_under(key, f"data.{k}") for k in ("tokenizer_path", "format", "fields")):
-        return "synthetic data is not read from a file (set data.path to train on a JSONL file)", True
+    source, name = source_of(cfg), cfg.model.name
+    others = {k for s in SOURCES.values() if s is not source for k in s.reads} - set(source.reads)
+    if any(_under(key, f"data.{k}") for k in others):
+        return source.unread, True
     specs = model_specs()
     model_key = key.split(".")[1] if key.startswith("model.") and key.count(".") else None
     if model_key in {k for s in specs.values() for k in s.reads} - set(specs[name].reads):
