@@ -36,13 +36,15 @@ def test_device_checks_come_from_the_registry():
         transport_class("nvshmem", "cpu")
 
 
-def test_every_shard_key_has_its_help_from_odcshards_args():
-    """``shard.*`` keys are derived from ODCShard's signature; each takes its Args line as help ([derived-shard-config])."""
+def test_every_shard_key_has_its_help():
+    """Each ``shard.*`` key has its docstring, the help ``--help`` prints ([shard-config]; tests/test_config.py holds
+    the keys equal to ODCShard's arguments)."""
     import dataclasses
 
+    from odcfsdp.app.cli import field_docs
     from odcfsdp.app.shard_config import ShardConfig
 
-    assert all(f.metadata["help"] for f in dataclasses.fields(ShardConfig))
+    assert all(field_docs(ShardConfig).get(f.name) for f in dataclasses.fields(ShardConfig))
 
 
 # -- every figure traceable (issue 31) ---------------------------------------------------------------------------------

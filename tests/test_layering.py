@@ -22,7 +22,9 @@ LAYERS = [
 APP_LAYERS = [
     ["metrics", "bundle", "plot"],
     ["specs"],
-    ["shard_config", "config"],
+    ["shard_config", "sources"],
+    ["validation"],
+    ["config"],
     ["preflight", "builders", "cli"],
     ["trainer", "export"],
     ["train"],

@@ -8,45 +8,29 @@ from __future__ import annotations
 
 import torch
 
-from .config import OPTIMIZER_KEYS, TrainConfig, data_source
 from ..data.balance import CostModel
-from ..data.jsonl import JsonlSource
-from ..data.lengths import LengthDistribution
-from ..data.synthetic import SyntheticSFT
-from ..data.tokenizer import load_tokenizer
-from .specs import BuiltModel, model_spec
 from ..optim import optimizer_class, optimizer_keywords, param_groups
 from ..schedule import warmup_cosine
-from .shard_config import shard_arguments
 from ..sharding import ODCShard
 from ..sharding.hsdp import hybrid_mesh
 from ..sharding.transport import capabilities
+from .config import OPTIMIZER_KEYS, TrainConfig
+from .shard_config import shard_arguments
+from .sources import jsonl_source, source_of, tokenizer_path
+from .specs import BuiltModel, model_spec
+
+__all__ = ["build_optimizer", "build_sharded_model", "build_source", "cost_models", "jsonl_source",
+           "optimizer_arguments", "pick_device", "tokenizer_path", "vocab_size"]
 
 
 def build_source(cfg: TrainConfig):
-    """The sample source and its vocabulary size."""
-    d = cfg.data
-    if data_source(cfg) == "synthetic":
-        lengths = LengthDistribution(d.lengths, cfg.run.seed)
-        return SyntheticSFT(d.vocab_size, lengths, cfg.run.seed, d.pool_tokens, d.prompt_fraction), d.vocab_size
-    tokenizer = load_tokenizer(tokenizer_path(cfg))
-    return jsonl_source(cfg, d.path, tokenizer, cfg.run.seed), tokenizer.vocab_size
-
-
-def jsonl_source(cfg: TrainConfig, path: str, tokenizer, seed: int = 0) -> JsonlSource:
-    """The JSONL file at ``path`` (``data.path`` or ``data.eval_path``) read as ``data.format``, ``data.fields`` say."""
-    d = cfg.data
-    return JsonlSource(path, tokenizer, d.micro_batch_tokens + 1, seed, d.format, d.fields.mapping())
+    """The sample source and its vocabulary size, as the run's data source builds them ([data-sources])."""
+    return source_of(cfg).build(cfg)
 
 
 def vocab_size(cfg: TrainConfig) -> int:
     """The vocabulary the run's data uses (``build_source``'s, without reading the data)."""
-    return cfg.data.vocab_size if data_source(cfg) == "synthetic" else load_tokenizer(tokenizer_path(cfg)).vocab_size
-
-
-def tokenizer_path(cfg: TrainConfig) -> str | None:
-    """``data.tokenizer_path``, or the model's own tokenizer (a pretrained HF model's ``model.path``), or None (bytes)."""
-    return cfg.data.tokenizer_path or model_spec(cfg.model.name).tokenizer_path(cfg)
+    return source_of(cfg).vocab_size(cfg)
 
 
 def cost_models(cfg: TrainConfig, built: BuiltModel) -> tuple[CostModel, CostModel]:
@@ -76,10 +60,10 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     with torch.device("meta" if pretrained else device):
         built = spec.build(cfg, vocab)
     flops, cost = cost_models(cfg, built)
-    s = cfg.shard  # every key but replicas is an ODCShard argument ([derived-shard-config]); the rest is runtime
+    s = cfg.shard  # every key but replicas is an ODCShard argument ([shard-config]); the rest is runtime
+    spans_hosts = capabilities(s.comm, device.type).spans_hosts
     model = ODCShard(built.model, **shard_arguments(s, built), device=device if pretrained else None,
-                     timeout=cfg.run.timeout_s,
-                     mesh=hybrid_mesh(s.replicas, device.type, spans_hosts=capabilities(s.comm, device.type).spans_hosts))
+                     timeout=cfg.run.timeout_s, mesh=hybrid_mesh(s.replicas, device.type, spans_hosts=spans_hosts))
     if spec.finish is not None:
         spec.finish(model, cfg, weights=weights)
     return model, flops, cost

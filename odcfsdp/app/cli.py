@@ -3,9 +3,9 @@
 Design note [cli-keys]
 ----------------------
 The typed config (``odcfsdp/app/config.py``) is the one list of keys and of what each does: a
-field's help is its ``metadata["help"]`` (the derived ``shard`` keys, [derived-shard-config]),
-else the comment that ends the field's line. ``--help`` prints every key with its default and that line, and the
-experiment presets with their first comment line.
+field's help is the docstring right below it ([config-docs] in ``config.py``; ``field_docs``
+reads it, the one reader of help). ``--help`` prints every key with its default and the first
+sentence of that help, and the experiment presets with their first comment line.
 
 Overrides are checked before Hydra composes the config, so that each mistake is one line
 and exit code 2, as for invalid values:
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
-import io
 import re
-import tokenize
 import typing
 from pathlib import Path
 from typing import Any
@@ -38,19 +37,21 @@ from ..checks import did_you_mean
 from .config import TrainConfig, unused_key
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """One line of help per field of the dataclass ``cls`` (its metadata's ``help``, else its end-of-line comment)."""
-    docs = {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.metadata.get("help")}
+    """One line of help per field of the dataclass ``cls``: the string literal right below the field (its docstring,
+    [config-docs] in ``config.py``), whitespace joined; read from the class's source with ``ast``, so ``python -OO``
+    keeps it. A field without one (or a class without source) has none."""
     try:
-        source = inspect.cleandoc("\n" + inspect.getsource(cls))
-    except (OSError, TypeError):  # a class made at run time (ShardConfig): no source to read
-        source = ""
-    if source:
-        comments = {tok.start[0]: tok.string.lstrip("# ").strip()
-                    for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-        for node in ast.parse(source).body[0].body:
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in comments:
-                docs.setdefault(node.target.id, comments[node.end_lineno])
+        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(cls)))
+    except (OSError, TypeError):  # a class made at run time: no source to read
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, below in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(below, ast.Expr)
+                and isinstance(below.value, ast.Constant) and isinstance(below.value.value, str)):
+            docs[node.target.id] = " ".join(below.value.value.split())
     return docs
 
 

@@ -21,40 +21,8 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from ..checkpoint.hf import check_weight_files
-from .config import DataConfig, TrainConfig, checkpoint_dir, data_source
-from ..data.formats import Chat, parse
-from ..data.jsonl import read_records
-
-
-def _jsonl(key: str, path: str, data: DataConfig) -> list[str]:
-    """Every record of the file parses in ``data.format``, and some record carries loss (reading only:
-    tokenizing, and so truncation to ``data.micro_batch_tokens``, is the ranks' work). Returns a note for each
-    ``data.fields`` mapping whose column no record has."""
-    fields = data.fields.mapping()
-    records = trained = 0
-    columns: set[str] = set()
-    try:
-        for lineno, record in read_records(path, key):
-            columns.update(record if isinstance(record, dict) else ())
-            try:
-                sample = parse(record, data.format, fields)
-            except ValueError as e:
-                raise ValueError(f"{key}: {path}:{lineno}: {e}") from None
-            records += 1
-            trained += not isinstance(sample, Chat) or any(sample.loss)
-    except FileNotFoundError as e:
-        raise ValueError(str(e)) from None
-    except ValueError as e:
-        raise ValueError(f"{key}: {e}" if not str(e).startswith(key) else str(e)) from None
-    if not records:
-        raise ValueError(f"{key}={path!r} holds no record (one JSON object per line)")
-    if not trained:
-        raise ValueError(f"{key}={path!r}: none of its {records} records carries loss (a chat trains on its assistant "
-                         "turns, and none has one)")
-    # A mapping that renames nothing is reported, not refused: a sweep over files may share one mapping.
-    return [f"note: data.fields.{name}={column} renames nothing in {key}={path!r}: no record has a column "
-            f"{column!r} (columns found: {', '.join(sorted(columns))})"
-            for name, column in fields.items() if column not in columns]
+from .config import TrainConfig, checkpoint_dir
+from .sources import check_jsonl, source_of, tokenizer_path
 
 
 def _writable(key: str, path: str | Path) -> None:
@@ -83,9 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab
 def _tokenizer_files(cfg: TrainConfig) -> None:
     """A JSONL run that reads its tokenizer from a directory finds one there (else the ranks failed after ~17 s
     asking for sentencepiece or tiktoken)."""
-    from .builders import tokenizer_path
-
-    path = tokenizer_path(cfg) if data_source(cfg) == "jsonl" else None
+    path = tokenizer_path(cfg) if source_of(cfg).tokenized else None
     if path and Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         key = "data.tokenizer_path" if cfg.data.tokenizer_path else "model.path"
         raise ValueError(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
@@ -110,9 +76,10 @@ def _fits_memory(cfg: TrainConfig, cuda: bool) -> None:
     one machine after the ranks started)."""
     from .specs import model_spec
 
-    if data_source(cfg) != "synthetic":  # a tokenizer's vocabulary is the model's; reading it is the ranks' work
+    vocab = source_of(cfg).config_vocab(cfg)
+    if vocab is None:  # a tokenizer's vocabulary is the model's; reading it is the ranks' work
         return
-    params = model_spec(cfg.model.name).parameters(cfg, cfg.data.vocab_size)
+    params = model_spec(cfg.model.name).parameters(cfg, vocab)
     if not params:
         return
     ranks = cfg.run.world_size
@@ -154,11 +121,11 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
     return the note lines for what the run will ignore."""
     d, m, ck, r = cfg.data, cfg.model, cfg.checkpoint, cfg.run
     notes = []
-    if data_source(cfg) == "jsonl":  # data.source=auto included, resolved or not
-        notes += _jsonl("data.path", d.path, d)
+    notes += source_of(cfg).preflight(cfg)  # the data source's own files ([data-sources]); auto resolved or not
     if d.eval_path:
-        notes += _jsonl("data.eval_path", d.eval_path, d)
-    for key, path in (("model.path", m.path), ("model.hf_config", m.hf_config), ("data.tokenizer_path", d.tokenizer_path)):
+        notes += check_jsonl("data.eval_path", d.eval_path, d)
+    for key, path in (("model.path", m.path), ("model.hf_config", m.hf_config),
+                      ("data.tokenizer_path", d.tokenizer_path)):
         if path and not Path(path).exists():
             raise ValueError(f"{key}={path!r} does not exist (local paths only)")
     if m.path and not (Path(m.path) / "config.json").is_file():

@@ -1,23 +1,24 @@
-"""``ShardConfig``, the ``shard`` group of the config tree, derived from ``ODCShard``'s own arguments.
+"""``ShardConfig``, the ``shard`` group of the config tree: ``ODCShard``'s own arguments as config keys.
 
-Design note [derived-shard-config]
-----------------------------------
-``ODCShard.__init__``'s signature and the ``Args:`` section of ``ODCShard``'s docstring are
-the one definition of the sharding knobs. Every argument becomes a key ``shard.<name>`` with
-the argument's default, its annotation as the key's type and its Args entry as help text
-(the field's ``metadata["help"]``, one line), and ``shard_arguments`` hands every key back
-to ``ODCShard`` as the argument of the same name. A new keyword argument of ``ODCShard``
-(with its Args line) is thus a command-line override (``shard.<name>=...``) that reaches
-the wrapper, with no edit anywhere else. The exceptions are the three tables below:
+Design note [shard-config]
+--------------------------
+``ShardConfig`` is written out, an ordinary dataclass that type checkers see: each field is
+an argument of ``ODCShard.__init__`` of the same name, with its default and a docstring
+(its ``--help`` line, [config-docs] in ``config.py``) that repeats the argument's entry in
+the ``Args:`` section of ``ODCShard``'s docstring. ``shard_arguments`` hands every key back
+to ``ODCShard`` as the argument of the same name. ``tests/test_config.py`` holds the two
+lists together: the fields are exactly the configurable arguments (names, order and
+defaults), each documented in ``ODCShard``'s docstring, so a new keyword argument of
+``ODCShard`` fails that test until it has its field here. The exceptions are the three
+tables below:
 
 * ``RUNTIME``: arguments that are runtime objects, not config keys; ``build_sharded_model``
   passes them;
 * ``CONVERSIONS``: keys whose value is not the argument itself (a dtype's name, class names);
-* ``EXTRA``: config-only keys (``replicas``, which becomes ``mesh=``).
+* ``CONFIG_ONLY``: config-only keys (``replicas``, which becomes ``mesh=``).
 
 Hydra's structured configs hold int, float, bool, str, Optional, List and Dict; an argument
-of another type needs a row in ``RUNTIME`` or ``CONVERSIONS``, and importing this module
-says so (as it does for an argument without an Args entry, or a table row naming no argument).
+of another type needs a row in ``RUNTIME`` or ``CONVERSIONS``.
 """
 
 from __future__ import annotations
@@ -25,14 +26,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import sys
-import types
-import typing
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
-
-from ..sharding.shard import ODCShard
 
 # ODCShard arguments that are runtime objects, not config keys, and where the builder gets them.
 RUNTIME: dict[str, str] = {
@@ -48,15 +44,13 @@ RUNTIME: dict[str, str] = {
 class Conversion:
     """A key whose config value is not the argument itself.
 
-    ``type``: the key's type (one Hydra holds); ``to_config``: the argument's default -> the
-    key's default; ``to_argument(value, built)``: the key's value -> the argument (``built``:
-    the model spec's ``BuiltModel``); ``note``: appended to the help text.
+    ``to_config``: the argument's default -> the key's default (the default ``ShardConfig``
+    writes out; ``tests/test_config.py`` checks it); ``to_argument(value, built)``: the key's
+    value -> the argument (``built``: the model spec's ``BuiltModel``).
     """
 
-    type: Any
     to_config: Callable[[Any], Any]
     to_argument: Callable[[Any, Any], Any]
-    note: str = ""
 
 
 def unit_classes(model: torch.nn.Module, names) -> tuple[type, ...]:
@@ -87,10 +81,14 @@ def _dtype(name: str | None):
 class MixedPrecisionConfig:
     """``shard.mp_policy``: FSDP2's ``MixedPrecisionPolicy`` as config keys (dtype names; see [precision])."""
 
-    param_dtype: Optional[str] = None  # compute dtype (also shard.param_dtype; give one)
-    reduce_dtype: Optional[str] = None  # gradient accumulators' dtype: bfloat16 halves them; None: fp32
-    output_dtype: Optional[str] = None  # the model's floating outputs are cast to it
-    cast_forward_inputs: bool = True  # the model's floating inputs are cast to param_dtype (when set)
+    param_dtype: Optional[str] = None
+    """compute dtype (also shard.param_dtype; give one)"""
+    reduce_dtype: Optional[str] = None
+    """gradient accumulators' dtype: bfloat16 halves them; None: fp32"""
+    output_dtype: Optional[str] = None
+    """the model's floating outputs are cast to it"""
+    cast_forward_inputs: bool = True
+    """the model's floating inputs are cast to param_dtype (when set)"""
 
 
 def _policy(settings: MixedPrecisionConfig, built):
@@ -118,28 +116,15 @@ def _offload(name: str | None, built):
 
 
 CONVERSIONS: dict[str, Conversion] = {
-    "param_dtype": Conversion(
-        Optional[str], _dtype_name, lambda name, built: _dtype(name), "(a dtype's name: float32 | bfloat16 | float16)"),
-    "offload_policy": Conversion(
-        Optional[str], lambda policy: None, _offload,
-        "(cpu: CPUOffloadPolicy(pin_memory=True); cpu_unpinned: pin_memory=False; none: no offload)"),
-    "mp_policy": Conversion(
-        MixedPrecisionConfig, lambda policy: MixedPrecisionConfig(), _policy,
-        "(keys param_dtype, reduce_dtype, output_dtype: dtype names; cast_forward_inputs)"),
-    "units": Conversion(
-        List[str], lambda classes: [c.__name__ for c in classes],
-        lambda names, built: unit_classes(built.model, names),
-        "(class names, e.g. [DecoderLayer]; none: the model's default units, an HF model's decoder layers)"),
+    "param_dtype": Conversion(_dtype_name, lambda name, built: _dtype(name)),
+    "offload_policy": Conversion(lambda policy: None, _offload),
+    "mp_policy": Conversion(lambda policy: MixedPrecisionConfig(), _policy),
+    "units": Conversion(lambda classes: [c.__name__ for c in classes],
+                        lambda names, built: unit_classes(built.model, names)),
 }
 
-# Config-only keys: name -> (type, default, help).
-EXTRA: dict[str, tuple[Any, Any, str]] = {
-    "replicas": (Optional[int], None, "HSDP: copies of the model, each sharded over world / replicas ranks, combined "
-                 "once per minibatch; 1: full sharding over every rank; None: one shard group per node (torchrun's "
-                 "LOCAL_WORLD_SIZE), else 1. Becomes ODCShard's mesh= (see [hsdp])."),
-}
-
-_PLAIN = (int, float, bool, str)
+#: Config-only keys of ``ShardConfig``: not arguments of ODCShard (``build_sharded_model`` reads them).
+CONFIG_ONLY = ("replicas",)
 
 
 def args_help(doc: str) -> dict[str, str]:
@@ -161,81 +146,60 @@ def args_help(doc: str) -> dict[str, str]:
     return entries
 
 
-def _config_type(name: str, annotation, namespace: dict) -> Any:
-    """The Hydra type of a plain argument's annotation (a string: shard.py has postponed annotations)."""
-    t = eval(annotation, namespace) if isinstance(annotation, str) else annotation  # noqa: S307 (our own source)
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if t in _PLAIN:
-        return t
-    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        inner = args[0] if args[1] is type(None) else args[1]
-        if inner in _PLAIN:
-            return Optional[inner]
-    if origin in (list, tuple) and args and args[0] in _PLAIN and (origin is list or args[1:] in ((), (...,))):
-        return List[args[0]]
-    if origin is dict and args and args[0] is str and args[1] in _PLAIN:
-        return Dict[str, args[1]]
-    raise TypeError(f"ODCShard's argument {name}: {annotation} is not a config type (int, float, bool, str, "
-                    "Optional, list or dict of those): add it to RUNTIME or CONVERSIONS in odcfsdp/app/shard_config.py")
+@dataclasses.dataclass
+class ShardConfig:
+    """Arguments of ``ODCShard`` as config keys, each passed as the argument of the same name (see [shard-config])."""
 
-
-def _field(default, help_text: str) -> dataclasses.Field:
-    if isinstance(default, (list, tuple, dict)):  # mutable: each config gets its own copy
-        copy = dict if isinstance(default, dict) else list
-        return dataclasses.field(default_factory=lambda: copy(default), metadata={"help": help_text})
-    if dataclasses.is_dataclass(default):  # a nested group of keys
-        return dataclasses.field(default_factory=lambda: dataclasses.replace(default), metadata={"help": help_text})
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
-def _derive_shard_config() -> type:
-    """``ShardConfig`` from ``ODCShard``'s signature and docstring, the tables above and ``EXTRA``."""
-    params = dict(inspect.signature(ODCShard.__init__).parameters)
-    params.pop("self")
-    for table in (RUNTIME, CONVERSIONS):
-        unknown = sorted(set(table) - set(params))
-        if unknown:
-            raise TypeError(f"odcfsdp/app/shard_config.py names {unknown}, which are not arguments of ODCShard")
-    helps = {**args_help(ODCShard.__doc__ or ""), **args_help(ODCShard.__init__.__doc__ or "")}  # class or __init__
-    stripped = ODCShard.__doc__ is None  # python -OO strips docstrings: no help texts then, and no check
-    namespace = vars(sys.modules[ODCShard.__module__])
-    fields = []
-    for name, p in params.items():
-        if name in RUNTIME:
-            continue
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
-            raise TypeError(f"ODCShard's argument {name} needs a default to be a config key (or a row in RUNTIME)")
-        if name not in helps and not stripped:
-            raise TypeError(f"ODCShard's argument {name} has no entry in the Args: section of ODCShard's docstring "
-                            "(it is the key's help text)")
-        conversion = CONVERSIONS.get(name)
-        if conversion is not None:
-            help_text = f"{helps.get(name, '')} {conversion.note}".strip()
-            fields.append((name, conversion.type, _field(conversion.to_config(p.default), help_text)))
-        else:
-            fields.append((name, _config_type(name, p.annotation, namespace), _field(p.default, helps.get(name, ""))))
-    for name, (typ, default, help_text) in EXTRA.items():
-        if name in params:
-            raise TypeError(f"EXTRA's key {name} is also an argument of ODCShard")
-        fields.append((name, typ, _field(default, help_text)))
-    cls = dataclasses.make_dataclass("ShardConfig", fields, namespace={
-        "__doc__": "Arguments of ``ODCShard``, derived from its signature and docstring (see [derived-shard-config]); "
-                   "each field's ``metadata['help']`` is its one-line help."})
-    cls.__module__ = __name__  # pickled and looked up by name, as a class written here would be
-    return cls
-
-
-ShardConfig = _derive_shard_config()
+    group_bytes: int = 32 << 20
+    """byte budget of one group, counted in unsharded ``param_dtype`` bytes. A larger parameter forms its own group."""
+    comm: str = "auto"
+    """transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``, ``"nvshmem"`` (one-sided: ranks meet
+    only between the minibatch's last backward and the next forward, where the loop reads and consumes the gradients,
+    and may run different numbers of micro-batches) or ``"collective"`` (all-gather / reduce-scatter; equal
+    micro-batch counts required)."""
+    reshard_after_forward: bool = True
+    """free a group after its last use in forward and gather it again in backward (less memory); keep it until
+    backward if False."""
+    param_dtype: Optional[str] = None
+    """dtype parameters are computed (and communicated) in; bf16 on CUDA and the parameters' own dtype elsewhere when
+    None. (a dtype's name: float32 | bfloat16 | float16)"""
+    prefetch: int = 1
+    """how many hook sites ahead to gather (forward order, reversed in backward; sites whose groups are already in
+    hand do not count); 0 disables. On CUDA on a side stream while the current site computes; elsewhere simply ahead
+    of use. Each prefetched group holds its unsharded buffer early."""
+    overlap_push: bool = True
+    """on CUDA, push gradients on a side stream while backward goes on."""
+    units: List[str] = dataclasses.field(default_factory=list)
+    """module classes whose instances are hooked as a whole (all parameters of their subtree gathered before their
+    forward, e.g. the decoder layer class); other modules that own parameters are hooked one by one. (class names,
+    e.g. [DecoderLayer]; none: the model's default units, an HF model's decoder layers)"""
+    gather_masters: bool = False
+    """peers gather the fp32 master rows and cast them to ``param_dtype`` while unpacking, so no ``param_dtype`` copy
+    of the rows is kept (2 bytes per parameter / N less with bf16) for twice the gather bytes ([gather-masters] in
+    ``group.py``)."""
+    offload_policy: Optional[str] = None
+    """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: fp32 masters, and so the optimizer's state and step, in host
+    memory ([offload] in ``group.py``). (cpu: CPUOffloadPolicy(pin_memory=True); cpu_unpinned: pin_memory=False;
+    none: no offload)"""
+    mp_policy: MixedPrecisionConfig = dataclasses.field(default_factory=MixedPrecisionConfig)
+    """FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` (as above), ``reduce_dtype`` (the gradient accumulators'
+    dtype, e.g. bf16; fp32 by default), ``output_dtype`` and ``cast_forward_inputs`` at the model's forward (see
+    [precision] in ``precision.py``). (keys param_dtype, reduce_dtype, output_dtype: dtype names;
+    cast_forward_inputs)"""
+    replicas: Optional[int] = None
+    """HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch; 1: full
+    sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1. Becomes
+    ODCShard's mesh= (see [hsdp])."""
 
 
 def shard_arguments(shard, built) -> dict[str, Any]:
-    """``ODCShard``'s keyword arguments from ``cfg.shard``: every derived key, converted where ``CONVERSIONS`` says.
+    """``ODCShard``'s keyword arguments from ``cfg.shard``: every key, converted where ``CONVERSIONS`` says.
 
-    The config-only keys (``EXTRA``) and the runtime arguments (``RUNTIME``) are the builder's.
+    The config-only keys (``CONFIG_ONLY``) and the runtime arguments (``RUNTIME``) are the builder's.
     """
     out = {}
     for f in dataclasses.fields(ShardConfig):
-        if f.name in EXTRA:
+        if f.name in CONFIG_ONLY:
             continue
         value = getattr(shard, f.name)
         out[f.name] = CONVERSIONS[f.name].to_argument(value, built) if f.name in CONVERSIONS else value

@@ -27,13 +27,20 @@ class LengthConfig:
             8K-64K spread).
     """
 
-    kind: str = "lognormal"  # fixed (always max_len) | lognormal (median, sigma) | histogram (bins, weights)
-    min_len: int = 16  # shortest sample (tokens)
-    max_len: int = 512  # longest sample (tokens); every sample with kind=fixed
-    median: float = 64.0  # lognormal: the median length
-    sigma: float = 1.0  # lognormal: the standard deviation of log(length)
-    bins: list[list[int]] = field(default_factory=lambda: [list(b) for b in LONGALIGN_BINS])  # histogram: [lo, hi]s
-    weights: list[float] = field(default_factory=lambda: list(LONGALIGN_WEIGHTS))  # histogram: each bin's share
+    kind: str = "lognormal"
+    """fixed (always max_len) | lognormal (median, sigma) | histogram (bins, weights)"""
+    min_len: int = 16
+    """shortest sample (tokens)"""
+    max_len: int = 512
+    """longest sample (tokens); every sample with kind=fixed"""
+    median: float = 64.0
+    """lognormal: the median length"""
+    sigma: float = 1.0
+    """lognormal: the standard deviation of log(length)"""
+    bins: list[list[int]] = field(default_factory=lambda: [list(b) for b in LONGALIGN_BINS])
+    """histogram: [lo, hi]s"""
+    weights: list[float] = field(default_factory=lambda: list(LONGALIGN_WEIGHTS))
+    """histogram: each bin's share"""
 
 
 KINDS = ("fixed", "lognormal", "histogram")
