@@ -1,5 +1,5 @@
 """The package's structure: no import cycle, lower layers never import higher ones, no source file over 400 lines,
-at most TOP_MODULES modules at the top of the package."""
+no package line over 120 characters, at most TOP_MODULES modules at the top of the package."""
 
 from __future__ import annotations
 
@@ -96,6 +96,13 @@ def test_lower_layers_never_import_higher_ones():
     assert not up, f"imports that run back up: {up}"
     unplaced = sorted({".".join(m.split(".")[1:3]) for m in graph if m.count(".") and _layer(m) is None})
     assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_no_package_line_over_120_characters():
+    """ruff's line length: a file near its limit is split, never squeezed into long lines."""
+    long = [f"{p.relative_to(ROOT)}:{k}" for p in PACKAGE.rglob("*.py")
+            for k, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, long
 
 
 def test_no_source_file_over_400_lines():

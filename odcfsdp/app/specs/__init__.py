@@ -2,16 +2,15 @@
 
 Design note [model-specs]
 -------------------------
-After torchtitan's ``TrainSpec``: each module of this package defines one
-``SPEC = ModelSpec(...)``, found by ``model_specs()`` (``pkgutil``), so adding a model to
-``python -m odcfsdp.train`` is one new file here and nothing else: ``model.name``'s allowed
-values, its checks and the builder (``odcfsdp.app.builders``) all come from the registry, with
-no branch on model names anywhere. A spec reads the run's config tree
-(``odcfsdp.app.config.TrainConfig``) by attribute and does not import it (config imports the
-registry). Specs sit above ``models/`` and ``checkpoint/`` (the hf spec loads pretrained
-weights with ``checkpoint.load_hf``) and below the config. Its own hyper-parameters go in the generic ``model.*`` keys (``model.size``,
-``model.overrides``, ``model.path``, ...). A spec module imports optional packages
-(``transformers``) only inside its functions: every spec is imported to list the names.
+After torchtitan's ``TrainSpec``: each module of this package defines one ``SPEC = ModelSpec(...)``, found by
+``model_specs()`` (``pkgutil``), so adding a model to ``python -m odcfsdp.train`` is one new file here and nothing
+else: ``model.name``'s allowed values, its checks and the builder (``odcfsdp.app.builders``) all come from the
+registry, with no branch on model names anywhere. A spec reads the run's config tree
+(``odcfsdp.app.config.TrainConfig``) by attribute and does not import it (config imports the registry). Specs sit
+above ``models/`` and ``checkpoint/`` (the hf spec loads pretrained weights with ``checkpoint.load_hf``) and below the
+config. Its own hyper-parameters go in the generic ``model.*`` keys (``model.size``, ``model.overrides``,
+``model.path``, ...). A spec module imports optional packages (``transformers``) only inside its functions: every spec
+is imported to list the names.
 """
 
 from __future__ import annotations
