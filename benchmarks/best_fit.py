@@ -1,8 +1,8 @@
 """The speed memory buys: each method's fastest configuration that fits on the GPUs, searched alike, side by side.
 
-    python benchmarks/best_fit.py --nproc 2 --size 8b --workloads balanced --methods odc fsdp2 --out DIR --commit SHA
-    python benchmarks/best_fit.py --cpu-ranks 2 --size tiny --workloads balanced --steps 2 --warmup 1 --out DIR  # CPU
-    python benchmarks/best_fit.py --merge DIR1 DIR2 ... --out DIR   # one report over searches run in separate calls
+    python -m benchmarks.best_fit --nproc 2 --size 8b --workloads balanced --methods odc fsdp2 --out DIR --commit SHA
+    python -m benchmarks.best_fit --cpu-ranks 2 --size tiny --workloads balanced --steps 2 --warmup 1 --out DIR  # CPU
+    python -m benchmarks.best_fit --merge DIR1 DIR2 ... --out DIR   # one report over searches run in separate calls
 
 Every method gets the same search over what FSDP users reach for (issue 23, part 4): activation
 checkpointing off or on (full recomputation of each decoder layer: the model has no selective mode),
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import provenance
 
 HERE = Path(__file__).resolve().parent
 ODC_LEVERS = ("", "lean", "offload")  # e2e_bench methods odc, odc-lean, odc-offload (slowest last)
@@ -60,13 +60,12 @@ def run_candidate(cand: dict, workload: str, args, out: Path) -> list[dict]:
     """Run one candidate; its results (one per balancer) with the peak it took, or one failed record."""
     argv = _e2e_args(cand, workload, args, out)
     if args.cpu_ranks:
-        sys.path.insert(0, str(HERE))
-        import e2e_bench
+        from benchmarks import e2e_bench
 
         e2e_bench.main(["--cpu-ranks", str(args.cpu_ranks), *argv])
     else:
-        cmd = ["torchrun", f"--nproc-per-node={args.nproc}", f"--master-port={args.port}", str(HERE / "e2e_bench.py"),
-               *argv]
+        cmd = ["torchrun", f"--nproc-per-node={args.nproc}", f"--master-port={args.port}", "-m",
+               "benchmarks.e2e_bench", *argv]
         with open(out / "run.log", "w") as log:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=False)
     try:

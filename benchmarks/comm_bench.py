@@ -1,7 +1,7 @@
 """Communication microbenchmark: ODC gather / scatter-accumulate vs NCCL, in one run on the same GPUs.
 
-    torchrun --nproc-per-node=2 benchmarks/comm_bench.py --out results/comm --commit <sha>
-    python benchmarks/comm_bench.py --cpu-ranks 2 --sizes-mib 1 --iters 9   # CPU smoke run: shm vs gloo
+    torchrun --nproc-per-node=2 -m benchmarks.comm_bench --out results/comm --commit <sha>
+    python -m benchmarks.comm_bench --cpu-ranks 2 --sizes-mib 1 --iters 9   # CPU smoke run: shm vs gloo
 
 For each group size (bf16 bytes of the unsharded group, shaped like a Llama block:
 q, k, v, o, gate, up, down) it times, per rank, with CUDA events (median of
@@ -44,8 +44,8 @@ from odcfsdp.sharding.mesh import ShardMesh
 from odcfsdp.sharding.transport import make_transport
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 
-from timing import elapsed_ms  # noqa: E402  (benchmarks/ on path)
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks.timing import elapsed_ms
+from benchmarks import provenance
 
 BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
 GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -278,8 +278,8 @@ def worker(args, device: torch.device | None) -> None:
         meta = {
             "device": "cpu" if cpu else torch.cuda.get_device_name(device), "world_size": world, "iters": args.iters,
             "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "command": (f"python benchmarks/comm_bench.py --cpu-ranks {world}" if cpu else
-                        f"torchrun --nproc-per-node={world} benchmarks/comm_bench.py") + f" --iters {args.iters}",
+            "command": (f"python -m benchmarks.comm_bench --cpu-ranks {world}" if cpu else
+                        f"torchrun --nproc-per-node={world} -m benchmarks.comm_bench") + f" --iters {args.iters}",
             "torch": torch.__version__, "triton": triton_version,
         }
         out = Path(args.out)

@@ -1,8 +1,8 @@
 """End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs.
 
-    torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --size 1b --out results/e2e --commit <sha>
-    torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --model hf:llama3-8b --methods odc hf_fsdp2 ...
-    python benchmarks/e2e_bench.py --cpu-ranks 2 --size tiny --steps 2 --warmup 1   # CPU smoke run
+    torchrun --nproc-per-node=2 -m benchmarks.e2e_bench --size 1b --out results/e2e --commit <sha>
+    torchrun --nproc-per-node=2 -m benchmarks.e2e_bench --model hf:llama3-8b --methods odc hf_fsdp2 ...
+    python -m benchmarks.e2e_bench --cpu-ranks 2 --size tiny --steps 2 --warmup 1   # CPU smoke run
 
 Methods (each trains the same model from the same seed on the same micro-batches
 with the same AdamW settings and clipping; warm-up steps are excluded):
@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import e2e_baselines  # noqa: E402  (benchmarks/ on path)
-from e2e_hf import bench_model, decoder_layers, resolve_args  # noqa: E402  (benchmarks/ on path)
-from e2e_report import baseline, chart, kernel_summary, report, step_profiler  # noqa: E402
+from benchmarks import e2e_baselines
+from benchmarks.e2e_hf import bench_model, decoder_layers, resolve_args
+from benchmarks.e2e_report import baseline, chart, kernel_summary, report, step_profiler
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
@@ -58,7 +58,7 @@ from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import provenance
 
 NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off

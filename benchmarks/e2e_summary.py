@@ -1,7 +1,7 @@
 """One table over several end-to-end benchmark runs (their ``e2e_bench.json``), for READMEs.
 
-    python benchmarks/e2e_summary.py results/e2e/*/e2e_bench.json
-    python benchmarks/e2e_summary.py $(find results/e2e -name e2e_bench.json) --out /tmp/e2e_summary.md  # anywhere
+    python -m benchmarks.e2e_summary results/e2e/*/e2e_bench.json
+    python -m benchmarks.e2e_summary $(find results/e2e -name e2e_bench.json) --out /tmp/e2e_summary.md  # anywhere
 
 Per run and workload: odcfsdp nvshmem (lb_mini on the long-tailed workload, where it ran, else
 lb_micro) against PyTorch FSDP2 + lb_micro, and the other methods' ratios, read from the files as
@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from e2e_report import baseline  # noqa: E402  (benchmarks/ on path)
+from benchmarks.e2e_report import baseline
 
 HEADER = ["| workload | GPUs | commit | odcfsdp nvshmem tokens/s | FSDP2 tokens/s | odc / FSDP2 | "
           "odc lb_micro / FSDP2 | odc collective / FSDP2 | DDP / FSDP2 | MFU odc / FSDP2 | "

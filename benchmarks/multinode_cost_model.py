@@ -23,7 +23,7 @@ Who moves what across nodes (the point of the model):
   their fp32 gradient shards once per minibatch (odcfsdp) or once per micro-batch (FSDP2's
   default HSDP; ``set_requires_all_reduce(False)`` defers it).
 
-Run: ``python benchmarks/multinode_cost_model.py --out results/cost_model/<name>`` (writes
+Run: ``python -m benchmarks.multinode_cost_model --out results/cost_model/<name>`` (writes
 ``cost_model.json`` and ``cost_model.md``). It needs no GPU: it reads committed JSON and builds
 the model on the meta device, so the same command is its CPU run.
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM = ROOT / "results/comm/n2_d5edad3/comm_bench.json"  # gather/scatter bus GB/s, 2x H200
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
                 rows.append({"tokens": t, "micro_batches": m, **step_time(method, args, rates, params)})
     commit = provenance.default_commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "params": params,
-            "command": " ".join(["python benchmarks/multinode_cost_model.py",
+            "command": " ".join(["python -m benchmarks.multinode_cost_model",
                                  *(sys.argv[1:] if argv is None else argv)]),
             "assumptions": {k: v for k, v in vars(a).items() if k != "out"},
             "measured": rates}

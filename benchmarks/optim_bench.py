@@ -1,7 +1,7 @@
 """One rank's optimizer step at real shard sizes: FSDP2's and odcfsdp's, against HBM bandwidth.
 
-    python benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
-    python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1   # CPU smoke run
+    python -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
+    python -m benchmarks.optim_bench --sizes tiny --iters 2 --warmup 1   # CPU smoke run
 
 The optimizer step touches only the rank's own rows, so one GPU measures it exactly: the shard
 shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of every parameter,
@@ -51,8 +51,8 @@ import torch
 
 from odcfsdp.models.llama import Llama, llama_config
 
-import timing  # noqa: E402  (benchmarks/ on path)
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import timing
+from benchmarks import provenance
 
 ALIGN = 8  # elements: ODCShard's segments start and end on 16 bytes of bf16 (and 32 of fp32)
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

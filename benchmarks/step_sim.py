@@ -1,7 +1,7 @@
 """Step-time simulator: where ODC + LB-Mini beats FSDP2's balancers, from 2 to 64 GPUs (issue 26).
 
-    python benchmarks/step_sim.py --size 8b --out results/sim/<name>      # the sweep (JSON + markdown + chart)
-    python benchmarks/step_sim.py --validate --size 8b --out results/sim/<name>   # refit + revalidate (see below)
+    python -m benchmarks.step_sim --size 8b --out results/sim/<name>      # the sweep (JSON + markdown + chart)
+    python -m benchmarks.step_sim --validate --size 8b --out results/sim/<name>   # refit + revalidate (see below)
 
 ``--validate`` is the refit entry point (``step_sim_fit.refit``): it refits the size's time model on the committed
 runs (``step_sim_fit.SETUPS[size]``: its fit runs and host-floor run) and prices the fit's own steps (in-sample),
@@ -79,13 +79,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
-from multinode_cost_model import measured as measured_rates  # noqa: E402
-from multinode_cost_model import step_time as cost_model_step  # noqa: E402
+from benchmarks import provenance
+from benchmarks.multinode_cost_model import measured as measured_rates
+from benchmarks.multinode_cost_model import step_time as cost_model_step
 
-from odcfsdp.data.balance import CostModel, _lpt, plan_minibatch  # noqa: E402
-from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths  # noqa: E402
+from odcfsdp.data.balance import CostModel, _lpt, plan_minibatch
+from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
 
 SIZES = list[list[list[int]]]  # sizes[rank][micro_batch] = the positions of its samples
 
@@ -296,21 +295,21 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--gpus: 1..8, or a multiple of 8 (8 GPUs per node beyond one node)")
     if args.held_out and not args.validate:
         p.error("--held-out: with --validate (held-out runs are priced, not swept)")
-    import step_sim_fit
+    from benchmarks import step_sim_fit
 
     setup = step_sim_fit.SETUPS.get(args.size)
     if setup is None and (args.validate or not (args.fit and args.host_run)):
         p.error(f"--size {args.size}: no fit setup ({', '.join(step_sim_fit.SETUPS)}); name --fit and --host-run")
     if not args.validate:
         args.fit, args.host_run = args.fit or list(setup.fit), args.host_run or setup.host_run
-    args.command = "python benchmarks/step_sim.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.command = "python -m benchmarks.step_sim " + " ".join(sys.argv[1:] if argv is None else argv)
     return args
 
 
 def main(argv=None) -> dict:
     """Sweep (or ``--validate``) and write ``step_sim.json`` / ``step_sim.md`` (+ ``step_sim.png``) under ``--out``."""
-    import step_sim_fit
-    import step_sim_report
+    from benchmarks import step_sim_fit
+    from benchmarks import step_sim_report
 
     args = parse(argv)
     meta = {"date": datetime.date.today().isoformat(), "commit": provenance.default_commit(), "command": args.command}
@@ -347,6 +346,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    import step_sim  # one copy of this module: step_sim_fit imports it by name
-
-    step_sim.main()
+    main()

@@ -1,8 +1,8 @@
 """The step simulator's cost model, fitted on committed GPU runs, and its validation (issues 26 and 31).
 
     refit("8b")                                                   # in Python: refit, revalidate, from committed runs
-    python benchmarks/step_sim.py --validate --size 8b --out results/sim/validate_8b    # the same, written out
-    python benchmarks/step_sim.py --validate --size 8b --held-out <run> --out ...         # a new held-out run too
+    python -m benchmarks.step_sim --validate --size 8b --out results/sim/validate_8b    # the same, written out
+    python -m benchmarks.step_sim --validate --size 8b --held-out <run> --out ...         # a new held-out run too
 
 ``refit(size)`` is the one entry point that refits and revalidates: it replays the size's fit runs
 (``SETUPS[size].fit``), fits the time model on them, prices their own steps (the *fit* table, in-sample), prices
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from step_sim import TimeModel, _sizes, balance_bound, collective_step, minibatch_sizes, one_sided_step, overheads
+from benchmarks.step_sim import TimeModel, _sizes, balance_bound, collective_step, minibatch_sizes, one_sided_step, overheads
 
 from odcfsdp.data.balance import CostModel, plan_minibatch, rank_costs
 from odcfsdp.data.lengths import LengthDistribution, longalign_lengths
@@ -102,7 +102,7 @@ class Run:
 
 def model_shape(args: dict) -> tuple[str, tuple]:
     """The run's model label and (layers, dim, matmul params, params), as e2e_bench built it (``bench_model``)."""
-    import e2e_hf
+    from benchmarks import e2e_hf
 
     ns = argparse.Namespace(model=args.get("model") or "llama", model_path=args.get("model_path"),
                             size=args.get("size", "1b"), vocab=args["vocab"], activation_checkpointing=False,

@@ -24,18 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 RESULTS = ROOT / "results"
-sys.path.insert(0, str(BENCH))
 
-import attention_bench  # noqa: E402
-import best_fit  # noqa: E402
-import checkpoint_bench  # noqa: E402
-import comm_bench  # noqa: E402
-import e2e_bench  # noqa: E402
-import e2e_summary  # noqa: E402
-import gpu_test_report  # noqa: E402
-import multinode_cost_model  # noqa: E402
-import optim_bench  # noqa: E402
-import step_sim  # noqa: E402
+from benchmarks import (attention_bench, best_fit, checkpoint_bench, comm_bench, e2e_bench, e2e_summary, gpu_test_report,
+                        multinode_cost_model, optim_bench, step_sim)
 
 RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
                  "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
@@ -59,6 +50,8 @@ def test_every_benchmark_is_run():
     """A new script under benchmarks/ needs a CPU run here (or in the test module named in RUN_ELSEWHERE)."""
     source = Path(__file__).read_text()
     for script in sorted(BENCH.glob("*.py")) + sorted(BENCH.glob("*.sh")):
+        if script.name == "__init__.py":
+            continue
         if script.name in RUN_ELSEWHERE:
             assert script.name.removesuffix(".py") in (ROOT / RUN_ELSEWHERE[script.name]).read_text(), script.name
         else:
@@ -180,14 +173,15 @@ def _check_suite_command(section: str, cmd: str) -> None:
             _check_suite_command(section, part)
         return
     words = shlex.split(cmd)
-    scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks/") and w.endswith(".py")]
+    scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks.")]  # python -m benchmarks.<name>
     if scripts:
-        import hf_finetune_check
+        assert words[scripts[0] - 1] == "-m", (section, cmd)
+        from benchmarks import hf_finetune_check
 
         i = scripts[0]
         module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
                   "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
-                  "hf_finetune_check": hf_finetune_check}[Path(words[i]).stem]
+                  "hf_finetune_check": hf_finetune_check}[words[i].removeprefix("benchmarks.")]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
     elif "pytest" in words:
         files = [w for w in words if w.startswith("tests/")]
@@ -233,7 +227,7 @@ def test_gpu_suite(out):
 def test_hf_finetune_check(out):
     """The CLI fine-tune of a local HF checkpoint on 2 gloo ranks: the first loss equals transformers' (fp32)."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
-    import hf_finetune_check
+    from benchmarks import hf_finetune_check
 
     d = out / "hf_finetune"
     hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2"])
@@ -252,7 +246,7 @@ def test_hf_finetune_check_longtail(out):
     """--chats longtail: LongAlign-like lengths (scaled to the CPU's 256-token micro-batches), the first loss still
     transformers', and the e2e bench's figures (--e2e) in the report next to the CLI's."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
-    import hf_finetune_check
+    from benchmarks import hf_finetune_check
 
     d = out / "hf_finetune_longtail"
     e2e = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))[-1]
@@ -272,7 +266,7 @@ def test_hf_finetune_check_longtail(out):
 def test_hf_load_memory(out):
     """Save a tiny checkpoint, load it with load_hf on 2 CPU ranks, and report each rank's memory."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
-    import hf_load_memory
+    from benchmarks import hf_load_memory
 
     d = out / "hf_load"
     hf_load_memory.main(["--out", str(d), "--layers", "2", "--dim", "128", "--vocab", "512", "--world", "2"])
@@ -351,7 +345,7 @@ def test_best_fit(out):
 
 def test_loss_bench(out):
     """Fused and unfused head + loss on the CPU in fp32: both run, and agree to fp32 rounding."""
-    import loss_bench
+    from benchmarks import loss_bench
 
     d = out / "loss"
     report = loss_bench.main(["--tokens", "300", "--hidden", "16", "--vocab", "1000", "--dtype", "float32",

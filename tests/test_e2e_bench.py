@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import e2e_bench  # noqa: E402
+from benchmarks import e2e_bench
 
 
 def test_all_methods_train_the_same_model(tmp_path):

@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import e2e_bench  # noqa: E402
-import e2e_hf  # noqa: E402
-import e2e_summary  # noqa: E402
+from benchmarks import e2e_bench
+from benchmarks import e2e_hf
+from benchmarks import e2e_summary
 
 from odcfsdp.models import llama_config  # noqa: E402
 
