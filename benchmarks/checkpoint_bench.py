@@ -26,9 +26,8 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from odcfsdp.launch import run_benchmark_ranks
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
-from benchmarks import provenance
+from benchmarks import harness, provenance
 
 
 def dir_bytes(path: Path) -> int:
@@ -87,7 +86,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: time save, load and export."""
     args = parse(argv)
-    run_benchmark_ranks(worker, args, args.cpu_ranks)
+    harness.run_benchmark_ranks(worker, args, args.cpu_ranks)
 
 
 def worker(args, device: torch.device | None) -> None:

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import gc
-import json
 import os
 import statistics
 import time
@@ -46,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks import e2e_baselines
+from benchmarks import e2e_baselines, harness
 from benchmarks.e2e_hf import bench_model, decoder_layers, resolve_args
 from benchmarks.e2e_report import baseline, chart, kernel_summary, report, step_profiler
 from odcfsdp import ODCShard, param_groups
@@ -58,7 +56,6 @@ from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
-from benchmarks import provenance
 
 NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
@@ -305,14 +302,11 @@ def main_worker(args) -> list[dict] | None:
 def write_outputs(results: list[dict], failed: list[dict], args, device: torch.device, final: bool) -> None:
     """JSON + markdown (+ PNG at the end) under ``--out``, rewritten after every run: a cut-off run keeps its part."""
     bm = bench_model(args)
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "world_size": dist.get_world_size(), "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "command": args.command, "size": args.size, "model": bm.label, "params": bm.params, "steps": args.steps,
-            "warmup": args.warmup, "batch": args.batch, "args": vars(args), "complete": final, "failed": failed}
+    meta = harness.meta(args.commit, args.command, harness.device_name(device), world_size=dist.get_world_size(),
+                        size=args.size, model=bm.label, params=bm.params, steps=args.steps, warmup=args.warmup,
+                        batch=args.batch, args=vars(args), complete=final, failed=failed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "e2e_bench.md").write_text(report(results, meta))
+    harness.write_result(out, "e2e_bench", meta, results, report(results, meta))
     if final:
         chart(results, out / "e2e_bench.png")
         print(report(results, meta))
@@ -354,8 +348,7 @@ def parse(argv=None):
                         "with cuDNN attention from n2_longtail_cudnn_compiled_d89966a); MFU always counts plain FLOPs")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/e2e")
-    p.add_argument("--commit", default=provenance.default_commit())
+    harness.add_common(p, out="results/e2e", cpu_ranks=True)
     p.add_argument("--profile", nargs="*", default=[],
                    help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
     p.add_argument("--memory-breakdown", action="store_true",
@@ -367,13 +360,12 @@ def parse(argv=None):
                    help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set), e.g. expandable_segments:True "
                         "(on 2x H200 at ea1195c it left FSDP2's reserved memory as it was but raised odc's from 13.7 "
                         "to 17.2 GiB: the prefetch stream grows a segment of its own)")
-    p.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU instead")
     args = p.parse_args(argv)
     if args.compile and "module_hooks" in args.ablate:
         p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
     if problem := resolve_args(args):  # --model's defaults (vocabulary, methods) and misfits
         p.error(problem)
-    args.command = "benchmarks/e2e_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    args.command = harness.command(__name__, argv)
     return args
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import provenance
+from benchmarks import harness, provenance
 from benchmarks.e2e_hf import HF_SHAPES
 from odcfsdp.data.lengths import LONGALIGN_BINS, LONGALIGN_WEIGHTS, LengthConfig, LengthDistribution
 from tests.hf_fixtures import chat_records, save_tokenizer, write_jsonl
@@ -167,11 +167,11 @@ def chat_tokens(source) -> dict:
 
 def e2e_figures(path: Path) -> dict:
     """The e2e bench's runs of ``path`` (an ``e2e_bench.json``): model, GPUs and each run's speed and memory."""
-    data = json.loads(Path(path).read_text())
+    data = harness.load_result(path)  # "results" before the one schema
     keys = ("workload", "method", "balance", "tokens_per_s", "mfu", "peak_alloc_gib", "peak_reserved_gib")
     return {"file": str(path), "model": data["meta"].get("model"), "world_size": data["meta"]["world_size"],
             "alloc_conf": data["meta"]["args"].get("alloc_conf"), "runs": [{k: r[k] for k in keys}
-                                                                           for r in data["results"]]}
+                                                                           for r in data["rows"]]}
 
 
 def speed_table(res: dict) -> list[str]:

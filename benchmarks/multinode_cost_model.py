@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import provenance
+from benchmarks import harness, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM = ROOT / "results/comm/n2_d5edad3/comm_bench.json"  # gather/scatter bus GB/s, 2x H200
@@ -57,11 +57,11 @@ def llama8b_params(vocab: int = 128256) -> int:
 
 def measured(group_bytes: int = 32 << 20) -> dict:
     """Rates measured on one node: bus GB/s of gathers and scatters at ``group_bytes``; optimizer ps per parameter."""
-    comm = next(r for r in json.loads(COMM.read_text())["results"] if r["group_bytes"] == group_bytes)
+    comm = next(r for r in harness.rows(COMM) if r["group_bytes"] == group_bytes)
     best = lambda table, key: max(v[key] for k, v in table.items() if k.startswith("odc_b"))  # noqa: E731
     nccl_gather = next(v for k, v in comm["gather"].items() if k.startswith("nccl"))
     nccl_scatter = next(v for k, v in comm["scatter"].items() if k.startswith("nccl"))
-    optim = next(r for r in json.loads(OPTIM.read_text())["results"] if r["size"] == "8b")
+    optim = next(r for r in harness.rows(OPTIM) if r["size"] == "8b")
     per_param = {k: optim["variants"][k]["ms_median"] * 1e-3 / optim["params_on_rank"] for k in ("odc_torch", "fsdp2")}
     return {
         "odc_gather_gbps": best(comm["gather"], "pipelined_bus_gbps"),

@@ -32,7 +32,9 @@ RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "t
                  "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
                  "step_sim_fit.py": "benchmarks/step_sim.py", "step_sim_report.py": "benchmarks/step_sim.py",
                  "e2e_hf.py": "tests/test_e2e_hf.py", "e2e_baselines.py": "tests/test_e2e_bench.py",
-                 "timing.py": "benchmarks/optim_bench.py", "provenance.py": "tests/test_provenance.py"}  # the timers of optim_bench, comm_bench, attention_bench
+                 "timing.py": "benchmarks/optim_bench.py",  # the timers of optim_bench, comm_bench, attention_bench
+                 "provenance.py": "tests/test_provenance.py", "step_sim_model.py": "tests/test_step_sim.py",
+                 "harness.py": "tests/test_benchmark_harness.py", "results_index.py": "tests/test_benchmark_harness.py"}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_comm_bench(out):
     """shm gather / scatter-accumulate against gloo collectives on 2 ranks; the script's own checks pass first."""
     d = out / "comm"
     comm_bench.main(["--cpu-ranks", "2", "--sizes-mib", "1", "--iters", "9", "--out", str(d)])  # 9: p10/p90 in range
-    (res,) = json.loads((d / "comm_bench.json").read_text())["results"]
+    (res,) = json.loads((d / "comm_bench.json").read_text())["rows"]
     assert res["group_bytes"] == 1 << 20
     assert set(res["gather"]) == {"nccl_allgather+copyout", "odc_shm"}
     assert set(res["scatter"]) == {"nccl_copyin+reducescatter", "odc_shm"}
@@ -311,7 +313,7 @@ def test_optim_bench(out):
     d = out / "optim"
     optim_bench.main(["--sizes", "tiny", "--iters", "2", "--warmup", "1", "--out", str(d)])
     assert not dist.is_initialized()  # its one-rank group is gone again
-    (res,) = json.loads((d / "optim_bench.json").read_text())["results"]
+    (res,) = json.loads((d / "optim_bench.json").read_text())["rows"]
     assert set(res["variants"]) == set(optim_bench.BYTES_PER_PARAM)
     from odcfsdp.models import Llama, llama_config
 
@@ -331,7 +333,7 @@ def test_best_fit(out):
     best_fit.main(["--cpu-ranks", "2", "--size", "tiny", "--workloads", "balanced", "--methods", "odc", "fsdp2",
                    "--micro-samples", "1", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(d),
                    "--e2e-args", "--vocab", "256", "--seq", "64", "--pool", "20000", "--group-bytes", "8192"])
-    runs = json.loads((d / "best_fit.json").read_text())["runs"]
+    runs = json.loads((d / "best_fit.json").read_text())["rows"]
     assert sorted({r["method"] for r in runs}) == ["fsdp2", "odc", "odc-lean", "odc-offload"]
     assert all(finite_positive(r["tokens_per_s"]) for r in runs) and len(runs) == 8  # AC off / on for each
     table = (d / "best_fit.md").read_text()
@@ -340,7 +342,7 @@ def test_best_fit(out):
     assert best_fit.best_of([fast, slow, big, {"error": "out of memory"}], max_gib=8.0) is fast
     assert best_fit.best_of([big], max_gib=8.0) is None and best_fit.best_of([big, fast], None) is big
     best_fit.main(["--merge", str(d), str(d), "--out", str(d / "merged")])  # searches split over calls: one report
-    assert len(json.loads((d / "merged" / "best_fit.json").read_text())["runs"]) == 16
+    assert len(json.loads((d / "merged" / "best_fit.json").read_text())["rows"]) == 16
 
 
 def test_loss_bench(out):
@@ -363,12 +365,12 @@ def test_step_sim(out):
     d = out / "step_sim"
     data = step_sim.main(["--gpus", "2", "16", "--per-gpu", "1", "4", "--distributions", "longalign", "chat",
                           "--samples", "16", "--study", "--out", str(d)])
-    assert len(data["points"]) == 2 * 2 * 2 and len(data["measured"]) == 6
-    for p in data["points"]:
+    assert len(data["rows"]) == 2 * 2 * 2 and len(data["measured"]) == 6
+    for p in data["rows"]:
         s = p["step_s"]
         assert finite_positive(*s.values()) and min(s.values()) == s["bound"], p
         assert p["speedup_vs_lb_micro"] == pytest.approx(s["fsdp2_lb_micro"] / s["odc_lb_mini"])
-    assert json.loads((d / "step_sim.json").read_text())["points"] == data["points"]
+    assert json.loads((d / "step_sim.json").read_text())["rows"] == data["rows"]
     md = (d / "step_sim.md").read_text()
     assert sum(line.startswith("| 16 | 4 |") for line in md.splitlines()) == 2 and "Karmarkar-Karp" in md and data["meta"]["command"] in md
     try:

@@ -267,7 +267,7 @@ def test_e2e_bench_memory_breakdown_on_cpu(tmp_path):
     e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "1", "--warmup", "1",
                     "--batch", "4", "--seq", "64", "--pool", "20000", "--group-bytes", "8192", "--workloads",
                     "balanced", "--methods", "odc", "fsdp2", "--memory-breakdown", "--out", str(tmp_path)])
-    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["results"]}
+    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]}
     assert runs["fsdp2"]["memory_breakdown"] is None  # on CPU only odc records (no peak without CUDA)
     ranks = runs["odc"]["memory_breakdown"]["ranks"]
     assert len(ranks) == 2

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from benchmarks import step_sim as S
+from benchmarks import step_sim_model as S
 from benchmarks import step_sim_fit as F
 
 from odcfsdp.data.lengths import LengthDistribution  # noqa: E402
