@@ -118,7 +118,8 @@ def report(runs: list[dict], meta: dict) -> str:
              f"- command: `{meta['command']}`",
              f"- fits: completed{under}; {len(runs)} candidate runs, {sum('error' in r for r in runs)} did not fit "
              "or failed", "",
-             "| workload | method | best configuration | tokens/s | vs fsdp2 | MFU | peak GiB (+heap) |", "|---|---|---|---|---|---|---|"]
+             "| workload | method | best configuration | tokens/s | vs fsdp2 | MFU | peak GiB (+heap) |",
+             "|---|---|---|---|---|---|---|"]
     for workload in sorted({r["workload"] for r in runs}):
         best = {m: best_of([r for r in runs if r["workload"] == workload and r["method"].split("-")[0] == m],
                            meta["max_gib"]) for m in meta["methods"]}

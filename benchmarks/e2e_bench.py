@@ -319,7 +319,8 @@ def parse(argv=None):
     p.add_argument("--model-path", default=None)
     p.add_argument("--vocab", type=int, default=None, help="the data's vocabulary (default: an HF model's, else 32000)")
     p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
-    p.add_argument("--methods", nargs="+", default=None, help="default: odc odc_collective fsdp2 ddp (also: fsdp2_nosync); HF: odc hf_fsdp2 "
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="default: odc odc_collective fsdp2 ddp (also: fsdp2_nosync); HF: odc hf_fsdp2 "
                    "(also: hf_fsdp2_nosync, hf_ddp)")
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
@@ -350,7 +351,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     harness.add_common(p, out="results/e2e", cpu_ranks=True)
     p.add_argument("--profile", nargs="*", default=[],
-                   help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
+                   help="methods that run one more step under torch.profiler, after the measured ones "
+                        "(kernel time by kind)")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="one more step per method, not counted: on CUDA its peak by category (every method; "
                         "odcfsdp.memory.peak_breakdown), and odc's memory_breakdown before and after the "

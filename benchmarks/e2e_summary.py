@@ -64,7 +64,8 @@ def _row(path: Path, meta: dict, results: list[dict]) -> str:
 
 
 def scaling(paths: list[Path]) -> list[str]:
-    """Weak scaling per method: tokens/s per GPU at the largest world size over the smallest, same workload and commit."""
+    """Weak scaling per method: tokens/s per GPU at the largest world size over the smallest, same workload and
+    commit."""
     by: dict[tuple, dict[int, float]] = {}
     for path in paths:
         data = harness.load_result(path)
@@ -72,7 +73,8 @@ def scaling(paths: list[Path]) -> list[str]:
         for r in data["rows"]:
             key = (r["workload"], data["meta"]["commit"], r["method"], r["balance"])
             by.setdefault(key, {})[n] = r["tokens_per_s"] / n
-    lines = ["| workload | commit | method | balance | tokens/s per GPU (GPUs: value) | efficiency |", "|---|---|---|---|---|---|"]
+    lines = ["| workload | commit | method | balance | tokens/s per GPU (GPUs: value) | efficiency |",
+             "|---|---|---|---|---|---|"]
     for (w, c, m, b), per in sorted(by.items()):
         if len(per) > 1:
             lo, hi = min(per), max(per)

@@ -54,7 +54,8 @@ def test_results_index_owns_only_its_lines(tmp_path):
     assert results_index.main(["--results", str(tmp_path), "--check"]) == 1
     assert results_index.main(["--results", str(tmp_path)]) == 0
     text = (tmp_path / "README.md").read_text()
-    assert text.startswith("# Results\n\n- hand-written\n") and "| [a/r.json](a/r.json) | 2026-01-01 | abc | cpu |" in text
+    assert text.startswith("# Results\n\n- hand-written\n")
+    assert "| [a/r.json](a/r.json) | 2026-01-01 | abc | cpu |" in text
     (tmp_path / "README.md").write_text(text + "\n- after\n")
     assert results_index.main(["--results", str(tmp_path)]) == 0 and text in (tmp_path / "README.md").read_text()
     assert results_index.main(["--results", str(tmp_path), "--check"]) == 0

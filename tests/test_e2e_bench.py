@@ -4,9 +4,6 @@ thing, and the reports are written."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
 
 from benchmarks import e2e_bench
 

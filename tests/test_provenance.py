@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
-
 
 from benchmarks import provenance
 

@@ -343,7 +343,8 @@ def spawn(
                     raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
                                        "without a result")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise TimeoutError(f"ranks {missing} did not finish in {timeout}s")
                 continue
             if ok is None:
                 started.add(rank)
