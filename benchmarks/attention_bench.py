@@ -1,7 +1,7 @@
 """Causal attention kernels of PyTorch on this GPU: forward + backward time by backend and length.
 
-    python benchmarks/attention_bench.py --out results/attention --commit <sha>
-    python benchmarks/attention_bench.py --device cpu --lengths 128 --heads 4 --kv-heads 2 --dim 16 \
+    python -m benchmarks.attention_bench --out results/attention --commit <sha>
+    python -m benchmarks.attention_bench --device cpu --lengths 128 --heads 4 --kv-heads 2 --dim 16 \
         --backends flash math --iters 2 --out /tmp/attention   # CPU smoke run
 
 The decoder runs attention outside its compiled parts, through
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from timing import timed  # noqa: E402  (benchmarks/ on path)
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks.timing import timed
+from benchmarks import provenance
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}

@@ -1,8 +1,8 @@
 """The speed memory buys: each method's fastest configuration that fits on the GPUs, searched alike, side by side.
 
-    python benchmarks/best_fit.py --nproc 2 --size 8b --workloads balanced --methods odc fsdp2 --out DIR --commit SHA
-    python benchmarks/best_fit.py --cpu-ranks 2 --size tiny --workloads balanced --steps 2 --warmup 1 --out DIR  # CPU
-    python benchmarks/best_fit.py --merge DIR1 DIR2 ... --out DIR   # one report over searches run in separate calls
+    python -m benchmarks.best_fit --nproc 2 --size 8b --workloads balanced --methods odc fsdp2 --out DIR --commit SHA
+    python -m benchmarks.best_fit --cpu-ranks 2 --size tiny --workloads balanced --steps 2 --warmup 1 --out DIR  # CPU
+    python -m benchmarks.best_fit --merge DIR1 DIR2 ... --out DIR   # one report over searches run in separate calls
 
 Every method gets the same search over what FSDP users reach for (issue 23, part 4): activation
 checkpointing off or on (full recomputation of each decoder layer: the model has no selective mode),
@@ -18,15 +18,14 @@ Writes ``best_fit.json`` (every candidate) and ``best_fit.md`` (the best fits si
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import os
+import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import harness
 
-HERE = Path(__file__).resolve().parent
 ODC_LEVERS = ("", "lean", "offload")  # e2e_bench methods odc, odc-lean, odc-offload (slowest last)
 
 
@@ -56,31 +55,59 @@ def _e2e_args(cand: dict, workload: str, args, out: Path) -> list[str]:
     return argv
 
 
+def torchrun_command(args, argv: list[str]) -> list[str]:
+    """The command that runs one candidate on the GPUs."""
+    return ["torchrun", f"--nproc-per-node={args.nproc}", f"--master-port={args.port}", "-m", "benchmarks.e2e_bench",
+            *argv]
+
+
+def launch(cmd: list[str], log: Path, timeout_s: float) -> bool:
+    """Run ``cmd`` (its output to ``log``) in a session of its own; False when it ran past ``timeout_s``, its whole
+    process group (torchrun and every rank) killed then: a hung candidate costs only itself."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=harness.module_env(),
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return False
+
+
 def run_candidate(cand: dict, workload: str, args, out: Path) -> list[dict]:
-    """Run one candidate; its results (one per balancer) with the peak it took, or one failed record."""
+    """Run one candidate; its results (one per balancer) with the peak it took, or one failed record (``timeout``:
+    it ran past ``--timeout-s``, e.g. an out-of-memory rank that hung; what it finished before is kept)."""
     argv = _e2e_args(cand, workload, args, out)
+    finished = True
     if args.cpu_ranks:
-        sys.path.insert(0, str(HERE))
-        import e2e_bench
+        from benchmarks import e2e_bench
 
         e2e_bench.main(["--cpu-ranks", str(args.cpu_ranks), *argv])
     else:
-        cmd = ["torchrun", f"--nproc-per-node={args.nproc}", f"--master-port={args.port}", str(HERE / "e2e_bench.py"),
-               *argv]
-        with open(out / "run.log", "w") as log:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=False)
+        finished = launch(torchrun_command(args, argv), out / "run.log", args.timeout_s)
+    timeout = [] if finished else [{**cand, "workload": workload, "error": "timeout"}]
     try:
-        data = json.loads((out / "e2e_bench.json").read_text())
+        data = harness.load_result(out / "e2e_bench.json")
     except (FileNotFoundError, json.JSONDecodeError):
-        return [{**cand, "workload": workload, "error": "no result (out of memory, or cut by --timeout-s)"}]
+        return timeout or [{**cand, "workload": workload, "error": "no result (out of memory, or cut by --timeout-s)"}]
     def plus_heap(r: dict, key: str) -> float | None:  # None on CPU: torch keeps no allocator statistics there
         return None if r.get(key) is None else r[key] + (r.get("nvshmem_heap_gib") or 0.0)
 
     rows = [{**cand, "workload": workload, "balance": r["balance"], "tokens_per_s": r["tokens_per_s"],
              "mfu": r["mfu"], "peak_gib": plus_heap(r, "peak_alloc_gib"),
-             "peak_reserved_gib": plus_heap(r, "peak_reserved_gib")} for r in data["results"]]
+             "peak_reserved_gib": plus_heap(r, "peak_reserved_gib")} for r in data["rows"]]
     rows += [{**cand, "workload": workload, "error": f["error"]} for f in data["meta"].get("failed", [])]
-    return rows
+    return rows + timeout
+
+
+def progress(workload: str, cand: dict, rows: list[dict], max_gib: float | None) -> str:
+    """The line printed after a candidate: its best fit's tokens/s (its balancers' best), else its errors."""
+    best = best_of(rows, max_gib)
+    if best is not None:
+        return f"{workload} {cand}: {best['tokens_per_s']} ({best.get('balance')})"
+    return f"{workload} {cand}: {'; '.join(str(r.get('error', 'does not fit')) for r in rows)}"
 
 
 def report(runs: list[dict], meta: dict) -> str:
@@ -91,7 +118,8 @@ def report(runs: list[dict], meta: dict) -> str:
              f"- command: `{meta['command']}`",
              f"- fits: completed{under}; {len(runs)} candidate runs, {sum('error' in r for r in runs)} did not fit "
              "or failed", "",
-             "| workload | method | best configuration | tokens/s | vs fsdp2 | MFU | peak GiB (+heap) |", "|---|---|---|---|---|---|---|"]
+             "| workload | method | best configuration | tokens/s | vs fsdp2 | MFU | peak GiB (+heap) |",
+             "|---|---|---|---|---|---|---|"]
     for workload in sorted({r["workload"] for r in runs}):
         best = {m: best_of([r for r in runs if r["workload"] == workload and r["method"].split("-")[0] == m],
                            meta["max_gib"]) for m in meta["methods"]}
@@ -119,16 +147,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2, help="GPUs (torchrun --nproc-per-node)")
-    p.add_argument("--cpu-ranks", type=int, default=0, help="a CPU run: spawn this many gloo ranks per candidate")
     p.add_argument("--max-gib", type=float, default=None, help="a fit's peak allocated + heap must stay under this")
     p.add_argument("--timeout-s", type=float, default=900, help="per candidate (a GPU run)")
     p.add_argument("--port", type=int, default=29631)
-    p.add_argument("--out", default="results/best_fit")
-    p.add_argument("--commit", default=provenance.default_commit())
+    harness.add_common(p, out="results/best_fit", cpu_ranks=True)
     p.add_argument("--merge", nargs="+", default=[], help="only merge these folders' best_fit.json into one report")
     p.add_argument("--e2e-args", nargs=argparse.REMAINDER, default=[], help="passed on to e2e_bench.py (last)")
     args = p.parse_args(argv)
-    args.command = "benchmarks/best_fit.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.command = harness.command(__name__, argv)
     return args
 
 
@@ -137,13 +163,11 @@ def main(argv=None) -> None:
     args = parse(argv)
     out = Path(args.out)
     if args.merge:  # searches split over several device calls (each call has a time limit): one report
-        parts = [json.loads((Path(d) / "best_fit.json").read_text()) for d in args.merge]
+        parts = [harness.load_result(Path(d) / "best_fit.json") for d in args.merge]  # "runs" before 4b
         meta = {**parts[0]["meta"], "command": args.command,
                 "methods": list(dict.fromkeys(m for p in parts for m in p["meta"]["methods"]))}
-        runs = [r for p in parts for r in p["runs"]]
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "best_fit.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-        (out / "best_fit.md").write_text(report(runs, meta))
+        runs = [r for p in parts for r in p["rows"]]
+        harness.write_result(out, "best_fit", meta, runs, report(runs, meta))
         print(report(runs, meta))
         return
     runs = []
@@ -152,15 +176,12 @@ def main(argv=None) -> None:
             for k, cand in enumerate(candidates(method, workload, args.micro_samples)):
                 sub = out / f"{workload}_{method}_{k}"
                 sub.mkdir(parents=True, exist_ok=True)
-                runs += run_candidate(cand, workload, args, sub)
-                print(f"{workload} {cand}: {runs[-1].get('tokens_per_s', runs[-1].get('error'))}", flush=True)
-    import torch
-
-    meta = {"device": "cpu" if args.cpu_ranks else torch.cuda.get_device_name(0) + f" x {args.nproc}",
-            "date": datetime.date.today().isoformat(), "commit": args.commit, "command": args.command,
-            "max_gib": args.max_gib, "methods": args.methods}
-    (out / "best_fit.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    (out / "best_fit.md").write_text(report(runs, meta))
+                rows = run_candidate(cand, workload, args, sub)
+                runs += rows
+                print(progress(workload, cand, rows, args.max_gib), flush=True)
+    device = "cpu" if args.cpu_ranks else harness.device_name(world=args.nproc)
+    meta = harness.meta(args.commit, args.command, device, max_gib=args.max_gib, methods=args.methods)
+    harness.write_result(out, "best_fit", meta, runs, report(runs, meta))
     print(report(runs, meta))
 
 

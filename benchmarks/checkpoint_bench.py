@@ -1,7 +1,7 @@
 """Checkpoint timing: save, load (same and different world size are the same code) and HF export of a Llama.
 
-    torchrun --nproc-per-node=2 benchmarks/checkpoint_bench.py --size 1b --dir /tmp/ckpt --out results/checkpoint
-    python benchmarks/checkpoint_bench.py --cpu-ranks 2 --size tiny --vocab 256 --seq 64 \
+    torchrun --nproc-per-node=2 -m benchmarks.checkpoint_bench --size 1b --dir /tmp/ckpt --out results/checkpoint
+    python -m benchmarks.checkpoint_bench --cpu-ranks 2 --size tiny --vocab 256 --seq 64 \
         --dir /tmp/ckpt --out /tmp/checkpoint   # CPU smoke run: gloo + shm
 
 Builds the model on the meta device (no rank holds it whole), wraps it with the
@@ -26,9 +26,8 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from odcfsdp.launch import run_benchmark_ranks
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import harness, provenance
 
 
 def dir_bytes(path: Path) -> int:
@@ -87,7 +86,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: time save, load and export."""
     args = parse(argv)
-    run_benchmark_ranks(worker, args, args.cpu_ranks)
+    harness.run_benchmark_ranks(worker, args, args.cpu_ranks)
 
 
 def worker(args, device: torch.device | None) -> None:
@@ -127,8 +126,8 @@ def worker(args, device: torch.device | None) -> None:
             "meta": {"device": "cpu (gloo + shm)" if cpu else torch.cuda.get_device_name(device), "world_size": world,
                      "commit": args.commit, "date": datetime.date.today().isoformat(), "size": args.size,
                      "params": cfg.num_params(),
-                     "command": (f"python benchmarks/checkpoint_bench.py --cpu-ranks {world}" if cpu else
-                                 f"torchrun --nproc-per-node={world} benchmarks/checkpoint_bench.py")
+                     "command": (f"python -m benchmarks.checkpoint_bench --cpu-ranks {world}" if cpu else
+                                 f"torchrun --nproc-per-node={world} -m benchmarks.checkpoint_bench")
                      + f" --size {args.size}",
                      "filesystem": str(root)},
             "save_s": save_s, "load_s": load_s, "export_hf_bf16_s": export_s, "load_restores_state": True,

@@ -1,7 +1,7 @@
 """Communication microbenchmark: ODC gather / scatter-accumulate vs NCCL, in one run on the same GPUs.
 
-    torchrun --nproc-per-node=2 benchmarks/comm_bench.py --out results/comm --commit <sha>
-    python benchmarks/comm_bench.py --cpu-ranks 2 --sizes-mib 1 --iters 9   # CPU smoke run: shm vs gloo
+    torchrun --nproc-per-node=2 -m benchmarks.comm_bench --out results/comm --commit <sha>
+    python -m benchmarks.comm_bench --cpu-ranks 2 --sizes-mib 1 --iters 9   # CPU smoke run: shm vs gloo
 
 For each group size (bf16 bytes of the unsharded group, shaped like a Llama block:
 q, k, v, o, gate, up, down) it times, per rank, with CUDA events (median of
@@ -29,23 +29,19 @@ beyond the observed times (even below zero). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from odcfsdp.launch import run_benchmark_ranks
 from odcfsdp.sharding.layout import plan_groups
 from odcfsdp.sharding.mesh import ShardMesh
 from odcfsdp.sharding.transport import make_transport
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 
-from timing import elapsed_ms  # noqa: E402  (benchmarks/ on path)
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks.timing import elapsed_ms
+from benchmarks import harness, provenance
 
 BLOCK_SHAPE = {"q": 1.0, "k": 0.25, "v": 0.25, "o": 1.0, "gate": 2.75, "up": 2.75, "down": 2.75}
 GATHER_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -251,7 +247,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """Under torchrun on GPUs, or ``--cpu-ranks`` spawned CPU ranks: run the benchmark, rank 0 writes the files."""
     args = parse(argv)
-    run_benchmark_ranks(worker, args, args.cpu_ranks)
+    harness.run_benchmark_ranks(worker, args, args.cpu_ranks)
 
 
 def worker(args, device: torch.device | None) -> None:
@@ -265,9 +261,10 @@ def worker(args, device: torch.device | None) -> None:
         results.append(res)
         if rank == 0:
             g, s = best(res["gather"], "odc")[1], best(res["scatter"], "odc")[1]  # noqa: F841
-            print(f"{mib:4d} MiB  gather odc {g['bus_gbps']:6.0f} nccl {res['gather']['nccl_allgather+copyout']['bus_gbps']:6.0f}"
-                  f" | scatter odc {s['bus_gbps']:6.0f} nccl {res['scatter']['nccl_copyin+reducescatter']['bus_gbps']:6.0f} GB/s",
-                  flush=True)
+            nccl_g = res["gather"]["nccl_allgather+copyout"]["bus_gbps"]
+            nccl_s = res["scatter"]["nccl_copyin+reducescatter"]["bus_gbps"]
+            print(f"{mib:4d} MiB  gather odc {g['bus_gbps']:6.0f} nccl {nccl_g:6.0f}"
+                  f" | scatter odc {s['bus_gbps']:6.0f} nccl {nccl_s:6.0f} GB/s", flush=True)
     if rank == 0:
         try:
             import triton
@@ -275,17 +272,11 @@ def worker(args, device: torch.device | None) -> None:
         except ImportError:
             triton_version = "-"
         cpu = device.type == "cpu"
-        meta = {
-            "device": "cpu" if cpu else torch.cuda.get_device_name(device), "world_size": world, "iters": args.iters,
-            "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "command": (f"python benchmarks/comm_bench.py --cpu-ranks {world}" if cpu else
-                        f"torchrun --nproc-per-node={world} benchmarks/comm_bench.py") + f" --iters {args.iters}",
-            "torch": torch.__version__, "triton": triton_version,
-        }
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "comm_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        (out / "comm_bench.md").write_text(report(results, meta))
+        command = (f"python -m benchmarks.comm_bench --cpu-ranks {world}" if cpu else
+                   f"torchrun --nproc-per-node={world} -m benchmarks.comm_bench") + f" --iters {args.iters}"
+        meta = harness.meta(args.commit, command, harness.device_name(device), world_size=world, iters=args.iters,
+                            torch=torch.__version__, triton=triton_version)
+        harness.write_result(args.out, "comm_bench", meta, results, report(results, meta))
         print(report(results, meta))
     dist.barrier()
 

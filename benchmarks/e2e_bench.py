@@ -1,8 +1,8 @@
 """End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs.
 
-    torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --size 1b --out results/e2e --commit <sha>
-    torchrun --nproc-per-node=2 benchmarks/e2e_bench.py --model hf:llama3-8b --methods odc hf_fsdp2 ...
-    python benchmarks/e2e_bench.py --cpu-ranks 2 --size tiny --steps 2 --warmup 1   # CPU smoke run
+    torchrun --nproc-per-node=2 -m benchmarks.e2e_bench --size 1b --out results/e2e --commit <sha>
+    torchrun --nproc-per-node=2 -m benchmarks.e2e_bench --model hf:llama3-8b --methods odc hf_fsdp2 ...
+    python -m benchmarks.e2e_bench --cpu-ranks 2 --size tiny --steps 2 --warmup 1   # CPU smoke run
 
 Methods (each trains the same model from the same seed on the same micro-batches
 with the same AdamW settings and clipping; warm-up steps are excluded):
@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import gc
-import json
 import os
 import statistics
 import time
@@ -46,9 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import e2e_baselines  # noqa: E402  (benchmarks/ on path)
-from e2e_hf import bench_model, decoder_layers, resolve_args  # noqa: E402  (benchmarks/ on path)
-from e2e_report import baseline, chart, kernel_summary, report, step_profiler  # noqa: E402
+from benchmarks import e2e_baselines, harness
+from benchmarks.e2e_hf import bench_model, decoder_layers, resolve_args
+from benchmarks.e2e_report import baseline, chart, kernel_summary, report, step_profiler
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
@@ -58,7 +56,6 @@ from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.models.attention import ATTENTION_BACKENDS, warm_attention
-import provenance  # noqa: E402  (benchmarks/ on path)
 
 NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
@@ -305,14 +302,11 @@ def main_worker(args) -> list[dict] | None:
 def write_outputs(results: list[dict], failed: list[dict], args, device: torch.device, final: bool) -> None:
     """JSON + markdown (+ PNG at the end) under ``--out``, rewritten after every run: a cut-off run keeps its part."""
     bm = bench_model(args)
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "world_size": dist.get_world_size(), "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "command": args.command, "size": args.size, "model": bm.label, "params": bm.params, "steps": args.steps,
-            "warmup": args.warmup, "batch": args.batch, "args": vars(args), "complete": final, "failed": failed}
+    meta = harness.meta(args.commit, args.command, harness.device_name(device), world_size=dist.get_world_size(),
+                        size=args.size, model=bm.label, params=bm.params, steps=args.steps, warmup=args.warmup,
+                        batch=args.batch, args=vars(args), complete=final, failed=failed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "e2e_bench.md").write_text(report(results, meta))
+    harness.write_result(out, "e2e_bench", meta, results, report(results, meta))
     if final:
         chart(results, out / "e2e_bench.png")
         print(report(results, meta))
@@ -325,7 +319,8 @@ def parse(argv=None):
     p.add_argument("--model-path", default=None)
     p.add_argument("--vocab", type=int, default=None, help="the data's vocabulary (default: an HF model's, else 32000)")
     p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
-    p.add_argument("--methods", nargs="+", default=None, help="default: odc odc_collective fsdp2 ddp (also: fsdp2_nosync); HF: odc hf_fsdp2 "
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="default: odc odc_collective fsdp2 ddp (also: fsdp2_nosync); HF: odc hf_fsdp2 "
                    "(also: hf_fsdp2_nosync, hf_ddp)")
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
@@ -354,10 +349,10 @@ def parse(argv=None):
                         "with cuDNN attention from n2_longtail_cudnn_compiled_d89966a); MFU always counts plain FLOPs")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/e2e")
-    p.add_argument("--commit", default=provenance.default_commit())
+    harness.add_common(p, out="results/e2e", cpu_ranks=True)
     p.add_argument("--profile", nargs="*", default=[],
-                   help="methods that run one more step under torch.profiler, after the measured ones (kernel time by kind)")
+                   help="methods that run one more step under torch.profiler, after the measured ones "
+                        "(kernel time by kind)")
     p.add_argument("--memory-breakdown", action="store_true",
                    help="one more step per method, not counted: on CUDA its peak by category (every method; "
                         "odcfsdp.memory.peak_breakdown), and odc's memory_breakdown before and after the "
@@ -367,13 +362,12 @@ def parse(argv=None):
                    help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set), e.g. expandable_segments:True "
                         "(on 2x H200 at ea1195c it left FSDP2's reserved memory as it was but raised odc's from 13.7 "
                         "to 17.2 GiB: the prefetch stream grows a segment of its own)")
-    p.add_argument("--cpu-ranks", type=int, default=0, help="spawn this many gloo ranks on the CPU instead")
     args = p.parse_args(argv)
     if args.compile and "module_hooks" in args.ablate:
         p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
     if problem := resolve_args(args):  # --model's defaults (vocabulary, methods) and misfits
         p.error(problem)
-    args.command = "benchmarks/e2e_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    args.command = harness.command(__name__, argv)
     return args
 
 

@@ -228,6 +228,10 @@ def memory_report(results: list[dict]) -> list[str]:
 
 
 def chart(results: list[dict], path: Path) -> None:
+    """tokens/s by run, one panel per workload; no chart when no run completed (every one failed) or without
+    matplotlib."""
+    if not results:
+        return
     try:
         import matplotlib
 

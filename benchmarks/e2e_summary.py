@@ -1,7 +1,7 @@
 """One table over several end-to-end benchmark runs (their ``e2e_bench.json``), for READMEs.
 
-    python benchmarks/e2e_summary.py results/e2e/*/e2e_bench.json
-    python benchmarks/e2e_summary.py $(find results/e2e -name e2e_bench.json) --out /tmp/e2e_summary.md  # anywhere
+    python -m benchmarks.e2e_summary results/e2e/*/e2e_bench.json
+    python -m benchmarks.e2e_summary $(find results/e2e -name e2e_bench.json) --out /tmp/e2e_summary.md  # anywhere
 
 Per run and workload: odcfsdp nvshmem (lb_mini on the long-tailed workload, where it ran, else
 lb_micro) against PyTorch FSDP2 + lb_micro, and the other methods' ratios, read from the files as
@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from e2e_report import baseline  # noqa: E402  (benchmarks/ on path)
+from benchmarks import harness
+from benchmarks.e2e_report import baseline
 
 HEADER = ["| workload | GPUs | commit | odcfsdp nvshmem tokens/s | FSDP2 tokens/s | odc / FSDP2 | "
           "odc lb_micro / FSDP2 | odc collective / FSDP2 | DDP / FSDP2 | MFU odc / FSDP2 | "
@@ -27,9 +28,9 @@ HEADER = ["| workload | GPUs | commit | odcfsdp nvshmem tokens/s | FSDP2 tokens/
 
 def rows(path: Path) -> list[str]:
     """The table's rows of one ``e2e_bench.json``: one per workload it ran, in the order it ran them."""
-    data = json.loads(path.read_text())
-    workloads = list(dict.fromkeys(r["workload"] for r in data["results"]))
-    return [_row(path, data["meta"], [r for r in data["results"] if r["workload"] == w]) for w in workloads]
+    data = harness.load_result(path)  # "results" before the one schema
+    workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
+    return [_row(path, data["meta"], [r for r in data["rows"] if r["workload"] == w]) for w in workloads]
 
 
 def _row(path: Path, meta: dict, results: list[dict]) -> str:
@@ -63,15 +64,17 @@ def _row(path: Path, meta: dict, results: list[dict]) -> str:
 
 
 def scaling(paths: list[Path]) -> list[str]:
-    """Weak scaling per method: tokens/s per GPU at the largest world size over the smallest, same workload and commit."""
+    """Weak scaling per method: tokens/s per GPU at the largest world size over the smallest, same workload and
+    commit."""
     by: dict[tuple, dict[int, float]] = {}
     for path in paths:
-        data = json.loads(path.read_text())
+        data = harness.load_result(path)
         n = data["meta"]["world_size"]
-        for r in data["results"]:
+        for r in data["rows"]:
             key = (r["workload"], data["meta"]["commit"], r["method"], r["balance"])
             by.setdefault(key, {})[n] = r["tokens_per_s"] / n
-    lines = ["| workload | commit | method | balance | tokens/s per GPU (GPUs: value) | efficiency |", "|---|---|---|---|---|---|"]
+    lines = ["| workload | commit | method | balance | tokens/s per GPU (GPUs: value) | efficiency |",
+             "|---|---|---|---|---|---|"]
     for (w, c, m, b), per in sorted(by.items()):
         if len(per) > 1:
             lo, hi = min(per), max(per)

@@ -11,7 +11,7 @@
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, e2e_longtail_8b, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
-# best_fit.py --merge), hf_8b_balanced, hf_8b_longtail (the HF Llama-3.1-8B shape: odc vs hf_fsdp2),
+# python -m benchmarks.best_fit --merge), hf_8b_balanced, hf_8b_longtail (the HF Llama-3.1-8B shape: odc vs hf_fsdp2),
 # hf_1b_vs_llama_1b (HF Llama-3.2-1B shape vs our 1B, same workload, one call; fits one GPU),
 # hf_finetune_longtail (the CLI on long-tailed chats next to the e2e bench's odc run of the same model;
 # fits one GPU), sim_heldout_8b (issue 31: the step simulator's next held-out 8B run, another seed and 2 samples
@@ -19,7 +19,8 @@
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
 # and a lane goes on after a failed section. Extra arguments for a section: ARGS_<section>.
-# Needs python3 with torch/triton, and nvshmem4py + hydra on PYTHONPATH.
+# Needs python3 with torch/triton, and nvshmem4py + hydra on PYTHONPATH; the scripts run as modules
+# (python3 -m benchmarks.<name>), this checkout's root put first on PYTHONPATH.
 # Tests sections cannot hang a call ([bounded-spawn] in odcfsdp/launch/processes.py): every spawn is bounded (90 s for NCCL
 # ranks unless a test says otherwise), with the ranks' own guards firing first and their stacks in the error;
 # every test is bounded by pytest-timeout (--timeout); and each test's outcome is appended to outcomes.jsonl as it
@@ -32,6 +33,7 @@ set -u
 OUT=$1; COMMIT=$2; shift 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export ODC_COMMIT=$COMMIT
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
 declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
@@ -59,70 +61,70 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu.py -k copy_engine -q -p no:cacheprovider $(per_test_bound 150)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
-    comm) echo "$run benchmarks/comm_bench.py --iters 20 --out $dir --commit $COMMIT $extra" ;;
-    optim) echo "python3 benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;
-    checkpoint) echo "$run benchmarks/checkpoint_bench.py --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
+    comm) echo "$run -m benchmarks.comm_bench --iters 20 --out $dir --commit $COMMIT $extra" ;;
+    optim) echo "python3 -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;
+    checkpoint) echo "$run -m benchmarks.checkpoint_bench --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
     train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;
     e2e_balanced)  # weak scaling: 8 samples of 4096 tokens per GPU per minibatch
-      echo "$run benchmarks/e2e_bench.py --size 1b --workloads balanced --batch $((8 * n)) --steps 6 --warmup 2" \
+      echo "$run -m benchmarks.e2e_bench --size 1b --workloads balanced --batch $((8 * n)) --steps 6 --warmup 2" \
            "--ablate prefetch0 no_overlap unfused --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
     e2e_balanced_8b)  # 2 samples of 4096 tokens per GPU, recomputation: what fits an 8B model next to FSDP2's
-      echo "$run benchmarks/e2e_bench.py --size 8b --workloads balanced --batch $((2 * n)) --steps 4 --warmup 2" \
+      echo "$run -m benchmarks.e2e_bench --size 8b --workloads balanced --batch $((2 * n)) --steps 4 --warmup 2" \
            "--activation-checkpointing --methods odc fsdp2 --profile odc fsdp2 --keep-going --out $dir" \
            "--commit $COMMIT $extra" ;;
     e2e_longtail)  # 4 samples of 8K-64K tokens per GPU per minibatch
-      echo "$run benchmarks/e2e_bench.py --size 1b --workloads longtail --batch $((4 * n)) --steps 4 --warmup 1" \
+      echo "$run -m benchmarks.e2e_bench --size 1b --workloads longtail --batch $((4 * n)) --steps 4 --warmup 1" \
            "--activation-checkpointing --ablate no_overlap --profile odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
     e2e_longtail_8b)  # issue 26's 8B validation points: 4 long-tailed samples (8K-64K) per GPU (--batch 2n: 2)
-      echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
+      echo "$run -m benchmarks.e2e_bench --size 8b --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
            "--activation-checkpointing --compile --methods odc fsdp2 --keep-going --out $dir --commit $COMMIT $extra" ;;
     memory_8b_balanced)  # issues 23, 31: speed and memory by category at the peak, FSDP2 (torchtitan's way, and
       # fsdp2_nosync: sync and reshard off until the last micro-batch) first, then odc (default, gather_masters, lean)
-      echo "$run benchmarks/e2e_bench.py --size 8b --workloads balanced --batch $((2 * n)) --steps 3 --warmup 1" \
+      echo "$run -m benchmarks.e2e_bench --size 8b --workloads balanced --batch $((2 * n)) --steps 3 --warmup 1" \
            "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants gather_masters lean" \
            "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     memory_8b_longtail)  # the same on 4 long-tailed samples (8K-64K) per GPU; lb_mini and lb_micro for odc
-      echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((4 * n)) --steps 2 --warmup 1" \
+      echo "$run -m benchmarks.e2e_bench --size 8b --workloads longtail --batch $((4 * n)) --steps 2 --warmup 1" \
            "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants lean --memory-breakdown" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
     best_fit_1b)  # 8 samples of 4K per GPU; DDP too at 1B
-      echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 1b --workloads balanced --methods odc fsdp2" \
+      echo "python3 -m benchmarks.best_fit --nproc $n --port $port --size 1b --workloads balanced --methods odc fsdp2" \
            "ddp --micro-samples 4 2 --batch $((8 * n)) --steps 3 --warmup 1 --timeout-s 120 --out $dir --commit $COMMIT" \
            "$extra" ;;
     best_fit_8b_balanced_odc|best_fit_8b_balanced_fsdp2)  # 2 samples of 4K per GPU
-      echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 8b --workloads balanced --methods ${s##*_}" \
+      echo "python3 -m benchmarks.best_fit --nproc $n --port $port --size 8b --workloads balanced --methods ${s##*_}" \
            "--micro-samples 2 1 --batch $((2 * n)) --steps 2 --warmup 1 --timeout-s 150 --out $dir --commit $COMMIT" \
            "$extra" ;;
     best_fit_8b_longtail_odc|best_fit_8b_longtail_fsdp2)  # 4 long-tailed samples (8K-64K) per GPU
-      echo "python3 benchmarks/best_fit.py --nproc $n --port $port --size 8b --workloads longtail --methods ${s##*_}" \
+      echo "python3 -m benchmarks.best_fit --nproc $n --port $port --size 8b --workloads longtail --methods ${s##*_}" \
            "--batch $((4 * n)) --steps 2 --warmup 1 --timeout-s 180 --out $dir --commit $COMMIT $extra" ;;
     hf_8b_balanced)  # issue 24: 2 samples of 4096 tokens per GPU, compiled layers + recomputation for both
-      echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads balanced --batch $((2 * n)) --steps 4" \
+      echo "$run -m benchmarks.e2e_bench --model hf:llama3-8b --workloads balanced --batch $((2 * n)) --steps 4" \
            "--warmup 2 --activation-checkpointing --compile --methods hf_fsdp2 hf_fsdp2_nosync odc --profile odc hf_fsdp2" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
     hf_8b_longtail)  # 4 long-tailed samples (8K-64K) per GPU: odc lb_mini (and lb_micro) vs hf_fsdp2 lb_micro;
       # expandable segments for every method, as the CLI's long-tailed runs are advised to (reserved near allocated)
-      echo "$run benchmarks/e2e_bench.py --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
+      echo "$run -m benchmarks.e2e_bench --model hf:llama3-8b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --activation-checkpointing --compile --methods hf_fsdp2 hf_fsdp2_nosync odc --keep-going" \
            "--out $dir" \
            "--alloc-conf expandable_segments:True --commit $COMMIT $extra" ;;
     sim_heldout_8b)  # issue 31: held out from the simulator's 8B fit (n2_8b_longtail_memory_949626a: seed 0, 4 per
-      # GPU): seed 1 and 2 long-tailed samples per GPU, another data stream; then step_sim.py --validate --size 8b
+      # GPU): seed 1 and 2 long-tailed samples per GPU, another data stream; then python -m benchmarks.step_sim --validate --size 8b
       # --held-out <this run's results/e2e folder>. About 3 runs x 5 steps of ~8 s + compile and builds, in 570 s
-      echo "$run benchmarks/e2e_bench.py --size 8b --workloads longtail --batch $((2 * n)) --seed 1 --steps 4" \
+      echo "$run -m benchmarks.e2e_bench --size 8b --workloads longtail --batch $((2 * n)) --seed 1 --steps 4" \
            "--warmup 1 --activation-checkpointing --compile --methods fsdp2 odc --keep-going --out $dir" \
            "--commit $COMMIT $extra" ;;
     hf_1b_vs_llama_1b)  # the same long-tailed samples (128256-token vocabulary) through our 1B and the HF 1B shape
-      local e2e="benchmarks/e2e_bench.py --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
+      local e2e="-m benchmarks.e2e_bench --workloads longtail --batch $((4 * n)) --steps 3 --warmup 1" \
             flags="--activation-checkpointing --compile --keep-going --alloc-conf expandable_segments:True --commit $COMMIT $extra"
       echo "$run $e2e --size 1b --vocab 128256 --methods odc fsdp2 --out $dir/llama $flags;" \
            "$run $e2e --model hf:llama-1b --methods odc hf_fsdp2 hf_ddp --out $dir/hf $flags;" \
-           "python3 benchmarks/e2e_summary.py $dir/llama/e2e_bench.json $dir/hf/e2e_bench.json --out $dir/summary.md" ;;
+           "python3 -m benchmarks.e2e_summary $dir/llama/e2e_bench.json $dir/hf/e2e_bench.json --out $dir/summary.md" ;;
     hf_finetune_longtail)  # the e2e bench's odc on the HF 1B shape, then the CLI on long-tailed chats of that model
-      echo "$run benchmarks/e2e_bench.py --model hf:llama-1b --workloads longtail --batch $((4 * n)) --steps 3" \
+      echo "$run -m benchmarks.e2e_bench --model hf:llama-1b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --activation-checkpointing --compile --methods odc --alloc-conf expandable_segments:True" \
            "--out $dir/e2e --commit $COMMIT;" \
-           "python3 benchmarks/hf_finetune_check.py --size llama-1b --chats longtail --gpus $n --steps 8" \
+           "python3 -m benchmarks.hf_finetune_check --size llama-1b --chats longtail --gpus $n --steps 8" \
            "--e2e $dir/e2e/e2e_bench.json --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac

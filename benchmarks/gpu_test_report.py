@@ -1,7 +1,7 @@
 """Turn a GPU pytest run (JUnit XML + the measured-error JSON lines of tests/test_gpu.py) into JSON + markdown.
 
-    python benchmarks/gpu_test_report.py RUN_DIR OUT_DIR --commit SHA --device "2x NVIDIA H200" --date YYYY-MM-DD
-    python benchmarks/gpu_test_report.py results/gpu_tests/n1_3ed1803 /tmp/gpu_tests --commit 3ed1803 \
+    python -m benchmarks.gpu_test_report RUN_DIR OUT_DIR --commit SHA --device "2x NVIDIA H200" --date YYYY-MM-DD
+    python -m benchmarks.gpu_test_report results/gpu_tests/n1_3ed1803 /tmp/gpu_tests --commit 3ed1803 \
         --device "1x NVIDIA H200" --date 2026-11-24   # anywhere (CPU): a committed run's raw files
 
 RUN_DIR holds ``gpu_tests.xml`` (pytest --junitxml) and ``gpu_measured.jsonl``

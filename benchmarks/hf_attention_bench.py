@@ -1,7 +1,7 @@
 """Packed long-tailed rows through a Hugging Face Llama on one GPU: HF's attention implementations against
 odcfsdp's per-document attention ([hf-document-attention] in odcfsdp/models/hf_attention.py).
 
-    python benchmarks/hf_attention_bench.py --out results/hf_attention/<name> [--tokens 8192 32768]
+    python -m benchmarks.hf_attention_bench --out results/hf_attention/<name> [--tokens 8192 32768]
 
 1. builds a Llama-architecture model from a config (random bf16 weights on the GPU, HF's
    activation checkpointing, as long rows need) and registers odcfsdp's attention with transformers;
@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from odcfsdp.models.hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given,  # noqa: E402
+from odcfsdp.models.hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given,
                                          register_document_attention)
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import provenance
 
 SIZES = {"tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2),

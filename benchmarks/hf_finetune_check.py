@@ -1,8 +1,8 @@
 """Fine-tune a locally created Hugging Face Llama checkpoint through the CLI on GPUs, and check it.
 
-    python benchmarks/hf_finetune_check.py --out results/hf_finetune/<name> --gpus 1 --size 1b
-    python benchmarks/hf_finetune_check.py --out DIR --gpus 2 --size llama-1b --chats longtail --e2e E2E.json
-    python benchmarks/hf_finetune_check.py --out /tmp/hf_finetune --cpu-ranks 2 --size micro --steps 2   # CPU smoke
+    python -m benchmarks.hf_finetune_check --out results/hf_finetune/<name> --gpus 1 --size 1b
+    python -m benchmarks.hf_finetune_check --out DIR --gpus 2 --size llama-1b --chats longtail --e2e E2E.json
+    python -m benchmarks.hf_finetune_check --out /tmp/hf_finetune --cpu-ranks 2 --size micro --steps 2   # CPU smoke
 
 1. creates a Llama-architecture checkpoint (random weights, bf16 safetensors sharded with an
    index, the test suite's byte-level BPE chat tokenizer) and a chat JSONL: ``--chats short``
@@ -42,12 +42,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from e2e_hf import HF_SHAPES  # noqa: E402  (benchmarks/ on sys.path)
-from hf_fixtures import chat_records, save_tokenizer, write_jsonl  # noqa: E402
-
-from odcfsdp.data.lengths import LONGALIGN_BINS, LONGALIGN_WEIGHTS, LengthConfig, LengthDistribution  # noqa: E402
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import harness, provenance
+from benchmarks.e2e_hf import HF_SHAPES
+from odcfsdp.data.lengths import LONGALIGN_BINS, LONGALIGN_WEIGHTS, LengthConfig, LengthDistribution
+from tests.hf_fixtures import chat_records, save_tokenizer, write_jsonl
 
 # LongAlign's 8K-64K spread with a 1K-8K bin in front (chats shorter than LongAlign's documents): 1K-64K tokens.
 LONG_CHAT_BINS = [[1024, 8192], *[list(b) for b in LONGALIGN_BINS]]
@@ -169,11 +167,11 @@ def chat_tokens(source) -> dict:
 
 def e2e_figures(path: Path) -> dict:
     """The e2e bench's runs of ``path`` (an ``e2e_bench.json``): model, GPUs and each run's speed and memory."""
-    data = json.loads(Path(path).read_text())
+    data = harness.load_result(path)  # "results" before the one schema
     keys = ("workload", "method", "balance", "tokens_per_s", "mfu", "peak_alloc_gib", "peak_reserved_gib")
     return {"file": str(path), "model": data["meta"].get("model"), "world_size": data["meta"]["world_size"],
             "alloc_conf": data["meta"]["args"].get("alloc_conf"), "runs": [{k: r[k] for k in keys}
-                                                                           for r in data["results"]]}
+                                                                           for r in data["rows"]]}
 
 
 def speed_table(res: dict) -> list[str]:

@@ -1,7 +1,7 @@
 """Host memory of loading a pretrained Hugging Face checkpoint the way ``model.path`` does.
 
-    python benchmarks/hf_load_memory.py --out results/hf_load --layers 8 --dim 1024 --world 2
-    python benchmarks/hf_load_memory.py --out /tmp/hf_load --layers 2 --dim 128 --vocab 512   # smoke run
+    python -m benchmarks.hf_load_memory --out results/hf_load --layers 8 --dim 1024 --world 2
+    python -m benchmarks.hf_load_memory --out /tmp/hf_load --layers 2 --dim 128 --vocab 512   # smoke run
 
 Saves a randomly initialised Llama-architecture checkpoint (fp32 safetensors, sharded with an
 index) to a temporary directory; then ``--world`` CPU ranks (gloo + shm) build the model on the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import provenance
 
 
 def _rss_kib(field: str) -> int:
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
         ranks = spawn(_odcfsdp_rank, args.world, tmp, timeout=1800)
     model_mib = params * 4 / 2**20
     res = {"device": "cpu", "date": datetime.date.today().isoformat(), "commit": args.commit,
-           "command": "python benchmarks/hf_load_memory.py " + " ".join(
+           "command": "python -m benchmarks.hf_load_memory " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "commit")),
            "params": params, "fp32_model_mib": model_mib, "world": args.world,
            "ranks": ranks}

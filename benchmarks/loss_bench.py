@@ -11,7 +11,7 @@ what the inputs hold, of
 and the largest relative difference of the loss and of both gradients between them (where the unfused
 path fits). Writes ``loss_bench.json`` and ``loss_bench.md`` under ``--out``.
 
-    python benchmarks/loss_bench.py --tokens 65536 --hidden 4096 --vocab 128256 --out results/loss/<name>
+    python -m benchmarks.loss_bench --tokens 65536 --hidden 4096 --vocab 128256 --out results/loss/<name>
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from odcfsdp.models.loss import causal_lm_loss, linear_cross_entropy
 
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import provenance
 
 METHODS = {
     "unfused": lambda h, w, t: causal_lm_loss(F.linear(h, w), t),
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "loss_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Loss head: fused vs unfused ({report['device']}, {report['date']}, commit {commit})", "",
-             f"`python benchmarks/loss_bench.py --tokens {args.tokens} --hidden {args.hidden} --vocab {args.vocab} "
+             f"`python -m benchmarks.loss_bench --tokens {args.tokens} --hidden {args.hidden} --vocab {args.vocab} "
              f"--dtype {args.dtype}`", "", "| method | fwd+bwd ms | peak above inputs GiB |", "|---|---|---|"]
     for r in rows:
         peak = "-" if r["oom"] or r["peak_gib"] is None else f"{r['peak_gib']:.2f}"

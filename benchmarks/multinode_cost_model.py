@@ -23,7 +23,7 @@ Who moves what across nodes (the point of the model):
   their fp32 gradient shards once per minibatch (odcfsdp) or once per micro-batch (FSDP2's
   default HSDP; ``set_requires_all_reduce(False)`` defers it).
 
-Run: ``python benchmarks/multinode_cost_model.py --out results/cost_model/<name>`` (writes
+Run: ``python -m benchmarks.multinode_cost_model --out results/cost_model/<name>`` (writes
 ``cost_model.json`` and ``cost_model.md``). It needs no GPU: it reads committed JSON and builds
 the model on the meta device, so the same command is its CPU run.
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import harness, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM = ROOT / "results/comm/n2_d5edad3/comm_bench.json"  # gather/scatter bus GB/s, 2x H200
@@ -57,11 +57,11 @@ def llama8b_params(vocab: int = 128256) -> int:
 
 def measured(group_bytes: int = 32 << 20) -> dict:
     """Rates measured on one node: bus GB/s of gathers and scatters at ``group_bytes``; optimizer ps per parameter."""
-    comm = next(r for r in json.loads(COMM.read_text())["results"] if r["group_bytes"] == group_bytes)
+    comm = next(r for r in harness.rows(COMM) if r["group_bytes"] == group_bytes)
     best = lambda table, key: max(v[key] for k, v in table.items() if k.startswith("odc_b"))  # noqa: E731
     nccl_gather = next(v for k, v in comm["gather"].items() if k.startswith("nccl"))
     nccl_scatter = next(v for k, v in comm["scatter"].items() if k.startswith("nccl"))
-    optim = next(r for r in json.loads(OPTIM.read_text())["results"] if r["size"] == "8b")
+    optim = next(r for r in harness.rows(OPTIM) if r["size"] == "8b")
     per_param = {k: optim["variants"][k]["ms_median"] * 1e-3 / optim["params_on_rank"] for k in ("odc_torch", "fsdp2")}
     return {
         "odc_gather_gbps": best(comm["gather"], "pipelined_bus_gbps"),
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
                 rows.append({"tokens": t, "micro_batches": m, **step_time(method, args, rates, params)})
     commit = provenance.default_commit()
     meta = {"date": datetime.date.today().isoformat(), "commit": commit, "params": params,
-            "command": " ".join(["python benchmarks/multinode_cost_model.py",
+            "command": " ".join(["python -m benchmarks.multinode_cost_model",
                                  *(sys.argv[1:] if argv is None else argv)]),
             "assumptions": {k: v for k, v in vars(a).items() if k != "out"},
             "measured": rates}

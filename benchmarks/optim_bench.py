@@ -1,7 +1,7 @@
 """One rank's optimizer step at real shard sizes: FSDP2's and odcfsdp's, against HBM bandwidth.
 
-    python benchmarks/optim_bench.py --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
-    python benchmarks/optim_bench.py --sizes tiny --iters 2 --warmup 1   # CPU smoke run
+    python -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out results/optim/<name> --commit <sha>
+    python -m benchmarks.optim_bench --sizes tiny --iters 2 --warmup 1   # CPU smoke run
 
 The optimizer step touches only the rank's own rows, so one GPU measures it exactly: the shard
 shapes are those of rank 0 of ``--world`` ranks (``ceil(dim0 / N)`` rows of every parameter,
@@ -40,19 +40,15 @@ against a device-to-device copy measured in the same call.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import os
 import statistics
-from pathlib import Path
 
 import torch
 
 from odcfsdp.models.llama import Llama, llama_config
 
-import timing  # noqa: E402  (benchmarks/ on path)
-import provenance  # noqa: E402  (benchmarks/ on path)
+from benchmarks import timing
+from benchmarks import harness, provenance
 
 ALIGN = 8  # elements: ODCShard's segments start and end on 16 bytes of bf16 (and 32 of fp32)
 HP = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -309,11 +305,9 @@ def main(argv=None) -> None:
     args = parse(argv)
     had_group = dist.is_initialized()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world": args.world,
-            "date": datetime.date.today().isoformat(), "commit": args.commit, "group_bytes": args.group_bytes,
-            "forward_ms": args.forward_ms if device.type == "cuda" else 0,
-            "command": "benchmarks/optim_bench.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-            "copy_gb_s": copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 64 << 20)}
+    meta = harness.meta(args.commit, harness.command(__name__, argv), harness.device_name(device), world=args.world,
+                        group_bytes=args.group_bytes, forward_ms=args.forward_ms if device.type == "cuda" else 0,
+                        copy_gb_s=copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 64 << 20))
     res = []
     for size in args.sizes:
         res.append(run_size(size, args, device))
@@ -321,10 +315,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
         print(report(res, meta), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "optim_bench.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1))
-        (out / "optim_bench.md").write_text(report(res, meta))
+        harness.write_result(args.out, "optim_bench", meta, res, report(res, meta))
     if dist.is_initialized() and not had_group:  # one_rank_mesh's group: leave the caller's process as it was
         dist.destroy_process_group()
 

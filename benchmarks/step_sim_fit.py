@@ -1,13 +1,13 @@
 """The step simulator's cost model, fitted on committed GPU runs, and its validation (issues 26 and 31).
 
     refit("8b")                                                   # in Python: refit, revalidate, from committed runs
-    python benchmarks/step_sim.py --validate --size 8b --out results/sim/validate_8b    # the same, written out
-    python benchmarks/step_sim.py --validate --size 8b --held-out <run> --out ...         # a new held-out run too
+    python -m benchmarks.step_sim --validate --size 8b --out results/sim/validate_8b    # the same, written out
+    python -m benchmarks.step_sim --validate --size 8b --held-out <run> --out ...         # a new held-out run too
 
 ``refit(size)`` is the one entry point that refits and revalidates: it replays the size's fit runs
 (``SETUPS[size].fit``), fits the time model on them, prices their own steps (the *fit* table, in-sample), prices
 each held-out run from the fit (``SETUPS[size].held_out`` and ``extra_held_out``; the *held-out* table) and each
-same-stream cross-check (``SETUPS[size].same_stream``). The sweep (``step_sim.py`` without ``--validate``) fits
+same-stream cross-check (``SETUPS[size].same_stream``). The sweep (``step_sim`` without ``--validate``) fits
 the same runs by default, so the sweep and its validation cannot drift apart.
 
 Held out means another data stream: a target with the fit run's seed and samples per GPU (same length
@@ -21,7 +21,7 @@ seconds and micro-batch count, and the plan's cost per rank; the samples themsel
 seeded: ``replay`` draws them again (``odcfsdp.data.lengths``) and plans them with ``odcfsdp.data.balance`` under
 the run's own cost model (the model's shape from ``e2e_hf.bench_model``: our Llama or an HF model), and refuses a
 run whose recorded micro-batch counts or rank costs it does not reproduce. Fit and prediction follow [step-sim]
-in ``step_sim.py``.
+in ``step_sim_model.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-from step_sim import TimeModel, _sizes, balance_bound, collective_step, minibatch_sizes, one_sided_step, overheads
+from benchmarks import harness
+from benchmarks.step_sim_model import (TimeModel, _sizes, balance_bound, collective_step, minibatch_sizes,
+                                       one_sided_step, overheads)
 
 from odcfsdp.data.balance import CostModel, plan_minibatch, rank_costs
 from odcfsdp.data.lengths import LengthDistribution, longalign_lengths
@@ -102,7 +104,7 @@ class Run:
 
 def model_shape(args: dict) -> tuple[str, tuple]:
     """The run's model label and (layers, dim, matmul params, params), as e2e_bench built it (``bench_model``)."""
-    import e2e_hf
+    from benchmarks import e2e_hf
 
     ns = argparse.Namespace(model=args.get("model") or "llama", model_path=args.get("model_path"),
                             size=args.get("size", "1b"), vocab=args["vocab"], activation_checkpointing=False,
@@ -116,13 +118,13 @@ def model_shape(args: dict) -> tuple[str, tuple]:
 
 def replay(name: str) -> Run:
     """The run's measured steps with their plans drawn again; one-line error where the replay disagrees."""
-    data = json.loads((E2E / name / "e2e_bench.json").read_text())
+    data = harness.load_result(E2E / name / "e2e_bench.json")  # committed runs: "results"
     meta, args = data["meta"], data["meta"]["args"]
     label, shape = model_shape(args)
     cost = CostModel.for_transformer(shape[0], shape[1], shape[2], args.get("attention_cost_factor", 1.0))
     sampler = LengthDistribution(longalign_lengths(args["cap"]), args["seed"])
     run = Run(name, label, shape, meta["world_size"], meta["batch"] // meta["world_size"], args["cap"], args["seed"])
-    for r in data["results"]:
+    for r in data["rows"]:
         rows = []
         for st in r["steps"][meta["warmup"]:]:
             sizes = minibatch_sizes(sampler, args["cap"], st["step"] - 1, meta["batch"])
@@ -180,9 +182,9 @@ def _features(rank: list[list[int]]) -> list[float]:
 
 def host_floor(name: str) -> float:
     """Host-issue seconds per micro-batch of a committed run, the least over its methods (see [step-sim])."""
-    data = json.loads((E2E / name / "e2e_bench.json").read_text())
+    data = harness.load_result(E2E / name / "e2e_bench.json")  # committed runs: "results"
     per = []
-    for r in data["results"]:
+    for r in data["rows"]:
         steps = [st for st in r["steps"][data["meta"]["warmup"]:] if "rank_host_s" in st]
         pairs = [(h, m) for st in steps for h, m in zip(st["rank_host_s"], st["rank_micro_batches"]) if m]
         if pairs:

@@ -31,7 +31,7 @@ def sweep_markdown(data: dict) -> str:
                   "| GPUs | samples/GPU | FSDP2 LB-Micro s | FSDP2 dynamic s | FSDP2 fixed s | ODC LB-Mini s | bound s "
                   "| ODC / LB-Micro | ODC / dynamic | ODC / fixed | bound / LB-Micro | LB-Mini / bound |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for p in (p for p in data["points"] if p["distribution"] == name):
+        for p in (p for p in data["rows"] if p["distribution"] == name):
             s = p["step_s"]
             lines.append(f"| {p['gpus']} | {p['samples_per_gpu']} | {s['fsdp2_lb_micro']:.3f} | "
                          f"{s['fsdp2_dynamic']:.3f} | {s['fsdp2_fixed']:.3f} | {s['odc_lb_mini']:.3f} | "
@@ -39,7 +39,7 @@ def sweep_markdown(data: dict) -> str:
                          f"{p['speedup_vs_fixed']:.2f}x | {p['bound_speedup_vs_lb_micro']:.2f}x | "
                          f"{p['lb_mini_over_bound']:.3f} |")
         lines.append("")
-    study = [p for p in data["points"] if "odc_kk" in p["step_s"]]
+    study = [p for p in data["rows"] if "odc_kk" in p["step_s"]]
     if study:
         lines += ["## LB-Mini against other partitions (mean step / balance bound; lower is better)", "",
                   "| distribution | GPUs | samples/GPU | LB-Mini (LPT or LB-Micro's shares) | Karmarkar-Karp "
@@ -127,14 +127,14 @@ def chart(data: dict, path: Path) -> Path | None:
         return None
     names = list(data["meta"]["distributions"])
     fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 8), squeeze=False, sharex=True)
-    per_gpu = sorted({p["samples_per_gpu"] for p in data["points"]})
+    per_gpu = sorted({p["samples_per_gpu"] for p in data["rows"]})
     colors = plt.get_cmap("viridis")([i / max(1, len(per_gpu) - 1) * 0.9 for i in range(len(per_gpu))])
     for col, name in enumerate(names):
         for row, (other, label) in enumerate((("fsdp2_lb_micro", "FSDP2 + LB-Micro"),
                                               ("fsdp2_dynamic", "FSDP2 + dynamic batching (verl)"))):
             ax = axes[row][col]
             for k, color in zip(per_gpu, colors):
-                pts = sorted((p for p in data["points"] if p["distribution"] == name and p["samples_per_gpu"] == k),
+                pts = sorted((p for p in data["rows"] if p["distribution"] == name and p["samples_per_gpu"] == k),
                              key=lambda p: p["gpus"])
                 n = [p["gpus"] for p in pts]
                 ax.plot(n, [p["step_s"][other] / p["step_s"]["odc_lb_mini"] for p in pts], "o-", color=color,

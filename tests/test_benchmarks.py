@@ -24,24 +24,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 RESULTS = ROOT / "results"
-sys.path.insert(0, str(BENCH))
 
-import attention_bench  # noqa: E402
-import best_fit  # noqa: E402
-import checkpoint_bench  # noqa: E402
-import comm_bench  # noqa: E402
-import e2e_bench  # noqa: E402
-import e2e_summary  # noqa: E402
-import gpu_test_report  # noqa: E402
-import multinode_cost_model  # noqa: E402
-import optim_bench  # noqa: E402
-import step_sim  # noqa: E402
+from benchmarks import (attention_bench, best_fit, checkpoint_bench, comm_bench, e2e_bench, e2e_summary,
+                        gpu_test_report, multinode_cost_model, optim_bench, step_sim)
 
 RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
                  "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
                  "step_sim_fit.py": "benchmarks/step_sim.py", "step_sim_report.py": "benchmarks/step_sim.py",
                  "e2e_hf.py": "tests/test_e2e_hf.py", "e2e_baselines.py": "tests/test_e2e_bench.py",
-                 "timing.py": "benchmarks/optim_bench.py", "provenance.py": "tests/test_provenance.py"}  # the timers of optim_bench, comm_bench, attention_bench
+                 "timing.py": "benchmarks/optim_bench.py",  # the timers of optim_bench, comm_bench, attention_bench
+                 "provenance.py": "tests/test_provenance.py", "step_sim_model.py": "tests/test_step_sim.py",
+                 "harness.py": "tests/test_benchmark_harness.py", "results_index.py": "tests/test_benchmark_harness.py"}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +52,8 @@ def test_every_benchmark_is_run():
     """A new script under benchmarks/ needs a CPU run here (or in the test module named in RUN_ELSEWHERE)."""
     source = Path(__file__).read_text()
     for script in sorted(BENCH.glob("*.py")) + sorted(BENCH.glob("*.sh")):
+        if script.name == "__init__.py":
+            continue
         if script.name in RUN_ELSEWHERE:
             assert script.name.removesuffix(".py") in (ROOT / RUN_ELSEWHERE[script.name]).read_text(), script.name
         else:
@@ -112,7 +107,7 @@ def test_comm_bench(out):
     """shm gather / scatter-accumulate against gloo collectives on 2 ranks; the script's own checks pass first."""
     d = out / "comm"
     comm_bench.main(["--cpu-ranks", "2", "--sizes-mib", "1", "--iters", "9", "--out", str(d)])  # 9: p10/p90 in range
-    (res,) = json.loads((d / "comm_bench.json").read_text())["results"]
+    (res,) = json.loads((d / "comm_bench.json").read_text())["rows"]
     assert res["group_bytes"] == 1 << 20
     assert set(res["gather"]) == {"nccl_allgather+copyout", "odc_shm"}
     assert set(res["scatter"]) == {"nccl_copyin+reducescatter", "odc_shm"}
@@ -180,14 +175,15 @@ def _check_suite_command(section: str, cmd: str) -> None:
             _check_suite_command(section, part)
         return
     words = shlex.split(cmd)
-    scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks/") and w.endswith(".py")]
+    scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks.")]  # python -m benchmarks.<name>
     if scripts:
-        import hf_finetune_check
+        assert words[scripts[0] - 1] == "-m", (section, cmd)
+        from benchmarks import hf_finetune_check
 
         i = scripts[0]
         module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
                   "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
-                  "hf_finetune_check": hf_finetune_check}[Path(words[i]).stem]
+                  "hf_finetune_check": hf_finetune_check}[words[i].removeprefix("benchmarks.")]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
     elif "pytest" in words:
         files = [w for w in words if w.startswith("tests/")]
@@ -233,7 +229,7 @@ def test_gpu_suite(out):
 def test_hf_finetune_check(out):
     """The CLI fine-tune of a local HF checkpoint on 2 gloo ranks: the first loss equals transformers' (fp32)."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
-    import hf_finetune_check
+    from benchmarks import hf_finetune_check
 
     d = out / "hf_finetune"
     hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2"])
@@ -252,7 +248,7 @@ def test_hf_finetune_check_longtail(out):
     """--chats longtail: LongAlign-like lengths (scaled to the CPU's 256-token micro-batches), the first loss still
     transformers', and the e2e bench's figures (--e2e) in the report next to the CLI's."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
-    import hf_finetune_check
+    from benchmarks import hf_finetune_check
 
     d = out / "hf_finetune_longtail"
     e2e = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))[-1]
@@ -272,7 +268,7 @@ def test_hf_finetune_check_longtail(out):
 def test_hf_load_memory(out):
     """Save a tiny checkpoint, load it with load_hf on 2 CPU ranks, and report each rank's memory."""
     pytest.importorskip("transformers", reason="needs transformers (test extra)")
-    import hf_load_memory
+    from benchmarks import hf_load_memory
 
     d = out / "hf_load"
     hf_load_memory.main(["--out", str(d), "--layers", "2", "--dim", "128", "--vocab", "512", "--world", "2"])
@@ -317,7 +313,7 @@ def test_optim_bench(out):
     d = out / "optim"
     optim_bench.main(["--sizes", "tiny", "--iters", "2", "--warmup", "1", "--out", str(d)])
     assert not dist.is_initialized()  # its one-rank group is gone again
-    (res,) = json.loads((d / "optim_bench.json").read_text())["results"]
+    (res,) = json.loads((d / "optim_bench.json").read_text())["rows"]
     assert set(res["variants"]) == set(optim_bench.BYTES_PER_PARAM)
     from odcfsdp.models import Llama, llama_config
 
@@ -337,7 +333,7 @@ def test_best_fit(out):
     best_fit.main(["--cpu-ranks", "2", "--size", "tiny", "--workloads", "balanced", "--methods", "odc", "fsdp2",
                    "--micro-samples", "1", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(d),
                    "--e2e-args", "--vocab", "256", "--seq", "64", "--pool", "20000", "--group-bytes", "8192"])
-    runs = json.loads((d / "best_fit.json").read_text())["runs"]
+    runs = json.loads((d / "best_fit.json").read_text())["rows"]
     assert sorted({r["method"] for r in runs}) == ["fsdp2", "odc", "odc-lean", "odc-offload"]
     assert all(finite_positive(r["tokens_per_s"]) for r in runs) and len(runs) == 8  # AC off / on for each
     table = (d / "best_fit.md").read_text()
@@ -346,12 +342,12 @@ def test_best_fit(out):
     assert best_fit.best_of([fast, slow, big, {"error": "out of memory"}], max_gib=8.0) is fast
     assert best_fit.best_of([big], max_gib=8.0) is None and best_fit.best_of([big, fast], None) is big
     best_fit.main(["--merge", str(d), str(d), "--out", str(d / "merged")])  # searches split over calls: one report
-    assert len(json.loads((d / "merged" / "best_fit.json").read_text())["runs"]) == 16
+    assert len(json.loads((d / "merged" / "best_fit.json").read_text())["rows"]) == 16
 
 
 def test_loss_bench(out):
     """Fused and unfused head + loss on the CPU in fp32: both run, and agree to fp32 rounding."""
-    import loss_bench
+    from benchmarks import loss_bench
 
     d = out / "loss"
     report = loss_bench.main(["--tokens", "300", "--hidden", "16", "--vocab", "1000", "--dtype", "float32",
@@ -369,14 +365,15 @@ def test_step_sim(out):
     d = out / "step_sim"
     data = step_sim.main(["--gpus", "2", "16", "--per-gpu", "1", "4", "--distributions", "longalign", "chat",
                           "--samples", "16", "--study", "--out", str(d)])
-    assert len(data["points"]) == 2 * 2 * 2 and len(data["measured"]) == 6
-    for p in data["points"]:
+    assert len(data["rows"]) == 2 * 2 * 2 and len(data["measured"]) == 6
+    for p in data["rows"]:
         s = p["step_s"]
         assert finite_positive(*s.values()) and min(s.values()) == s["bound"], p
         assert p["speedup_vs_lb_micro"] == pytest.approx(s["fsdp2_lb_micro"] / s["odc_lb_mini"])
-    assert json.loads((d / "step_sim.json").read_text())["points"] == data["points"]
+    assert json.loads((d / "step_sim.json").read_text())["rows"] == data["rows"]
     md = (d / "step_sim.md").read_text()
-    assert sum(line.startswith("| 16 | 4 |") for line in md.splitlines()) == 2 and "Karmarkar-Karp" in md and data["meta"]["command"] in md
+    assert sum(line.startswith("| 16 | 4 |") for line in md.splitlines()) == 2 and "Karmarkar-Karp" in md
+    assert data["meta"]["command"] in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:

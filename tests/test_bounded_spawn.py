@@ -130,8 +130,7 @@ def test_each_outcome_is_recorded_as_it_ends_and_a_hung_test_costs_only_itself(t
     assert "Timeout" in rows[1]["message"] and 19 < rows[1]["duration_s"] < 60
 
     # the GPU suite's report reads such a run (no JUnit XML: cut off) from this file
-    sys.path.insert(0, str(tests_dir.parent / "benchmarks"))
-    import gpu_test_report
+    from benchmarks import gpu_test_report
 
     (tmp_path / "gpu_measured.jsonl").write_text(json.dumps({"test": "timing", "zero_grad_s": [[0.001]]}) + "\n")
     gpu_test_report.main([str(tmp_path), str(tmp_path / "report"), "--commit", "abc1234", "--device", "cpu",

@@ -4,12 +4,8 @@ thing, and the reports are written."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import e2e_bench  # noqa: E402
+from benchmarks import e2e_bench
 
 
 def test_all_methods_train_the_same_model(tmp_path):
@@ -17,7 +13,7 @@ def test_all_methods_train_the_same_model(tmp_path):
                     "--batch", "8", "--seq", "64", "--cap", "512", "--pool", "20000", "--group-bytes", "8192",
                     "--lr", "1e-2", "--ablate", "prefetch0", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "e2e_bench.json").read_text())
-    runs = data["results"]
+    runs = data["rows"]
     assert {(r["workload"], r["method"], r["balance"]) for r in runs} == set(
         e2e_bench.runs_for(["balanced", "longtail"], ["odc", "odc_collective", "fsdp2", "ddp"], ["prefetch0"]))
     assert any(r["method"] == "odc-prefetch0" for r in runs)
@@ -46,7 +42,7 @@ def test_compiled_layers_with_recomputation_train_the_same_model(tmp_path):
                     "--batch", "8", "--cap", "512", "--pool", "20000", "--group-bytes", "8192", "--lr", "1e-2",
                     "--workloads", "longtail", "--methods", "odc", "fsdp2", "ddp", "--compile", "aot_eager",
                     "--activation-checkpointing", "--out", str(tmp_path)])
-    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["results"]
+    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]
     assert len(runs) == 4
     ref = next(r for r in runs if r["method"] == "ddp")["losses"]
     for r in runs:
@@ -62,7 +58,7 @@ def test_memory_variants_train_the_same_model(tmp_path):
     e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "2", "--warmup", "1",
                     "--batch", "8", "--seq", "64", "--pool", "20000", "--group-bytes", "8192", "--methods", "odc",
                     "fsdp2", "--workloads", "balanced", "--variants", "lean", "offload", "--out", str(tmp_path)])
-    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["results"]}
+    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]}
     assert set(runs) == {"odc", "odc-lean", "odc-offload", "fsdp2", "fsdp2-offload"}
     for a, b in zip(runs["odc-lean"]["losses"], runs["odc"]["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b)
@@ -78,7 +74,7 @@ def test_fsdp2_nosync_trains_what_fsdp2_trains(tmp_path):
     e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "3", "--warmup", "1",
                     "--batch", "8", "--seq", "64", "--cap", "512", "--pool", "20000", "--group-bytes", "8192",
                     "--lr", "1e-2", "--methods", "odc", "fsdp2", "fsdp2_nosync", "--out", str(tmp_path)])
-    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["results"]
+    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]
     for workload in ("balanced", "longtail"):
         by = {r["method"]: r for r in runs if r["workload"] == workload and r["balance"] == "lb_micro"}
         ref, nosync = by["fsdp2"], by["fsdp2_nosync"]

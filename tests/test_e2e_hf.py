@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import e2e_bench  # noqa: E402
-import e2e_hf  # noqa: E402
-import e2e_summary  # noqa: E402
+from benchmarks import e2e_bench
+from benchmarks import e2e_hf
+from benchmarks import e2e_summary
 
 from odcfsdp.models import llama_config  # noqa: E402
 
@@ -47,7 +46,7 @@ def test_odc_and_hf_baselines_train_the_same_hf_model(tmp_path):
     """One 2-rank CPU run of both workloads: odc (lb_mini, lb_micro), hf_fsdp2 and hf_ddp agree step by step."""
     e2e_bench.main([*ARGS, "--methods", "odc", "hf_fsdp2", "hf_ddp", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "e2e_bench.json").read_text())
-    runs = data["results"]
+    runs = data["rows"]
     assert {(r["workload"], r["method"], r["balance"]) for r in runs} == set(
         e2e_bench.runs_for(["balanced", "longtail"], ["odc", "hf_fsdp2", "hf_ddp"]))
     assert data["meta"]["model"] == "HF tiny (LlamaForCausalLM)"
@@ -80,7 +79,7 @@ def test_compiled_recomputed_hf_layers_train_the_same_model(tmp_path):
     """--compile (aot_eager on CPU) and HF's gradient checkpointing under odc and hf_fsdp2: the same losses as eager."""
     e2e_bench.main([*ARGS, "--workloads", "longtail", "--methods", "odc", "hf_fsdp2", "--compile", "aot_eager",
                     "--activation-checkpointing", "--out", str(tmp_path)])
-    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["results"]
+    runs = json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]
     assert len(runs) == 3
     want = reference_first_loss("longtail")
     for r in runs:

@@ -249,10 +249,10 @@ def test_hf_attention_bench_runs_on_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "benchmarks" / "hf_attention_bench.py"
-    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--size", "tiny", "--tokens", "192",
-                          "--device", "cpu", "--warmup", "1", "--iters", "1", "--impls", "sdpa", "odc_documents"],
-                         capture_output=True, text=True, timeout=300)
+    root = Path(__file__).parents[1]
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hf_attention_bench", "--out", str(tmp_path), "--size",
+                          "tiny", "--tokens", "192", "--device", "cpu", "--warmup", "1", "--iters", "1", "--impls",
+                          "sdpa", "odc_documents"], capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads((tmp_path / "hf_attention_bench.json").read_text())["rows"]
     ours = row["results"]["odc_documents"]

@@ -241,8 +241,7 @@ def test_peak_breakdown_on_cuda():
 
 def test_peak_table_of_the_report():
     """The CUDA part of e2e_bench.md, from peak_breakdown-shaped records (the CPU smoke run has none)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from e2e_report import memory_report
+    from benchmarks.e2e_report import memory_report
 
     def record(outside):
         peak = replay_peak(_snapshot(), 0, [{"masters": [(0x1000, 1000)]}])
@@ -263,13 +262,12 @@ def test_peak_table_of_the_report():
 
 # -- the e2e benchmark ------------------------------------------------------------------------------------------------
 def test_e2e_bench_memory_breakdown_on_cpu(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import e2e_bench
+    from benchmarks import e2e_bench
 
     e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "1", "--warmup", "1",
                     "--batch", "4", "--seq", "64", "--pool", "20000", "--group-bytes", "8192", "--workloads",
                     "balanced", "--methods", "odc", "fsdp2", "--memory-breakdown", "--out", str(tmp_path)])
-    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["results"]}
+    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]}
     assert runs["fsdp2"]["memory_breakdown"] is None  # on CPU only odc records (no peak without CUDA)
     ranks = runs["odc"]["memory_breakdown"]["ranks"]
     assert len(ranks) == 2

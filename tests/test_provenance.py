@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import provenance  # noqa: E402
+from benchmarks import provenance
 
 
 def test_provenance_marks_a_tree_that_is_not_its_commit(tmp_path):

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import step_sim as S  # noqa: E402
-import step_sim_fit as F  # noqa: E402
+from benchmarks import step_sim_model as S
+from benchmarks import step_sim_fit as F
 
 from odcfsdp.data.lengths import LengthDistribution  # noqa: E402
 
@@ -190,7 +189,7 @@ def test_replay_refuses_a_run_it_cannot_reproduce(tmp_path, monkeypatch):
 
 def test_cli_validate_and_refusals(tmp_path):
     """The CLI in a subprocess: --validate writes its table; a GPU count the node model cannot place exits 2."""
-    env_cmd = [sys.executable, str(ROOT / "benchmarks" / "step_sim.py")]
+    env_cmd = [sys.executable, "-m", "benchmarks.step_sim"]
     ok = subprocess.run([*env_cmd, "--validate", "--out", str(tmp_path / "v")], capture_output=True, text=True,
                         timeout=300, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr

@@ -2,6 +2,6 @@
 ``torchrun``'s (``init_torchrun``). ``processes`` holds [bounded-spawn] and [private-store]; ``link`` holds
 [launcher-link] (a rank ends the moment its launcher does)."""
 
-from .processes import default_spawn_timeout, free_port, init_torchrun, run_benchmark_ranks, spawn
+from .processes import default_spawn_timeout, free_port, init_torchrun, spawn
 
-__all__ = ["default_spawn_timeout", "free_port", "init_torchrun", "run_benchmark_ranks", "spawn"]
+__all__ = ["default_spawn_timeout", "free_port", "init_torchrun", "spawn"]

@@ -372,14 +372,3 @@ def spawn(
 
 
 __all__ = ["default_spawn_timeout", "free_port", "init_torchrun", "spawn"]
-
-
-def run_benchmark_ranks(worker: Callable[[Any, torch.device | None], Any], args: Any, cpu_ranks: int,
-                        timeout: float = 600.0) -> None:
-    """A benchmark's ranks: ``worker(args, None)`` on ``cpu_ranks`` spawned gloo ranks when it is > 0 (a CPU run),
-    else ``worker(args, device)`` on this ``torchrun`` rank's GPU, the process group closed afterwards."""
-    if cpu_ranks:
-        spawn(worker, cpu_ranks, args, None, timeout=timeout)
-        return
-    worker(args, init_torchrun(use_cuda=True))
-    dist.destroy_process_group()

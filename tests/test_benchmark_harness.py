@@ -1,0 +1,111 @@
+"""benchmarks/harness.py (the one result schema, the reader of every committed shape), benchmarks/results_index.py
+(results/README.md's index kept current) and the GPU host's best_fit / e2e_bench bugs, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks import best_fit, e2e_report, harness, results_index
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def test_write_result_is_the_one_schema(tmp_path):
+    meta = harness.meta("abc1234", harness.command("benchmarks.x", ["--out", "d"]), "cpu", world=2)
+    data = harness.write_result(tmp_path, "x", meta, [{"a": 1}], "# x\n", measured=[2])
+    assert json.loads((tmp_path / "x.json").read_text()) == data and (tmp_path / "x.md").read_text() == "# x\n"
+    assert list(data) == ["meta", "rows", "measured"] and data["meta"]["command"] == "python -m benchmarks.x --out d"
+    assert list(data["meta"])[:4] == list(harness.META_KEYS) and data["meta"]["world"] == 2
+
+
+def test_every_committed_result_reads_as_the_schema():
+    """Legacy shapes (results / runs / points / tests, meta fields at the top, one flat record) read as meta + rows."""
+    files = sorted(RESULTS.rglob("*.json"))
+    assert len(files) > 100
+    for f in files:
+        data = harness.load_result(f)
+        assert isinstance(data["meta"], dict) and isinstance(data["rows"], list), f  # [] where every run failed
+    e2e = json.loads((RESULTS / "e2e/n2_longtail_ba211a2/e2e_bench.json").read_text())
+    assert harness.rows(e2e) == e2e["results"]
+    flat = harness.load_result(RESULTS / "checkpoint/checkpoint_bench.json")
+    assert len(flat["rows"]) == 1 and "save_s" in flat["rows"][0] and flat["meta"]["commit"]
+    top = harness.normalize({"date": "d", "commit": "c", "device": "cpu", "rows": [1], "size": "tiny"})
+    assert top["meta"] == {"date": "d", "commit": "c", "device": "cpu"} and top["rows"] == [1]
+
+
+def test_results_index_is_current():
+    """results/README.md's index is the generated one (python -m benchmarks.results_index), every file listed;
+    the hand-written entries outside its BEGIN / END lines are the README's own."""
+    text = (RESULTS / "README.md").read_text()
+    assert results_index.render() in text and text.count(results_index.BEGIN) == 1
+    assert results_index.main(["--check"]) == 0
+    assert text.startswith("# Results from GPU runs") and "- 2026-11-27, 2 H200s" in text
+    assert len(results_index.entries()) == len(list(RESULTS.rglob("*.json")))
+
+
+def test_results_index_owns_only_its_lines(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "r.json").write_text(json.dumps({"meta": {"date": "2026-01-01", "commit": "abc", "device":
+                                                                 "cpu", "command": "c"}, "rows": [{}]}))
+    (tmp_path / "README.md").write_text("# Results\n\n- hand-written\n")
+    assert results_index.main(["--results", str(tmp_path), "--check"]) == 1
+    assert results_index.main(["--results", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith("# Results\n\n- hand-written\n")
+    assert "| [a/r.json](a/r.json) | 2026-01-01 | abc | cpu |" in text
+    (tmp_path / "README.md").write_text(text + "\n- after\n")
+    assert results_index.main(["--results", str(tmp_path)]) == 0 and text in (tmp_path / "README.md").read_text()
+    assert results_index.main(["--results", str(tmp_path), "--check"]) == 0
+
+
+def test_best_fit_records_a_hung_candidate_as_timeout_and_goes_on(tmp_path, monkeypatch, capsys):
+    """(a) A candidate that runs past --timeout-s (an OOM that hung) is killed, recorded as failed ("timeout"), and
+    the search goes on with the next one."""
+    started = []
+
+    def hang(args, argv):
+        started.append(argv)
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    monkeypatch.setattr(best_fit, "torchrun_command", hang)
+    best_fit.main(["--size", "tiny", "--workloads", "longtail", "--methods", "fsdp2", "--timeout-s", "1", "--out",
+                   str(tmp_path), "--commit", "abc1234"])
+    rows = json.loads((tmp_path / "best_fit.json").read_text())["rows"]
+    assert len(started) == 2 and [r["error"] for r in rows] == ["timeout", "timeout"]  # AC off, then AC on
+    assert [r["activation_checkpointing"] for r in rows] == [False, True]
+    assert "| longtail | fsdp2 | nothing fits |" in (tmp_path / "best_fit.md").read_text()
+    assert capsys.readouterr().out.count(": timeout\n") == 2
+
+
+def test_best_fit_progress_line_is_the_candidates_best():
+    """(c) After a candidate, its best balancer's tokens/s, not the last row's (lb_micro)."""
+    cand = {"method": "odc", "activation_checkpointing": False, "micro_samples": None}
+    rows = [{**cand, "balance": "lb_mini", "tokens_per_s": 200.0, "peak_gib": 1.0},
+            {**cand, "balance": "lb_micro", "tokens_per_s": 150.0, "peak_gib": 1.0}]
+    assert best_fit.progress("longtail", cand, rows, None).endswith(": 200.0 (lb_mini)")
+    failed = [{**cand, "error": "timeout"}]
+    assert best_fit.progress("longtail", cand, failed, None).endswith(": timeout")
+
+
+def test_e2e_chart_when_every_run_failed(tmp_path):
+    """(b) No completed run: no chart and no crash (was: ValueError: Number of columns must be a positive
+    integer, not 0); the report still names the failures."""
+    e2e_report.chart([], tmp_path / "e2e_bench.png")
+    assert not (tmp_path / "e2e_bench.png").exists()
+    meta = harness.meta("abc", "c", "cpu", world_size=2, size="tiny", params=1e9, steps=1, warmup=1, batch=2,
+                        args={"seq": 64}, failed=[{"workload": "balanced", "method": "odc", "balance": "lb_micro",
+                                                   "error": "OutOfMemoryError: boom"}])
+    assert "OutOfMemoryError: boom" in e2e_report.report([], meta)
+
+
+def test_a_new_benchmark_is_one_file_and_its_smoke_test():
+    """The pattern docs/benchmarks.md describes: flags, meta and the writer from the harness."""
+    import argparse
+
+    p = harness.add_common(argparse.ArgumentParser(), out="results/x", cpu_ranks=True)
+    args = p.parse_args(["--cpu-ranks", "2"])
+    assert args.out == "results/x" and args.cpu_ranks == 2 and args.commit
+    assert SimpleNamespace(**vars(args)).commit == args.commit
