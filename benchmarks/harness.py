@@ -47,6 +47,9 @@ def add_common(p: argparse.ArgumentParser, out: str | None = None, cpu_ranks: bo
 def command(module: str, argv: list[str] | None = None) -> str:
     """The command line that reproduces this run: ``python -m benchmarks.<module> ARGS``."""
     args = sys.argv[1:] if argv is None else argv
+    if module == "__main__":  # run as `python -m benchmarks.x` (or torchrun -m): __name__ is __main__, the spec knows
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else Path(sys.argv[0]).stem
     return " ".join(["python -m benchmarks." + module.rsplit(".", 1)[-1], *map(str, args)])
 
 

@@ -109,3 +109,18 @@ def test_a_new_benchmark_is_one_file_and_its_smoke_test():
     args = p.parse_args(["--cpu-ranks", "2"])
     assert args.out == "results/x" and args.cpu_ranks == 2 and args.commit
     assert SimpleNamespace(**vars(args)).commit == args.commit
+
+
+def test_the_recorded_command_names_the_module_run_with_dash_m(monkeypatch):
+    """Run as ``python -m benchmarks.e2e_bench`` (or ``torchrun -m``) a script's ``__name__`` is ``__main__``: the
+    recorded command names the module from ``__main__``'s spec (it read ``benchmarks.__main__`` on the GPU host)."""
+    import sys
+    import types
+
+    from benchmarks import harness
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="benchmarks.e2e_bench")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert harness.command("__main__", ["--size", "1b"]) == "python -m benchmarks.e2e_bench --size 1b"
+    assert harness.command("benchmarks.best_fit", []) == "python -m benchmarks.best_fit"
