@@ -102,6 +102,24 @@ def test_wrapping_in_ddp_or_accelerate_is_refused(tmp_path):
     assert "['refused', 'refused']" in proc.stdout, proc.stdout
 
 
+def test_wrapping_a_model_twice_is_refused_at_the_second_call(tmp_path):
+    """Issue 34: the second ODCShard over the same model (or a part of it) is refused where it is made, saying the
+    model is wrapped already; before, both were accepted and both failed at their first forward. The first wrapper
+    trains on, equal to the plain model's gradients."""
+    run_case(tmp_path, """
+    inner = llama()
+    plain = llama()
+    model = ODCShard(inner, 4096)
+    expect(ValueError, "the model is wrapped already: parameter", lambda: ODCShard(inner, 4096))
+    expect(ValueError, "is an ODCShard's shard; wrap a model once", lambda: ODCShard(inner.layers[0], 4096))
+    x = torch.randint(0, 64, (2, 8))
+    causal_lm_loss(model(x), x).backward()
+    causal_lm_loss(plain(x), x).backward()
+    got = dict(model.named_parameters())["lm_head.weight"].grad
+    torch.testing.assert_close(got, plain.lm_head.weight.grad)
+    """)
+
+
 def test_a_closed_model_fails_cleanly(tmp_path):
     run_case(tmp_path, """
     model = ODCShard(llama(), 4096)

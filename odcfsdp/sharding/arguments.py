@@ -10,7 +10,11 @@ import torch.nn as nn
 
 
 def check_params(named: list[tuple[str, nn.Parameter]]) -> None:
-    """All parameters on one device, all floating point."""
+    """No parameter sharded already (a model is wrapped once), all on one device, all floating point."""
+    wrapped = [name for name, p in named if getattr(p, "_odc", None) is not None]
+    if wrapped:  # its parameters are another wrapper's shards: a second wrapper would shard the shards
+        raise ValueError(f"the model is wrapped already: parameter {wrapped[0]!r} is an ODCShard's shard; wrap a "
+                         "model once and keep using that wrapper")
     devices = {p.device for _, p in named}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
