@@ -92,13 +92,15 @@ def test_checkpoint_bench(out):
     d = out / "checkpoint"
     checkpoint_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--seq", "64",
                            "--dir", str(d / "files"), "--out", str(d)])
-    res = json.loads((d / "checkpoint_bench.json").read_text())
+    data = json.loads((d / "checkpoint_bench.json").read_text())
+    meta, (res,) = data["meta"], data["rows"]
     from odcfsdp.models import llama_config
 
-    assert res["meta"]["params"] == llama_config("tiny", 256).num_params() and res["meta"]["world_size"] == 2
+    assert meta["params"] == llama_config("tiny", 256).num_params() and meta["world_size"] == 2
+    assert meta["device"] == "cpu x 2" and meta["command"].startswith("python -m benchmarks.checkpoint_bench")
     assert res["load_restores_state"] is True
     assert finite_positive(res["save_s"], res["load_s"], res["export_hf_bf16_s"], res["save_gbps"], res["load_gbps"])
-    assert res["sharded_bytes"] > 12 * res["meta"]["params"]  # fp32 masters + two AdamW moments, at least
+    assert res["sharded_bytes"] > 12 * meta["params"]  # fp32 masters + two AdamW moments, at least
     assert list((d / "files/hf").glob("*.safetensors")) and (d / "files/hf/config.json").exists()
     assert "| load (checksums verified) |" in (d / "checkpoint_bench.md").read_text()
 
@@ -352,9 +354,9 @@ def test_loss_bench(out):
     d = out / "loss"
     report = loss_bench.main(["--tokens", "300", "--hidden", "16", "--vocab", "1000", "--dtype", "float32",
                               "--repeat", "2", "--out", str(d)])
-    assert [r["method"] for r in report["methods"]] == ["unfused", "fused"]
-    assert all(finite_positive(r["ms"]) and not r["oom"] for r in report["methods"])
-    assert max(report["fused_vs_unfused_rel_diff"].values()) < 1e-5
+    assert [r["method"] for r in report["rows"]] == ["unfused", "fused"]
+    assert all(finite_positive(r["ms"]) and not r["oom"] for r in report["rows"])
+    assert max(report["rows"][1]["rel_diff_vs_unfused"].values()) < 1e-5
     assert json.loads((d / "loss_bench.json").read_text()) == report
     assert "| fused |" in (d / "loss_bench.md").read_text()
 
