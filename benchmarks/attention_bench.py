@@ -24,18 +24,14 @@ harness, its checks and its report, not a measurement of the GPU kernels.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.timing import timed
-from benchmarks import provenance
+from benchmarks import harness
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -135,8 +131,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default="results/attention")
-    p.add_argument("--commit", default=provenance.default_commit())
+    harness.add_common(p, out="results/attention")  # --out, --commit
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke run of the harness on PyTorch's CPU kernels (wall-clock timing)")
     return p.parse_args(argv)
@@ -148,16 +143,11 @@ def main(argv=None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("attention_bench needs a CUDA GPU (or --device cpu for a smoke run)")
     rows = run(args)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run, wall clock)"
-    meta = {"device": device, "date": datetime.date.today().isoformat(), "commit": args.commit,
-            "torch": torch.__version__, "command": "benchmarks/attention_bench.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]),
-            "heads": args.heads, "kv_heads": args.kv_heads, "dim": args.dim}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    device = harness.device_name("cuda") if args.device == "cuda" else "cpu (smoke run, wall clock)"
+    meta = harness.meta(args.commit, harness.command(__name__, argv), device, torch=torch.__version__,
+                        heads=args.heads, kv_heads=args.kv_heads, dim=args.dim)
     text = report(rows, meta)
-    (out / "attention_bench.md").write_text(text)
+    harness.write_result(args.out, "attention_bench", meta, rows, text)
     print(text)
 
 

@@ -15,8 +15,6 @@ zeroed; after the load, each rank's sums of them must equal those at the save
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import shutil
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch.distributed as dist
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from odcfsdp.models import Llama, causal_lm_loss, llama_config
-from benchmarks import harness, provenance
+from benchmarks import harness
 
 
 def dir_bytes(path: Path) -> int:
@@ -69,18 +67,29 @@ def clobber(model, opt) -> None:
         st["exp_avg_sq"].zero_()
 
 
+def report(r: dict, m: dict) -> str:
+    """The markdown of one run (``r``: its row, ``m``: its meta)."""
+    return (f"# Checkpoint timing\n\n- {m['device']} ({m.get('comm', 'nvshmem')}), {m['date']}, commit {m['commit']}\n"
+            f"- command: `{m['command']}`; files under {m['filesystem']}\n- model: Llama {m['size']}, "
+            f"{m['params'] / 1e9:.2f}B parameters (fp32 masters + AdamW moments)\n\n"
+            f"| operation | seconds | bytes | GB/s |\n|---|---|---|---|\n"
+            f"| save (sharded, all ranks) | {r['save_s']:.2f} | {r['sharded_bytes']} | {r['save_gbps']:.2f} |\n"
+            f"| load (checksums verified) | {r['load_s']:.2f} | {r['sharded_bytes']} | {r['load_gbps']:.2f} |\n"
+            f"| export HF (bf16, rank 0 writes) | {r['export_hf_bf16_s']:.2f} | {r['hf_bytes']} | "
+            f"{r['hf_bytes'] / r['export_hf_bf16_s'] / 1e9:.2f} |\n")
+
+
 def parse(argv=None) -> argparse.Namespace:
     """The command line's arguments."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="1b")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dir", default="/tmp/odcfsdp_ckpt")
-    parser.add_argument("--out", default="results/checkpoint")
-    parser.add_argument("--commit", default=provenance.default_commit())
     parser.add_argument("--seq", type=int, default=2048, help="tokens of the one training step")
-    parser.add_argument("--cpu-ranks", type=int, default=0,
-                        help="spawn this many gloo ranks on the CPU (shm transport)")
-    return parser.parse_args(argv)
+    harness.add_common(parser, out="results/checkpoint", cpu_ranks=True)  # --out, --commit, --cpu-ranks (shm)
+    args = parser.parse_args(argv)
+    args.command = harness.command(__name__, argv)
+    return args
 
 
 def main(argv=None) -> None:
@@ -122,31 +131,15 @@ def worker(args, device: torch.device | None) -> None:
     if rank == 0:
         sharded_bytes = dir_bytes(root / "sharded")
         hf_bytes = dir_bytes(root / "hf")
-        result = {
-            "meta": {"device": "cpu (gloo + shm)" if cpu else torch.cuda.get_device_name(device), "world_size": world,
-                     "commit": args.commit, "date": datetime.date.today().isoformat(), "size": args.size,
-                     "params": cfg.num_params(),
-                     "command": (f"python -m benchmarks.checkpoint_bench --cpu-ranks {world}" if cpu else
-                                 f"torchrun --nproc-per-node={world} -m benchmarks.checkpoint_bench")
-                     + f" --size {args.size}",
-                     "filesystem": str(root)},
-            "save_s": save_s, "load_s": load_s, "export_hf_bf16_s": export_s, "load_restores_state": True,
-            "sharded_bytes": sharded_bytes, "hf_bytes": hf_bytes,
-            "save_gbps": sharded_bytes / save_s / 1e9, "load_gbps": sharded_bytes / load_s / 1e9,
-        }
+        command = args.command if cpu else args.command.replace("python -m", f"torchrun --nproc-per-node={world} -m", 1)
+        meta = harness.meta(args.commit, command, harness.device_name("cpu" if cpu else device, world),
+                            world_size=world, comm="shm" if cpu else "nvshmem", size=args.size,
+                            params=cfg.num_params(), filesystem=str(root))
+        row = {"save_s": save_s, "load_s": load_s, "export_hf_bf16_s": export_s, "load_restores_state": True,
+               "sharded_bytes": sharded_bytes, "hf_bytes": hf_bytes,
+               "save_gbps": sharded_bytes / save_s / 1e9, "load_gbps": sharded_bytes / load_s / 1e9}
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "checkpoint_bench.json").write_text(json.dumps(result, indent=1))
-        m = result["meta"]
-        (out / "checkpoint_bench.md").write_text(
-            f"# Checkpoint timing\n\n- {m['device']} x {m['world_size']}, {m['date']}, commit {m['commit']}\n"
-            f"- command: `{m['command']}`; files under {m['filesystem']}\n- model: Llama {m['size']}, "
-            f"{m['params'] / 1e9:.2f}B parameters (fp32 masters + AdamW moments)\n\n"
-            f"| operation | seconds | bytes | GB/s |\n|---|---|---|---|\n"
-            f"| save (sharded, all ranks) | {save_s:.2f} | {sharded_bytes} | {result['save_gbps']:.2f} |\n"
-            f"| load (checksums verified) | {load_s:.2f} | {sharded_bytes} | {result['load_gbps']:.2f} |\n"
-            f"| export HF (bf16, rank 0 writes) | {export_s:.2f} | {hf_bytes} | {hf_bytes / export_s / 1e9:.2f} |\n"
-        )
+        harness.write_result(out, "checkpoint_bench", meta, [row], report(row, meta))
         print((out / "checkpoint_bench.md").read_text())
     model.close()
 

@@ -27,7 +27,7 @@
 # ends, so a section cut off by its limit still says what passed, failed or hung.
 #
 # DRY_RUN=1 prints, per lane and section, "<lane> <section> <limit>" and the command (tab-separated), runs and
-# writes nothing, and exits non-zero on an unknown section (tests/test_benchmarks.py checks every section so):
+# writes nothing, and exits non-zero on an unknown section (tests/test_benchmark_suite.py checks every section so):
 #   DRY_RUN=1 bash benchmarks/gpu_suite.sh /tmp/out abc1234 0,1:tests,comm,optim,checkpoint
 set -u
 OUT=$1; COMMIT=$2; shift 2

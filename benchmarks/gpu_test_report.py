@@ -17,6 +17,8 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from benchmarks import harness
+
 COMMAND = (
     "ODC_RESULTS=$OUT/gpu_measured.jsonl python3 -m pytest tests/test_kernels.py "
     "tests/test_standard_loop.py tests/test_loss.py tests/test_gpu.py --junitxml=$OUT/gpu_tests.xml"
@@ -83,16 +85,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--commit", required=True)
+    parser.add_argument("--commit", required=True, help="the run's commit (not harness.add_common's default: "
+                        "the report is of a run made elsewhere)")
     parser.add_argument("--device", required=True)
     parser.add_argument("--date", required=True)
     parser.add_argument("--command", default=COMMAND, help="the pytest command of the run, if not the default one")
     args = parser.parse_args(argv)
     tests, measured = parse(args.run_dir)
-    meta = {"device": args.device, "date": args.date, "commit": args.commit, "command": args.command}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "gpu_tests.json").write_text(json.dumps({"meta": meta, "tests": tests, "measured": measured}, indent=1))
-    (args.out_dir / "gpu_tests.md").write_text(markdown(meta, tests, measured))
+    meta = harness.meta(args.commit, args.command, args.device, date=args.date)
+    # rows: the tests; ``measured``: what they recorded, a further table (read old files' ``tests`` as rows)
+    harness.write_result(args.out_dir, "gpu_tests", meta, tests, markdown(meta, tests, measured), measured=measured)
 
 
 if __name__ == "__main__":

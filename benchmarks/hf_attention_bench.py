@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from odcfsdp.models.hf_attention import (DOC_LENGTHS_KWARG, DOCUMENT_ATTENTION, lengths_given,
                                          register_document_attention)
-from benchmarks import provenance
+from benchmarks import harness
 
 SIZES = {"tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2),
@@ -64,9 +60,10 @@ def step(model, tokens, positions, lengths, impl: str) -> tuple[float, float]:
     return loss.item(), norm.item()
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    """Time each implementation on packed rows of each length; write ``hf_attention_bench.json`` and ``.md``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    harness.add_common(p)  # --out (required), --commit
     p.add_argument("--size", default="1b", choices=sorted(SIZES))
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--impls", nargs="+", default=["sdpa", "flex_attention", DOCUMENT_ATTENTION])
@@ -74,8 +71,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no memory figures)")
-    p.add_argument("--commit", default=provenance.default_commit())
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cuda = args.device == "cuda"
     import transformers
 
@@ -130,12 +126,9 @@ def main() -> None:
                   f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_gib']:.1f} GiB", flush=True)
         rows.append(dict(tokens=n_tokens, documents=len(lengths), longest=max(lengths), results=found))
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=f"{torch.cuda.get_device_name()} x 1" if cuda else "cpu", date=datetime.date.today().isoformat(),
-                commit=args.commit, command="python " + " ".join(sys.argv), torch=torch.__version__,
-                transformers=transformers.__version__, size=args.size, activation_checkpointing=True)
-    (out / "hf_attention_bench.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    meta = harness.meta(args.commit, harness.command(__name__, argv),
+                        harness.device_name(args.device, 1 if cuda else None), torch=torch.__version__,
+                        transformers=transformers.__version__, size=args.size, activation_checkpointing=True)
     lines = ["# Packed rows through a Hugging Face Llama: HF's attention vs odcfsdp's per-document attention", "",
              f"- device: {meta['device']}; date {meta['date']}; commit {meta['commit']}; torch {meta['torch']}, "
              f"transformers {meta['transformers']}",
@@ -156,7 +149,7 @@ def main() -> None:
             diff = f"{r['loss_rel_diff_vs_sdpa']:.1e}" if "loss_rel_diff_vs_sdpa" in r else ""
             lines.append(f"| {row['tokens']} | {row['documents']} ({row['longest']}) | {impl} | {r['ms_median']:.1f} "
                          f"| {r['tokens_per_s']:.0f} | {speed} | {r['peak_gib']:.1f} | {diff} |")
-    (out / "hf_attention_bench.md").write_text("\n".join(lines) + "\n")
+    harness.write_result(args.out, "hf_attention_bench", meta, rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

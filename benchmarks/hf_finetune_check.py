@@ -32,7 +32,6 @@ reference in fp32 on the CPU; a smoke run of the pipeline and its checks, not a 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -42,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import harness, provenance
+from benchmarks import harness
 from benchmarks.e2e_hf import HF_SHAPES
 from odcfsdp.data.lengths import LONGALIGN_BINS, LONGALIGN_WEIGHTS, LengthConfig, LengthDistribution
 from tests.hf_fixtures import chat_records, save_tokenizer, write_jsonl
@@ -144,7 +143,6 @@ def first_minibatch_loss(model_dir: Path, cfg, source, device: str = "cuda",
 def parse(argv=None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--size", default="1b", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=12)
@@ -154,9 +152,10 @@ def parse(argv=None) -> argparse.Namespace:
                    "reported next to the CLI's")
     p.add_argument("--alloc-conf", default="expandable_segments:True",
                    help="PYTORCH_CUDA_ALLOC_CONF for the GPU run unless the environment sets it ('' for none)")
-    p.add_argument("--commit", default=provenance.default_commit())
-    p.add_argument("--cpu-ranks", type=int, default=0, help="a CPU smoke run on this many gloo ranks (not torchrun)")
-    return p.parse_args(argv)
+    harness.add_common(p, cpu_ranks=True)  # --out (required), --commit, --cpu-ranks: a CPU smoke run (not torchrun)
+    args = p.parse_args(argv)
+    args.command = harness.command(__name__, argv)
+    return args
 
 
 def chat_tokens(source) -> dict:
@@ -243,20 +242,21 @@ def main(argv=None) -> None:
     exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=dtype)
     tok = transformers.AutoTokenizer.from_pretrained(run_dir / "hf")
     summary = json.loads((run_dir / "summary.json").read_text())
-    res = {"device": f"cpu x {args.cpu_ranks}" if cpu else f"{torch.cuda.get_device_name()} x {args.gpus}",
-           "date": datetime.date.today().isoformat(), "commit": args.commit,
-           "command": " ".join(["python", "benchmarks/hf_finetune_check.py",
-                                *(sys.argv[1:] if argv is None else argv)]),
-           "train_command": " ".join(command), "params": sum(p.numel() for p in exported.parameters()),
-           "losses": [r["loss"] for r in rows], "eval_losses": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
+    meta = harness.meta(args.commit, args.command,
+                        harness.device_name("cpu" if cpu else None, args.cpu_ranks if cpu else args.gpus),
+                        train_command=" ".join(command), size=args.size, steps=args.steps,
+                        params=sum(p.numel() for p in exported.parameters()), chats=args.chats,
+                        micro_batch_tokens=cap, chat_tokens=chat_tokens(source), target_tokens=lengths,
+                        alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", "") if not cpu else None,
+                        e2e=e2e_figures(args.e2e) if args.e2e else None)
+    row = {"losses": [r["loss"] for r in rows],
+           "eval_losses": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
            "first_loss_transformers": want, "first_loss_rel_diff": abs(rows[0]["loss"] - want) / want,
-           "export_loads": True, "tokenizer_has_template": bool(tok.chat_template), "summary": summary,
-           "chats": args.chats, "micro_batch_tokens": cap, "chat_tokens": chat_tokens(source), "target_tokens": lengths,
-           "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF", "") if not cpu else None,
-           "e2e": e2e_figures(args.e2e) if args.e2e else None}
-    (out / "hf_finetune_check.json").write_text(json.dumps(res, indent=1))
+           "export_loads": True, "tokenizer_has_template": bool(tok.chat_template), "summary": summary}
+    res = {**meta, **row}
     md = ["# Fine-tuning a Hugging Face checkpoint through the CLI", "",
-          f"- device: {res['device']}; date {res['date']}; commit {res['commit']}", f"- command: `{res['command']}`",
+          f"- device: {res['device']}; date {res['date']}; commit {res['commit']}",
+          f"- command: `{res['command']}`",
           f"- training: `{res['train_command']}`",
           f"- model: Llama architecture, {res['params'] / 1e9:.2f}B parameters ({prec} safetensors, "
           "sharded with an index)", "", "| check | value |", "|---|---|",
@@ -266,7 +266,7 @@ def main(argv=None) -> None:
           f"| held-out loss by step | {', '.join(f'{k}: {v:.3f}' for k, v in res['eval_losses'].items())} |",
           "| export loads with from_pretrained / AutoTokenizer (chat template) | yes / "
           f"{'yes' if res['tokenizer_has_template'] else 'no'} |", *speed_table(res)]
-    (out / "hf_finetune_check.md").write_text("\n".join(md) + "\n")
+    harness.write_result(out, "hf_finetune_check", meta, [row], "\n".join(md) + "\n")
     print("\n".join(md))
     import shutil
 

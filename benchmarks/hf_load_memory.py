@@ -23,14 +23,12 @@ after the imports):
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks import provenance
+from benchmarks import harness
 
 
 def _rss_kib(field: str) -> int:
@@ -105,8 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--out", default="results/hf_load")
-    p.add_argument("--commit", default=provenance.default_commit())
+    harness.add_common(p, out="results/hf_load")  # --out, --commit
     args = p.parse_args(argv)
     import transformers  # noqa: F401  (imported before any measurement, like in the workers)
 
@@ -116,16 +113,13 @@ def main(argv=None) -> None:
         params = spawn(_save, 1, tmp, args.layers, args.dim, args.vocab, timeout=1800)[0]
         ranks = spawn(_odcfsdp_rank, args.world, tmp, timeout=1800)
     model_mib = params * 4 / 2**20
-    res = {"device": "cpu", "date": datetime.date.today().isoformat(), "commit": args.commit,
-           "command": "python -m benchmarks.hf_load_memory " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "commit")),
-           "params": params, "fp32_model_mib": model_mib, "world": args.world,
-           "ranks": ranks}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hf_load_memory.json").write_text(json.dumps(res, indent=1))
+    meta = harness.meta(args.commit, harness.command(__name__, argv), harness.device_name("cpu", args.world),
+                        params=params, fp32_model_mib=model_mib, world=args.world, layers=args.layers, dim=args.dim,
+                        vocab=args.vocab)
+    rows = [{"rank": r, **x} for r, x in enumerate(ranks)]
     lines = ["# Host memory of loading a pretrained checkpoint", "",
-             f"- device: cpu; date {res['date']}; commit {res['commit']}", f"- command: `{res['command']}`",
+             f"- device: {meta['device']}; date {meta['date']}; commit {meta['commit']}",
+             f"- command: `{meta['command']}`",
              f"- model: Llama architecture, {params / 1e6:.0f}M parameters, {model_mib:.0f} MiB in fp32 "
              "(safetensors, sharded with an index)",
              "- state: resident memory the loaded model holds (the rank's sharded training state); "
@@ -136,7 +130,7 @@ def main(argv=None) -> None:
         lines.append(f"| {r} of {args.world} | {x['state_mib']:.0f} | {x['load_peak_mib']:.0f} "
                      f"({x['load_peak_mib'] / model_mib:.3f}) | {x['anon_state_mib']:.0f} | "
                      f"{x['anon_load_peak_mib']:.0f} ({x['anon_load_peak_mib'] / model_mib:.3f}) |")
-    (out / "hf_load_memory.md").write_text("\n".join(lines) + "\n")
+    harness.write_result(args.out, "hf_load_memory", meta, rows, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

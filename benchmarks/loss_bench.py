@@ -17,18 +17,15 @@ path fits). Writes ``loss_bench.json`` and ``loss_bench.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from odcfsdp.models.loss import causal_lm_loss, linear_cross_entropy
 
-from benchmarks import provenance
+from benchmarks import harness
 
 METHODS = {
     "unfused": lambda h, w, t: causal_lm_loss(F.linear(h, w), t),
@@ -76,7 +73,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", required=True)
+    harness.add_common(p)  # --out (required), --commit
     args = p.parse_args(argv)
     torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -90,26 +87,33 @@ def main(argv=None) -> dict:
     if got["unfused"] is not None and got["fused"] is not None:
         check = {k: rel_diff(a, b) for k, a, b in zip(("loss", "grad_hidden", "grad_weight"), got["fused"],
                                                        got["unfused"])}
-    commit = provenance.default_commit()
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},
-              "methods": rows, "fused_vs_unfused_rel_diff": check}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "loss_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"# Loss head: fused vs unfused ({report['device']}, {report['date']}, commit {commit})", "",
-             f"`python -m benchmarks.loss_bench --tokens {args.tokens} --hidden {args.hidden} --vocab {args.vocab} "
-             f"--dtype {args.dtype}`", "", "| method | fwd+bwd ms | peak above inputs GiB |", "|---|---|---|"]
+    if check:
+        next(r for r in rows if r["method"] == "fused")["rel_diff_vs_unfused"] = check
+    meta = harness.meta(args.commit, harness.command(__name__, argv), harness.device_name(device),
+                        shape={"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},
+                        repeat=args.repeat)
+    lines = report(rows, meta)
+    data = harness.write_result(args.out, "loss_bench", meta, rows, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return data
+
+
+def report(rows: list, meta: dict) -> list[str]:
+    """The markdown's lines: one row per method, then the fused path's largest difference from the unfused one."""
+    shape = meta["shape"]
+    lines = [f"# Loss head: fused vs unfused ({meta['device']}, {meta['date']}, commit {meta['commit']})", "",
+             f"`{meta['command']}`", "", f"Shape: {shape['tokens']} tokens, hidden {shape['hidden']}, vocabulary "
+             f"{shape['vocab']}, {shape['dtype']}.", "",
+             "| method | fwd+bwd ms | peak above inputs GiB |", "|---|---|---|"]
     for r in rows:
         peak = "-" if r["oom"] or r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        lines.append(f"| {r['method']} | out of memory | |" if r["oom"] else f"| {r['method']} | {r['ms']:.1f} | {peak} |")
+        lines.append(f"| {r['method']} | out of memory | |" if r["oom"]
+                     else f"| {r['method']} | {r['ms']:.1f} | {peak} |")
+    check = next((r["rel_diff_vs_unfused"] for r in rows if "rel_diff_vs_unfused" in r), None)
     if check:
         lines += ["", "Largest relative difference, fused vs unfused: " +
                   ", ".join(f"{k} {v:.2e}" for k, v in check.items())]
-    (out / "loss_bench.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return report
+    return lines
 
 
 if __name__ == "__main__":

@@ -31,14 +31,11 @@ the model on the meta device, so the same command is its CPU run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks import harness, provenance
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM = ROOT / "results/comm/n2_d5edad3/comm_bench.json"  # gather/scatter bus GB/s, 2x H200
@@ -134,7 +131,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-reshard", action="store_true", help="gather once per micro-batch (reshard_after_forward=False)")
     p.add_argument("--fsdp2-defer-all-reduce", action="store_true",
                    help="FSDP2 HSDP all-reduces once per minibatch (set_requires_all_reduce(False) until the last)")
-    p.add_argument("--out", type=Path, default=None)
+    harness.add_common(p, out="")  # --out (empty: print the table only), --commit
     a = p.parse_args(argv)
     rates = measured()
     if a.nccl_nvlink_gbps is None:
@@ -146,12 +143,9 @@ def main(argv=None) -> None:
             for method in ("fsdp2_full", "fsdp2_hsdp", "odc_full", "odc_hsdp"):
                 args = argparse.Namespace(**{**vars(a), "micro_batches": m, "tokens": t})
                 rows.append({"tokens": t, "micro_batches": m, **step_time(method, args, rates, params)})
-    commit = provenance.default_commit()
-    meta = {"date": datetime.date.today().isoformat(), "commit": commit, "params": params,
-            "command": " ".join(["python -m benchmarks.multinode_cost_model",
-                                 *(sys.argv[1:] if argv is None else argv)]),
-            "assumptions": {k: v for k, v in vars(a).items() if k != "out"},
-            "measured": rates}
+    commit = a.commit
+    meta = harness.meta(commit, harness.command(__name__, argv), "model (no device)", params=params,
+                        assumptions={k: v for k, v in vars(a).items() if k not in ("out", "commit")}, measured=rates)
     lines = [f"# Step cost model: Llama 8B ({params / 1e9:.2f}B), {a.nodes} x {a.gpus_per_node} GPUs, "
              f"{a.ib_gbps * 8:.0f} Gb/s InfiniBand per GPU", "",
              f"{meta['date']}, commit {commit}; a model from measured one-node rates ({', '.join(rates['sources'])}) "
@@ -168,9 +162,7 @@ def main(argv=None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "cost_model.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (a.out / "cost_model.md").write_text(text)
+        harness.write_result(a.out, "cost_model", meta, rows, text)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,14 @@ GPU benchmarks run their CPU path (gloo ranks + the shm transport, wall-clock ti
 the measured thing is a CUDA kernel, everything around it; the post-processing scripts run on committed
 results. ``hf_attention_bench.py`` is run by tests/test_hf.py, ``e2e_bench.py`` (and its ``e2e_report.py``)
 by tests/test_e2e_bench.py, its HF models (``e2e_hf.py``) by tests/test_e2e_hf.py; ``test_every_benchmark_is_run``
-keeps this list complete.
+keeps this list complete, and ``test_every_result_is_the_schema`` (last) checks what they all wrote.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 RESULTS = ROOT / "results"
 
-from benchmarks import (attention_bench, best_fit, checkpoint_bench, comm_bench, e2e_bench, e2e_summary,
-                        gpu_test_report, multinode_cost_model, optim_bench, step_sim)
+from benchmarks import (attention_bench, best_fit, checkpoint_bench, comm_bench, e2e_summary, gpu_test_report, harness,
+                        multinode_cost_model, optim_bench, step_sim)
 
 RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "tests/test_e2e_bench.py",
                  "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
@@ -34,7 +30,8 @@ RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "t
                  "e2e_hf.py": "tests/test_e2e_hf.py", "e2e_baselines.py": "tests/test_e2e_bench.py",
                  "timing.py": "benchmarks/optim_bench.py",  # the timers of optim_bench, comm_bench, attention_bench
                  "provenance.py": "tests/test_provenance.py", "step_sim_model.py": "tests/test_step_sim.py",
-                 "harness.py": "tests/test_benchmark_harness.py", "results_index.py": "tests/test_benchmark_harness.py"}
+                 "harness.py": "tests/test_benchmark_harness.py", "results_index.py": "tests/test_benchmark_harness.py",
+                 "gpu_suite.sh": "tests/test_benchmark_suite.py"}
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +89,15 @@ def test_checkpoint_bench(out):
     d = out / "checkpoint"
     checkpoint_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--seq", "64",
                            "--dir", str(d / "files"), "--out", str(d)])
-    res = json.loads((d / "checkpoint_bench.json").read_text())
+    data = json.loads((d / "checkpoint_bench.json").read_text())
+    meta, (res,) = data["meta"], data["rows"]
     from odcfsdp.models import llama_config
 
-    assert res["meta"]["params"] == llama_config("tiny", 256).num_params() and res["meta"]["world_size"] == 2
+    assert meta["params"] == llama_config("tiny", 256).num_params() and meta["world_size"] == 2
+    assert meta["device"] == "cpu x 2" and meta["command"].startswith("python -m benchmarks.checkpoint_bench")
     assert res["load_restores_state"] is True
     assert finite_positive(res["save_s"], res["load_s"], res["export_hf_bf16_s"], res["save_gbps"], res["load_gbps"])
-    assert res["sharded_bytes"] > 12 * res["meta"]["params"]  # fp32 masters + two AdamW moments, at least
+    assert res["sharded_bytes"] > 12 * meta["params"]  # fp32 masters + two AdamW moments, at least
     assert list((d / "files/hf").glob("*.safetensors")) and (d / "files/hf/config.json").exists()
     assert "| load (checksums verified) |" in (d / "checkpoint_bench.md").read_text()
 
@@ -122,19 +121,19 @@ def test_e2e_summary(out, capsys):
     """The summary over every committed e2e run (odc-only A/B runs included), one row per run and workload."""
     files = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))
     assert len(files) > 10
-    both = out / "e2e_two_workloads" / "e2e_bench.json"  # one run of two workloads, as e2e_bench's CPU test writes
-    data = json.loads(files[-1].read_text())
-    data["results"] += [dict(r, workload="other", tokens_per_s=r["tokens_per_s"] / 2) for r in data["results"]]
+    both = out / "e2e_two_workloads" / "e2e_bench.json"  # one run of two workloads, as e2e_bench writes it now
+    data = harness.load_result(files[-1])  # committed files come in both shapes ("results" before the schema)
+    data["rows"] += [dict(r, workload="other", tokens_per_s=r["tokens_per_s"] / 2) for r in data["rows"]]
     both.parent.mkdir()
     both.write_text(json.dumps(data))
     e2e_summary.main([*map(str, files), str(both), "--out", str(out / "e2e_summary.md")])
     text = (out / "e2e_summary.md").read_text()
     assert capsys.readouterr().out == text
     rows = [line for line in text.split("\n\n")[0].splitlines()[2:]]
-    expected = sum(len({r["workload"] for r in json.loads(f.read_text())["results"]}) for f in [*files, both])
+    expected = sum(len({r["workload"] for r in harness.rows(f)}) for f in [*files, both])
     assert len(rows) == expected
     for f in files:
-        runs = json.loads(f.read_text())["results"]
+        runs = harness.rows(f)
         odc = next((r for r in runs if (r["method"], r["balance"]) == ("odc", "lb_mini")), None) or next(
             r for r in runs if (r["method"], r["balance"]) == ("odc", "lb_micro"))
         assert any(f"`{f.parent.name}`" in row and f"| {odc['tokens_per_s']:.0f} ({odc['balance']}) |" in row
@@ -151,79 +150,15 @@ def test_gpu_test_report(out, run):
     d = out / "gpu_tests" / run
     gpu_test_report.main([str(src), str(d), "--commit", meta["commit"], "--device", meta["device"],
                           "--date", meta["date"], "--command", meta["command"]])
-    assert json.loads((d / "gpu_tests.json").read_text()) == committed
+    got = json.loads((d / "gpu_tests.json").read_text())
+    # the committed file predates the one schema (its tests as "tests"): compared as harness reads it, exactly
+    assert got == harness.normalize(committed) and set(got) == {"meta", "rows", "measured"}
     md = (d / "gpu_tests.md").read_text()
     passed = sum(t["outcome"] == "passed" for t in committed["tests"])
     assert f"- outcome: {passed} passed" in md and committed["measured"]
     measured, tests = md.split("## Tests")
     assert sum(line.startswith("| ") for line in measured.splitlines()) == len(committed["measured"]) + 1
     assert sum(line.startswith("| ") for line in tests.splitlines()) == len(committed["tests"]) + 1
-
-
-def _suite_sections() -> list[str]:
-    """The section names gpu_suite.sh's header documents."""
-    header = (BENCH / "gpu_suite.sh").read_text().split("\nset -u")[0]
-    listed = re.search(r"# Sections: (.*?)\. Results go", header, re.S).group(1)
-    listed = re.sub(r"\([^)]*\)", "", listed.replace("\n#", " "))
-    return [s.strip() for s in listed.split(",") if s.strip()]
-
-
-def _check_suite_command(section: str, cmd: str) -> None:
-    """The command a section runs is one that today's scripts, tests and configs accept (each of a ``;`` chain)."""
-    if ";" in cmd:
-        for part in cmd.split(";"):
-            _check_suite_command(section, part)
-        return
-    words = shlex.split(cmd)
-    scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks.")]  # python -m benchmarks.<name>
-    if scripts:
-        assert words[scripts[0] - 1] == "-m", (section, cmd)
-        from benchmarks import hf_finetune_check
-
-        i = scripts[0]
-        module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
-                  "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
-                  "hf_finetune_check": hf_finetune_check}[words[i].removeprefix("benchmarks.")]
-        module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
-    elif "pytest" in words:
-        files = [w for w in words if w.startswith("tests/")]
-        assert files and all((ROOT / f).exists() for f in files), (section, files)
-    else:
-        from hydra import compose, initialize_config_dir
-        from omegaconf import OmegaConf
-
-        from odcfsdp.app.config import register, validate
-        from odcfsdp.app.train import CONFIGS_DIR
-
-        overrides = words[words.index("odcfsdp.train") + 1:]
-        register()
-        with initialize_config_dir(config_dir=str(CONFIGS_DIR), version_base="1.3"):
-            validate(OmegaConf.to_object(compose("train", overrides=overrides)))
-
-
-def test_gpu_suite(out):
-    """bash -n; every documented section gives a command (and a time limit) that the scripts it names accept."""
-    script = BENCH / "gpu_suite.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    sections = _suite_sections()
-    assert {"tests", "comm", "optim", "checkpoint", "train1b", "e2e_balanced", "hf_8b_balanced", "hf_8b_longtail",
-            "hf_1b_vs_llama_1b", "hf_finetune_longtail"} <= set(sections)
-    env = {**os.environ, "DRY_RUN": "1"}
-    run = subprocess.run(["bash", str(script), str(out / "suite"), "abc1234", "0,1:" + ",".join(sections),
-                          "2,3,4,5:comm,e2e_longtail"], capture_output=True, text=True, env=env, timeout=60)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert len(lines) == len(sections) + 2 and not (out / "suite").exists()  # a dry run writes nothing
-    for line in lines:
-        head, cmd = line.split("\t")
-        lane, section, limit = head.split()
-        assert int(limit) > 0 and cmd.strip(), line
-        assert f"{out / 'suite'}/lane{lane}/{section}_n{2 if lane == '0' else 4}" in cmd, line
-        _check_suite_command(section, cmd)
-    assert "--nproc-per-node=4" in lines[-1]
-    bad = subprocess.run(["bash", str(script), str(out / "suite"), "abc1234", "0:comm,no_such_section"],
-                         capture_output=True, text=True, env=env, timeout=60)
-    assert bad.returncode != 0 and "unknown section no_such_section" in bad.stderr
 
 
 def test_hf_finetune_check(out):
@@ -233,8 +168,9 @@ def test_hf_finetune_check(out):
 
     d = out / "hf_finetune"
     hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2"])
-    res = json.loads((d / "hf_finetune_check.json").read_text())
-    assert res["device"] == "cpu x 2" and "run.world_size=2" in res["train_command"]
+    data = json.loads((d / "hf_finetune_check.json").read_text())
+    (res,) = data["rows"]
+    assert data["meta"]["device"] == "cpu x 2" and "run.world_size=2" in data["meta"]["train_command"]
     assert res["first_loss_rel_diff"] < 1e-5, res  # fp32 on both sides
     assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
     assert set(res["eval_losses"]) == {"1", "2"} and all(math.isfinite(x) for x in res["eval_losses"].values())
@@ -254,14 +190,15 @@ def test_hf_finetune_check_longtail(out):
     e2e = sorted(RESULTS.glob("e2e/**/e2e_bench.json"))[-1]
     hf_finetune_check.main(["--out", str(d), "--cpu-ranks", "2", "--size", "micro", "--steps", "2", "--chats",
                             "longtail", "--e2e", str(e2e)])
-    res = json.loads((d / "hf_finetune_check.json").read_text())
+    data = json.loads((d / "hf_finetune_check.json").read_text())
+    (res,), meta = data["rows"], data["meta"]
     assert res["first_loss_rel_diff"] < 1e-5, res
-    want, got = res["target_tokens"], res["chat_tokens"]
+    want, got = meta["target_tokens"], meta["chat_tokens"]
     assert len(want) == got["count"] == 16 and all(8 <= n <= 256 for n in want)  # 1K-64K scaled by 256 / 64K
     assert got["max"] <= 257 and abs(got["mean"] - sum(want) / len(want)) <= 0.1 * got["mean"] + 20
-    runs = json.loads(e2e.read_text())["results"]
+    runs = harness.rows(e2e)
     md = (d / "hf_finetune_check.md").read_text()
-    assert md.count("| e2e bench, ") == len(runs) == len(res["e2e"]["runs"])
+    assert md.count("| e2e bench, ") == len(runs) == len(meta["e2e"]["runs"])
     assert "| CLI (`odcfsdp.train`), cpu x 2 |" in md and "Chats: longtail, 16 of " in md
 
 
@@ -272,12 +209,13 @@ def test_hf_load_memory(out):
 
     d = out / "hf_load"
     hf_load_memory.main(["--out", str(d), "--layers", "2", "--dim", "128", "--vocab", "512", "--world", "2"])
-    res = json.loads((d / "hf_load_memory.json").read_text())
+    data = json.loads((d / "hf_load_memory.json").read_text())
+    meta, ranks = data["meta"], data["rows"]
     dim, inter = 128, int(128 * 8 / 3) // 64 * 64  # the script's config: 2 query heads, 1 key-value head of 64
     per_layer = 2 * dim * dim + 2 * dim * 64 + 3 * dim * inter + 2 * dim
-    assert res["params"] == 2 * 512 * dim + 2 * per_layer + dim
-    assert res["world"] == 2 and len(res["ranks"]) == 2
-    for r in res["ranks"]:
+    assert meta["params"] == 2 * 512 * dim + 2 * per_layer + dim
+    assert meta["world"] == 2 and meta["device"] == "cpu x 2" and [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
         assert all(math.isfinite(v) for v in r.values()) and r["state_mib"] > 0
         assert r["load_peak_mib"] >= 0 and r["anon_load_peak_mib"] >= 0  # high-water marks above the end state
     assert (d / "hf_load_memory.md").read_text().count(" of 2 |") == 2
@@ -292,7 +230,7 @@ def test_multinode_cost_model(out, variant):
     words[words.index("--out") + 1] = str(d)
     multinode_cost_model.main(words)
     got = json.loads((d / "cost_model.json").read_text())
-    assert got["meta"]["params"] == committed["meta"]["params"]
+    assert got["meta"]["device"] == "model (no device)" and got["meta"]["params"] == committed["meta"]["params"]
     assert got["meta"]["measured"] == committed["meta"]["measured"]
     assert len(got["rows"]) == len(committed["rows"]) == 16
     for g, c in zip(got["rows"], committed["rows"]):
@@ -352,9 +290,9 @@ def test_loss_bench(out):
     d = out / "loss"
     report = loss_bench.main(["--tokens", "300", "--hidden", "16", "--vocab", "1000", "--dtype", "float32",
                               "--repeat", "2", "--out", str(d)])
-    assert [r["method"] for r in report["methods"]] == ["unfused", "fused"]
-    assert all(finite_positive(r["ms"]) and not r["oom"] for r in report["methods"])
-    assert max(report["fused_vs_unfused_rel_diff"].values()) < 1e-5
+    assert [r["method"] for r in report["rows"]] == ["unfused", "fused"]
+    assert all(finite_positive(r["ms"]) and not r["oom"] for r in report["rows"])
+    assert max(report["rows"][1]["rel_diff_vs_unfused"].values()) < 1e-5
     assert json.loads((d / "loss_bench.json").read_text()) == report
     assert "| fused |" in (d / "loss_bench.md").read_text()
 
@@ -380,3 +318,39 @@ def test_step_sim(out):
         assert not (d / "step_sim.png").exists()
     else:
         assert (d / "step_sim.png").stat().st_size > 0
+
+
+#: the result file each script's smoke test above writes, and the further tables a script adds beside ``rows``
+RESULT_FILES = {"attention_bench": "attention_bench.json", "best_fit": "best_fit.json",
+                "checkpoint_bench": "checkpoint_bench.json", "comm_bench": "comm_bench.json",
+                "gpu_test_report": "gpu_tests.json", "hf_finetune_check": "hf_finetune_check.json",
+                "hf_load_memory": "hf_load_memory.json", "loss_bench": "loss_bench.json",
+                "multinode_cost_model": "cost_model.json", "optim_bench": "optim_bench.json",
+                "step_sim": "step_sim.json",
+                "e2e_bench": "e2e_bench.json"}  # e2e_bench: best_fit's candidates (its own test: test_e2e_bench.py)
+FURTHER_TABLES = {"step_sim.json": {"measured"}, "gpu_tests.json": {"measured"}}
+
+
+def test_every_result_is_the_schema(out, request):
+    """Last: every result file the smoke tests above wrote is ``{meta, rows}`` (plus the script's declared further
+    tables), its meta with date, commit, command and device; each script whose smoke test ran wrote one, and no
+    script writes JSON but through ``harness.write_result``."""
+    ran = {item.originalname for item in request.session.items if item.module is request.module}
+    written = {}
+    for path in out.rglob("*.json"):
+        if path.name in RESULT_FILES.values():
+            written.setdefault(path.name, []).append(path)
+    for script, name in RESULT_FILES.items():
+        test = "test_best_fit" if script == "e2e_bench" else f"test_{script}"
+        assert test not in ran or written.get(name), f"{test} ran but wrote no {name}"
+        if script in RUN_ELSEWHERE:
+            continue
+        assert "harness.write_result(" in (BENCH / f"{script}.py").read_text(), script
+    for name, paths in written.items():
+        for path in paths:
+            data = json.loads(path.read_text())
+            assert set(data) - FURTHER_TABLES.get(name, set()) == {"meta", "rows"}, (path, sorted(data))
+            assert all(isinstance(data["meta"].get(k), str) and data["meta"][k] for k in harness.META_KEYS), path
+            assert isinstance(data["rows"], list), path
+    for script in set(BENCH.glob("*.py")) - {BENCH / "harness.py"}:
+        assert "write_text(json.dump" not in script.read_text().replace(" ", ""), f"{script.name}: harness.write_result"

@@ -254,7 +254,10 @@ def test_hf_attention_bench_runs_on_cpu(tmp_path):
                           "tiny", "--tokens", "192", "--device", "cpu", "--warmup", "1", "--iters", "1", "--impls",
                           "sdpa", "odc_documents"], capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "hf_attention_bench.json").read_text())["rows"]
+    data = json.loads((tmp_path / "hf_attention_bench.json").read_text())
+    assert set(data) == {"meta", "rows"} and {"date", "commit", "command", "device"} <= set(data["meta"])
+    assert data["meta"]["command"].startswith("python -m benchmarks.hf_attention_bench --out")
+    (row,) = data["rows"]
     ours = row["results"]["odc_documents"]
     assert row["documents"] > 1 and ours["tokens_per_s"] > 0 and row["results"]["sdpa"]["tokens_per_s"] > 0
     assert ours["loss_rel_diff_vs_sdpa"] < 1e-5 and ours["grad_norm_rel_diff_vs_sdpa"] < 1e-5
