@@ -86,9 +86,11 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     (DDP) the context that skips the gradient all-reduce of non-final micro-batches.
 
     Every method divides each micro-batch loss by the minibatch's global target count, so the
-    gradient the optimizer must see is the *sum* over ranks. odcfsdp sums; FSDP2 and DDP average
-    over ranks, so their losses are scaled by the world size before backward (else they would
-    clip and step on a gradient N times smaller, and the runs would not train the same thing).
+    gradient the optimizer must see is the *sum* over ranks. odcfsdp is set to sum
+    (``set_gradient_divide_factor(1.0)``: no division pass, the same gradients to the bit as before
+    FSDP2-style averaging became ODCShard's default); FSDP2 and DDP average over ranks, so their
+    losses are scaled by the world size before backward (else they would clip and step on a gradient
+    N times smaller, and the runs would not train the same thing).
     """
     cuda = device.type == "cuda"
     if method.startswith("odc"):
@@ -105,6 +107,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            gather_masters=ablation in ("gather_masters", "lean"),
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
+        sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
         return e2e_baselines.fsdp2(model, decoder_layers(model, bench_model(args).units), device,

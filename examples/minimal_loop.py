@@ -26,6 +26,9 @@ def main() -> None:
     with torch.device(device):
         model = Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=4))
     model = odcfsdp.ODCShard(model, group_bytes=32 << 20)
+    # sum: the loss below is normalised by the global token count, so the gradient is its sum over ranks
+    # (the default, FSDP2's, divides by the number of ranks: for a per-rank mean loss)
+    model.set_gradient_divide_factor(1.0)
     opt = torch.optim.AdamW(odcfsdp.param_groups(model), lr=3e-4, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
     gen = torch.Generator(device=device).manual_seed(1 + rank)

@@ -13,6 +13,7 @@ CFG = LlamaConfig(vocab_size=61, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, ff
 
 def build(cfg: LlamaConfig = CFG, group_bytes: int = 4096, seed: int = 0, mesh=None) -> tuple[ODCShard, torch.optim.AdamW]:
     torch.manual_seed(seed)
+    # The default gradient divide factor (the mean over ranks, FSDP2's): these runs are compared with each other only.
     model = ODCShard(Llama(cfg), group_bytes, comm="shm" if dist.is_initialized() else "collective", mesh=mesh)
     return model, torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
 

@@ -184,6 +184,7 @@ def sharded_run(
         prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas), mp_policy=mp_policy,
         gather_masters=gather_masters, offload_policy=offload_policy, overlap_push=overlap_push,
     )
+    model.set_gradient_divide_factor(1.0)  # sum: the reference sums over ranks (losses / the global token count)
     host_masters = {str(g.master.device.type) + ("/pinned" if g.master.is_pinned() else "") for g in model.groups}
     heap_rows = {str(t.dtype).removeprefix("torch.") for t in model.transport.rows}
     out = train_loop(run, model, lambda step: run.data[step][rank], compute=lambda t: t.to(dev))

@@ -217,6 +217,7 @@ def _train_tiny(model, inner, data_of_rank, zero_grad_first: bool, skip_bias: bo
 def _tiny_sharded(micro_batches, zero_grad_first, skip_bias):
     rank = dist.get_rank()
     model = ODCShard(_tiny(), comm="shm")
+    model.set_gradient_divide_factor(1.0)  # sum: the reference sums over ranks (one loss over the union)
     data = [per_rank[rank] for per_rank in _tiny_data(3, micro_batches)]
     norms = _train_tiny(model, model.module, data, zero_grad_first, skip_bias, evaluate=rank == 0)
     out = norms, model.full_state_dict()

@@ -27,6 +27,7 @@ def _shards_and_grads(micro_batches: list[int]) -> dict:
     rank = dist.get_rank()
     run = Run(len(micro_batches), micro_batches)
     model = ODCShard(ParityModel(), 4096, comm="shm")
+    model.set_gradient_divide_factor(1.0)  # sum: the reference sums over ranks (losses / the global token count)
     before = {n: (type(p), p.placements, tuple(p.shape), p.to_local().clone()) for n, p in model.named_parameters()}
     for x, y in run.data[0][rank]:
         causal_lm_loss(model(x), y, run.tokens(0)).backward()

@@ -64,6 +64,10 @@ def build_sharded_model(cfg: TrainConfig, vocab: int, device: torch.device, *, w
     spans_hosts = capabilities(s.comm, device.type).spans_hosts
     model = ODCShard(built.model, **shard_arguments(s, built), device=device if pretrained else None,
                      timeout=cfg.run.timeout_s, mesh=hybrid_mesh(s.replicas, device.type, spans_hosts=spans_hosts))
+    # The trainer divides each micro-batch's loss by the minibatch's global target count (``loop.train_step``), the
+    # exact normalisation when ranks' token shares differ: the gradient it wants is the sum over ranks, not
+    # ODCShard's default (FSDP2's) mean over them.
+    model.set_gradient_divide_factor(1.0)
     if spec.finish is not None:
         spec.finish(model, cfg, weights=weights)
     return model, flops, cost

@@ -8,7 +8,8 @@ them across groups (mesh dim 0). Shard groups run the ODC protocol on their own;
 exchange data in the sync ([step-protocol] 1) only: after the shard group's meeting, one small
 all-gather of each group's (meeting, minibatch, pushes, problem) across replicas, so that they
 agree on the minibatch and stop together if one group found a problem, then each trained
-group's fp32 accumulator row is summed over the replicas (one all-reduce per group), so every
+group's fp32 accumulator row is summed over the replicas (one all-reduce per group), then divided
+by the gradient divide factor ([lifecycle] 8: by default shard ranks x replicas, FSDP2's mean), so every
 replica holds the same reduced gradient shards and takes the same step. A ``zero_grad`` pass
 that syncs and finds nothing costs only the small all-gather. Nothing crosses replicas
 between the first forward and that sync, and ranks may run different numbers of

@@ -30,8 +30,10 @@ run different numbers of micro-batches (zero included): nothing in them waits fo
    pending (sites whose inputs need no gradient, late gradients), reshard everything.
 8. ``sync`` (the first ``.grad`` read of a pass after the micro-batches: ``clip_grad_norm_`` or the
    optimizer), ``odc::sync``: this rank's pushes complete, one meeting, then every rank's pushes are
-   in; with HSDP the replicas' one all-reduce ([hsdp] in ``hsdp.py``); the accumulator rows become
-   the shards' ``.grad``.
+   in; with HSDP the replicas' one all-reduce ([hsdp] in ``hsdp.py``); the summed rows are divided by
+   the gradient divide factor (FSDP2's ``set_gradient_divide_factor``: by default the data-parallel
+   ranks, shard ranks x replicas, so ``.grad`` is the mean over ranks as FSDP2's; 1.0 keeps the sum),
+   once, in place; the accumulator rows become the shards' ``.grad``.
 9. clip and step: the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
    (fp32 masters updated in place); the optimizer's post-hook reports it ([optimizer-events]).
 10. ``finish`` (every trained gradient consumed: stepped on, or cleared by ``zero_grad``),
@@ -104,6 +106,8 @@ class StepLifecycle:
         self.protocol = protocol
         self.checks = checks
         self.phase = TrainingPhase.IDLE
+        self.divide_factor = 1.0  # step 8's divisor of the summed gradients (ODCShard sets FSDP2's default)
+        self._divided_by = 1.0  # the factor the attached accumulators were divided by (undone by drop_grads)
         self._trained = [g for g in self.groups if g.layout.requires_grad]
         self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
         self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
@@ -218,11 +222,25 @@ class StepLifecycle:
                 for g in self._trained:
                     self.mesh.replicate.all_reduce_sum(g.accumulator)
             if pushes:
+                self._divide()
                 for g in self._trained:
                     g.attach_grads()
                 if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
                     offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
         return pushes
+
+    def _divide(self) -> None:
+        # The mean as FSDP2's (its post-divide, "less data"): once per minibatch, over this rank's accumulator
+        # rows (1/N of the model), after every rank's pushes and the replicas' all-reduce, so every micro-batch of
+        # every rank is summed first and divided once. Not in the push: the push kernels have no scale, and scaling
+        # each pushed gradient would be a pass over the whole unsharded gradient per micro-batch (N times the data,
+        # every micro-batch). ``div_`` as FSDP2's ``_div_if_needed``: exact for a power-of-two factor; before the
+        # copies ``attach_grads`` makes (a ``reduce_dtype`` upcast, an offloaded host copy), so they see the mean.
+        factor = self.divide_factor
+        if factor != 1.0:
+            for g in self._trained:
+                g.accumulator.div_(factor)
+        self._divided_by = factor
 
     def finish(self, changed: Sequence[FlatGroup] | None = None, kind: Meeting = Meeting.FINISH) -> None:
         """Step 10: reshard, publish the masters of the trained groups and of ``changed`` ones (default: those
@@ -235,6 +253,7 @@ class StepLifecycle:
                 g.publish()
             for g in self._trained:
                 g.detach_grads()
+            self._divided_by = 1.0  # the accumulators are zeroed below
             self.comm.rows_published()
             self.comm.zero_around_meeting(self._accumulators, lambda: self.protocol.meet(kind), self.mesh)
 
@@ -246,9 +265,13 @@ class StepLifecycle:
         self.protocol.meet(Meeting.CHANGE)
 
     def drop_grads(self) -> None:
-        """Gradients read but not consumed go back to accumulating (the protocol's READY + FORWARD)."""
+        """Gradients read but not consumed go back to accumulating (the protocol's READY + FORWARD): the division
+        of step 8 is undone, so the next sync divides the whole sum once (exact for a power-of-two factor)."""
         for g in self._trained:
             g.detach_grads()
+            if self._divided_by != 1.0:
+                g.accumulator.mul_(self._divided_by)
+        self._divided_by = 1.0
 
 
 __all__ = ["StepLifecycle", "TrainingPhase", "phase_range"]

@@ -12,8 +12,8 @@ PyTorch loop already needs every rank's gradients, without any call of odcfsdp's
    step): this rank's pushes are made complete and visible (its push stream, the
    transport's ``quiesce``), then one meeting; afterwards every rank's pushes are in,
    so each rank's accumulator rows hold its fully reduced gradient shard (with HSDP
-   after a sum over the replicas, [hsdp] in ``hsdp.py``), and they are attached as
-   the shards' ``.grad`` ([params]);
+   after a sum over the replicas, [hsdp] in ``hsdp.py``; divided by the gradient divide
+   factor, [lifecycle] 8), and they are attached as the shards' ``.grad`` ([params]);
 2. the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
    update the fp32 masters in place ([lifecycle] 9);
 3. *finish* ([lifecycle] 10), as soon as every trained parameter's gradient is consumed (stepped on

@@ -60,6 +60,15 @@ class ODCShard(nn.Module):
     where they sum up over micro-batches, which may differ in number per rank with
     the one-sided transports.
 
+    Gradient reduction is FSDP2's: ``.grad`` is the sum over every rank's micro-batches
+    divided by the gradient divide factor, by default the number of data-parallel ranks
+    (shard ranks x HSDP replicas), so with a per-rank mean loss (what Hugging Face models
+    return) gradients, ``clip_grad_norm_`` and SGD steps equal FSDP2's and DDP's.
+    ``set_gradient_divide_factor(1.0)`` keeps the plain sum (a loss already normalised
+    by the global token count, as ``begin_minibatch(tokens=...)`` gives it, wants
+    that). The division is done once per minibatch at the sync ([lifecycle] 8); on one
+    rank there is nothing to divide by.
+
     Args:
         module: the model; every rank must hold the same initial values.
         group_bytes: byte budget of one group, counted in unsharded ``param_dtype``
@@ -179,6 +188,8 @@ class ODCShard(nn.Module):
         ]
         self.lifecycle = StepLifecycle(self.groups, self.comm, self.mesh, PrefetchSchedule(prefetch),
                                        reshard_after_forward, self.protocol, checks=self._check_intact)
+        # FSDP2's default: the mean over the data-parallel ranks, every replica's included
+        self.lifecycle.divide_factor = float(self.world_size * self.mesh.replicas)
         self.protocol.attach(self.groups, self.lifecycle)
         if on_meta:
             materialize_buffers(module, device)
@@ -249,6 +260,22 @@ class ODCShard(nn.Module):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 0:
             raise ValueError(f"micro_batches must be an int >= 0, got {micro_batches!r}")
         return self.protocol.declare_minibatch(micro_batches, tokens)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the gradients summed over ranks and micro-batches by ``factor``, as FSDP2's method of that name.
+
+        The default is the number of data-parallel ranks (shard ranks x HSDP replicas): ``.grad`` is the mean
+        over ranks, as with FSDP2 and DDP. ``1.0`` keeps the sum (for a loss normalised by the global token
+        count). Takes effect at the next sync (the first ``.grad`` read after the micro-batches).
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"the gradient divide factor must be a finite number > 0 (1.0: sum), got {factor!r}")
+        self.lifecycle.divide_factor = float(factor)
+
+    @property
+    def gradient_divide_factor(self) -> float:
+        """What the summed gradients are divided by at the sync (``set_gradient_divide_factor``)."""
+        return self.lifecycle.divide_factor
 
     # -- whole-model access -----------------------------------------------------------
     @property
