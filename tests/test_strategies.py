@@ -30,3 +30,17 @@ def test_each_fsdp1_strategy_matches_one_process_on_the_union(strategy):
                     timeout=300)
     assert [len(r["losses"][0]) for r in results] == MICRO_BATCHES[world]
     check_against_reference(run, results, torch.float32)
+
+
+@pytest.mark.parametrize("value", [2, 1, None])
+def test_an_int_reshard_after_forward_is_refused_in_one_line(value):
+    """FSDP2's int (a copy kept within a smaller group after forward) has no ODC meaning yet: refused where the
+    wrapper is made, in one line saying why and what to use, never taken as a truthy bool."""
+    from odcfsdp import ODCShard
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError) as e:
+        ODCShard(model, reshard_after_forward=value)
+    assert str(e.value).startswith(f"reshard_after_forward={value!r}: only True or False; FSDP2's int") \
+        and "\n" not in str(e.value)
+    assert not hasattr(model.weight, "_odc")  # nothing was wrapped

@@ -23,6 +23,17 @@ def check_params(named: list[tuple[str, nn.Parameter]]) -> None:
             raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
 
 
+def check_reshard_after_forward(value) -> None:
+    """``reshard_after_forward`` is a bool. FSDP2's int (after forward, keep the parameters resharded within a
+    smaller group, gathered again from it in backward) has no ODC meaning yet: a one-sided gather reads every rank
+    of the shard group's rows, and no smaller group holds a copy to read from."""
+    if not isinstance(value, bool):
+        raise ValueError(f"reshard_after_forward={value!r}: only True or False; FSDP2's int (a copy kept within a "
+                         "smaller group after forward) is not supported, since ODC gathers from every rank of the "
+                         "shard group: use False to keep the gathered parameters, or a 2-D mesh (HSDP) for smaller "
+                         "shard groups")
+
+
 def shard_device(named: list[tuple[str, nn.Parameter]], device) -> torch.device:
     """Where rows live: ``device`` (needed for a meta model, else the parameters' own), a CUDA index filled in."""
     on_meta = named[0][1].is_meta

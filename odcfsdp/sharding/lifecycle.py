@@ -229,6 +229,13 @@ class StepLifecycle:
                     offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
         return pushes
 
+    def set_divide_factor(self, factor: float) -> None:
+        """What step 8 divides the summed gradients by (``ODCShard.set_gradient_divide_factor``): a finite
+        number > 0, taking effect at the next sync."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"the gradient divide factor must be a finite number > 0 (1.0: sum), got {factor!r}")
+        self.divide_factor = float(factor)
+
     def _divide(self) -> None:
         # The mean as FSDP2's (its post-divide, "less data"): once per minibatch, over this rank's accumulator
         # rows (1/N of the model), after every rank's pushes and the replicas' all-reduce, so every micro-batch of

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .arguments import check_params, compute_dtype, intact_problem, offload_target, registrations, shard_device
+from .arguments import (check_params, check_reshard_after_forward, compute_dtype, intact_problem, offload_target,
+                        registrations, shard_device)
 from .group import FlatGroup
 from .hooks import HookDriver
 from .lifecycle import StepLifecycle, TrainingPhase
@@ -81,7 +82,8 @@ class ODCShard(nn.Module):
         process_group: ranks to shard over; the default group if None, or a single
             process if torch.distributed is not initialised.
         reshard_after_forward: free a group after its last use in forward and gather
-            it again in backward (less memory); keep it until backward if False.
+            it again in backward (less memory); keep it until backward if False. FSDP2's
+            int (keep a copy within a smaller group) is refused: see ``check_reshard_after_forward``.
         param_dtype: dtype parameters are computed (and communicated) in; bf16 on
             CUDA and the parameters' own dtype elsewhere when None.
         device: where rows and buffers live. Needed for a model built on the meta
@@ -139,6 +141,7 @@ class ODCShard(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
             raise TypeError(f"ODCShard wraps a plain nn.Module once, got {type(module).__name__}")
+        check_reshard_after_forward(reshard_after_forward)
         named = list(module.named_parameters())
         if not named:
             raise ValueError("the module has no parameters to shard")
@@ -268,9 +271,7 @@ class ODCShard(nn.Module):
         over ranks, as with FSDP2 and DDP. ``1.0`` keeps the sum (for a loss normalised by the global token
         count). Takes effect at the next sync (the first ``.grad`` read after the micro-batches).
         """
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
-            raise ValueError(f"the gradient divide factor must be a finite number > 0 (1.0: sum), got {factor!r}")
-        self.lifecycle.divide_factor = float(factor)
+        self.lifecycle.set_divide_factor(factor)
 
     @property
     def gradient_divide_factor(self) -> float:
