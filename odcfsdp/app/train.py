@@ -18,6 +18,7 @@ line and exit code 128 + the signal's number (143, 130). A second Ctrl-C ends at
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -64,7 +65,8 @@ def _write_report(out_dir: Path, report: str) -> str:
         (out_dir / "error.log").write_text(report)
         return f"traceback in {out_dir / 'error.log'}"
     except OSError as e:
-        (out_dir / "error.log").unlink(missing_ok=True) if (out_dir / "error.log").is_file() else None
+        with contextlib.suppress(OSError):  # a partial report would pass for the whole one
+            (out_dir / "error.log").unlink(missing_ok=True)
         try:
             with tempfile.NamedTemporaryFile("w", prefix="odcfsdp-error-", suffix=".log", delete=False) as f:
                 f.write(report)

@@ -102,9 +102,10 @@ def llama_config(size: str, vocab_size: int, **overrides) -> LlamaConfig:
         raise ValueError(f"model.overrides has unknown LlamaConfig fields {sorted(unknown)}")
     for name, value in overrides.items():  # a number's field takes a number (a string fails later, obscurely)
         default = LlamaConfig.__dataclass_fields__[name].default
-        numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
-        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float) if isinstance(default, float)
-                                                                     else int)):
+        if isinstance(default, bool) or not isinstance(default, (int, float)):
+            continue
+        wanted = (int, float) if isinstance(default, float) else int
+        if isinstance(value, bool) or not isinstance(value, wanted):
             raise ValueError(f"model.overrides.{name}={value!r} must be {type(default).__name__}")
     return LlamaConfig(**fields)
 
