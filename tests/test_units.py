@@ -53,8 +53,8 @@ def test_units_hook_fewer_sites_and_match_module_hooks():
         grads.append([g.accumulator.clone() for g in model.groups])
         # embedding, final norm and head each a site; the layers one site each or 9 modules each;
         # two hooks per site and none per parameter (see [grad-buffers])
-        assert model._driver.sites == 3 + CFG.n_layers * (1 if units else 9)
-        assert len(model._driver.handles) == 2 * model._driver.sites + 2  # and the root's two
+        assert model.engine.driver.sites == 3 + CFG.n_layers * (1 if units else 9)
+        assert len(model.engine.driver.handles) == 2 * model.engine.driver.sites + 2  # and the root's two
         model.close()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

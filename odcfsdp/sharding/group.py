@@ -159,6 +159,10 @@ class FlatGroup:
         self._grad_copy: torch.Tensor | None = None  # READY: the accumulator in the masters' dtype ([precision])
         self._ready: torch.cuda.Event | None = None  # set while a gather queued ahead may still be writing
         self.sites = 0  # hook sites that use this group (set once the hooks are registered)
+        # FSDP2's per-module settings ([lifecycle] 4, 6, 7): free the unsharded storage after the last forward
+        # use (else keep it for backward) and after backward (else keep it until the step's finish)
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0

@@ -47,7 +47,7 @@ instead, make the parent a unit, or use ``reshard_after_forward=False``.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -57,17 +57,29 @@ from .group import FlatGroup
 from .lifecycle import Site, StepLifecycle
 
 
-def hook_sites(root: nn.Module, units: tuple[type[nn.Module], ...]) -> Iterator[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, parameters it gathers): each unit with its subtree, other modules with their own."""
-    inside: set[int] = set()  # modules below a unit: the unit covers them
-    for mod in root.modules():  # parents before children
-        if id(mod) in inside:
-            continue
-        if isinstance(mod, units):
-            inside.update(id(m) for m in mod.modules())
-            yield mod, list(mod.parameters())
-        else:
-            yield mod, list(mod.parameters(recurse=False))
+def hook_sites(root: nn.Module, is_unit: Callable[[nn.Module], bool]
+               ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, parameters it gathers), parents before children: each unit with its subtree but for the subtrees
+    of units nested in it (their own sites, as FSDP2's nested ``fully_shard`` calls), other modules with their own."""
+    sites: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module, unit_params: list[nn.Parameter] | None) -> None:
+        if id(mod) in seen:  # a module used twice is hooked once, where it first appears
+            return
+        seen.add(id(mod))
+        if is_unit(mod):
+            unit_params = []
+            sites.append((mod, unit_params))
+        elif unit_params is None:
+            sites.append((mod, list(mod.parameters(recurse=False))))
+        if unit_params is not None:
+            unit_params.extend(mod.parameters(recurse=False))
+        for child in mod.children():
+            visit(child, unit_params)
+
+    visit(root, None)
+    return sites
 
 
 class HookDriver:
@@ -77,19 +89,21 @@ class HookDriver:
         root: the wrapped model.
         group_of: maps each (unsharded) parameter to its group.
         lifecycle: the steps the hooks run (``begin_forward`` ... ``finalize_backward``).
-        units: module classes hooked as a whole.
+        is_unit: whether a module is hooked as a whole (a ``units`` class, or a ``fully_shard`` module).
     """
 
     def __init__(self, root: nn.Module, group_of: dict[nn.Parameter, FlatGroup], lifecycle: StepLifecycle,
-                 units: tuple[type[nn.Module], ...]):
+                 is_unit: Callable[[nn.Module], bool]):
         self.lifecycle = lifecycle
         # The hooks hold this object; tensor hooks live in C++, where Python's garbage collector
         # cannot see the cycle, so remove() drops them for the wrapper to be freed.
         self.handles: list = [root.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward(), prepend=True)]
-        for mod, params in hook_sites(root, units):
+        self.site_of: dict[nn.Module, Site] = {}  # each hooked module's site (``fully_shard``'s methods use them)
+        for mod, params in hook_sites(root, is_unit):
             site = tuple(dict.fromkeys(group_of[p] for p in params))
             if not site:
                 continue
+            self.site_of[mod] = site
             for g in site:
                 g.sites += 1
             self.handles.append(mod.register_forward_pre_hook(

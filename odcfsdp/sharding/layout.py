@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -221,6 +221,7 @@ def plan_groups(
     world_size: int,
     group_bytes: int,
     comm_dtype: torch.dtype | None = None,
+    owner_of: Callable[[str], object] | None = None,
 ) -> list[GroupLayout]:
     """Plan flat groups over parameters in order.
 
@@ -234,6 +235,8 @@ def plan_groups(
         world_size: number of ranks N (>= 1).
         group_bytes: byte budget per group (> 0).
         comm_dtype: dtype moved between ranks; defaults to each parameter's dtype.
+        owner_of: a parameter's unit (``fully_shard``'s module); a group also closes where the owner changes,
+            so no group spans two units and each unit gathers only its own groups.
     """
     if not isinstance(group_bytes, int) or isinstance(group_bytes, bool) or group_bytes <= 0:
         raise ValueError(f"group_bytes must be a positive int (bytes per group), got {group_bytes!r}")
@@ -267,7 +270,9 @@ def plan_groups(
         nbytes = world_size * shard_sizes(p.shape, world_size, (p.dtype, cdt))[1] * itemsize
         if pending:
             head = pending[0][1]
-            if head.dtype != p.dtype or head.requires_grad != p.requires_grad or used + nbytes > group_bytes:
+            other_owner = owner_of is not None and owner_of(pending[0][0]) != owner_of(name)
+            if (head.dtype != p.dtype or head.requires_grad != p.requires_grad or used + nbytes > group_bytes
+                    or other_owner):
                 close()
                 used = 0
         pending.append((name, p))

@@ -18,14 +18,14 @@ run different numbers of micro-batches (zero included): nothing in them waits fo
 3. forward: the site's own code runs on unsharded parameters ([params] in ``param.py``,
    [storage-resize] in ``group.py``); nothing of ours.
 4. ``reshard`` (a site's forward post-hook; ``end_forward`` at the root), ``odc::reshard``: once a
-   group's last site has run, free its unsharded storage if ``reshard_after_forward`` (always
-   without grad); the root's post-hook frees every group then.
+   group's last site has run, free its unsharded storage if its ``reshard_after_forward`` (always
+   without grad); the root's post-hook frees every such group then.
 5. ``pre_backward`` (the first gradient of a site's outputs), ``odc::pre_backward``: re-gather the
    site's groups and give each trained group a zeroed gradient buffer, which autograd accumulates
    into ([grad-buffers] in ``group.py``).
 6. ``post_backward`` (the gradients of all a site's inputs are done), ``odc::push``: each group whose
    last site is through is pushed (scatter-accumulate into the owners' accumulator rows) and
-   resharded.
+   resharded (a group whose ``reshard_after_backward`` is off stays gathered until step 10).
 7. ``finalize_backward`` (autograd's end-of-backward callback), ``odc::flush``: push what is still
    pending (sites whose inputs need no gradient, late gradients), reshard everything.
 8. ``sync`` (the first ``.grad`` read of a pass after the micro-batches: ``clip_grad_norm_`` or the
@@ -90,19 +90,17 @@ class StepLifecycle:
         comm: moves the groups' rows, on side streams where there are some ([streams]).
         mesh: the ranks that meet.
         prefetch: the site order and how far ahead to gather ([prefetch]).
-        reshard_after_forward: free a group after its last forward use (step 4).
         protocol: the step protocol: takes the events (a forward, the end of backward), counts the
             pushes and runs the meetings (``count_pushes``, ``meet``).
         checks: run at the start of every root forward, before anything else (may raise).
     """
 
     def __init__(self, groups: Sequence[FlatGroup], comm: CommStreams, mesh: ShardMesh, prefetch: PrefetchSchedule,
-                 reshard_after_forward: bool, protocol, checks: Callable[[], None] = lambda: None):
+                 protocol, checks: Callable[[], None] = lambda: None):
         self.groups = list(groups)
         self.comm = comm
         self.mesh = mesh
         self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
         self.protocol = protocol
         self.checks = checks
         self.phase = TrainingPhase.IDLE
@@ -150,14 +148,15 @@ class StepLifecycle:
             g.to_unsharded(ahead=True)  # on CPU (no side stream) a plain gather ahead of use
 
     def reshard(self, site: Site) -> None:
-        """Step 4: after a forward use of ``site``, free each of its groups whose last site this was (with
-        ``reshard_after_forward``, or without grad). Forwards during backward (recomputation) never reshard."""
+        """Step 4: after a forward use of ``site``, free each of its groups whose last site this was (with the
+        group's ``reshard_after_forward``, or without grad). Forwards during backward (recomputation) never
+        reshard."""
         if self.phase is TrainingPhase.BACKWARD:
             return
         with phase_range("reshard"):
-            reshard = self.reshard_after_forward or not torch.is_grad_enabled()
+            no_grad = not torch.is_grad_enabled()
             for g in site:
-                if g.forward_use_done() and reshard:
+                if g.forward_use_done() and (g.reshard_after_forward or no_grad):
                     g.to_sharded()
 
     def end_forward(self) -> None:
@@ -167,8 +166,10 @@ class StepLifecycle:
             return
         self.phase = TrainingPhase.IDLE
         self.prefetch.finish_recording()
-        if self.reshard_after_forward or not torch.is_grad_enabled():
-            self.reshard_all()
+        no_grad = not torch.is_grad_enabled()
+        for g in self.groups:
+            if g.reshard_after_forward or no_grad:
+                g.to_sharded()
 
     # -- 5-7: backward ------------------------------------------------------------------------------
     def pre_backward(self, site: Site) -> None:
@@ -181,21 +182,24 @@ class StepLifecycle:
             self._unshard(site, backward=True)
 
     def post_backward(self, site: Site) -> None:
-        """Step 6: the gradients of all of ``site``'s inputs are done: push and reshard each group whose last
-        site is through."""
+        """Step 6: the gradients of all of ``site``'s inputs are done: push each group whose last site is
+        through, and reshard it (unless its ``reshard_after_backward`` is off: then the step's finish does)."""
         with phase_range("push"):
             for g in site:
                 if g.backward_use_done():
                     self.push(g)
-                    g.to_sharded()
+                    if g.reshard_after_backward:
+                        g.to_sharded()
 
     def finalize_backward(self) -> None:
         """Step 7: autograd's end of backward: push everything still pending, late gradients too
-        ([grad-buffers]), reshard everything; the next ``.grad`` read starts a pass."""
+        ([grad-buffers]), reshard everything (but groups whose ``reshard_after_backward`` is off, kept until the
+        step's finish); the next ``.grad`` read starts a pass."""
         with phase_range("flush"):
             for g in self.groups:
                 self.push(g)
-                g.to_sharded()
+                if g.reshard_after_backward:
+                    g.to_sharded()
             late = [g for g in self.groups if g.collect_late_grads()]
             for g in late:
                 self.push(g)

@@ -1,21 +1,8 @@
 """``ODCShard``: the module wrapper that shards a model's parameters in flat groups.
 
-It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
-
-* ``ShardMesh`` ([mesh]): the ranks and the collectives they meet with;
-* ``Transport`` ([transport]): where rows live and how they move;
-* ``CommStreams`` ([streams]): the side streams gathers and pushes run on;
-* ``FlatGroup`` ([layout], [storage-resize], [grad-buffers], [masters]): one group's
-  rows, buffers, state and use counts;
-* ``ShardedParam`` ([params]): one parameter's sharded and unsharded forms;
-* ``StepLifecycle`` ([lifecycle]): the step, one method per phase, with its
-  ``PrefetchSchedule`` ([prefetch]); ``HookDriver`` ([hooks]): which hook runs which phase;
-* ``StepProtocol`` ([step-protocol], [grad-protocol], [optimizer-events]): the
-  minibatch's state machine: when ranks meet, and every change of rows;
-* ``ShardState`` ([shard-state]): the one way into the sharded values (checkpoints,
-  Hugging Face files, state dicts).
-
-The wrapper stands for the model it wraps ([transparent-wrapper] in ``transparent.py``).
+The machinery is ``ShardEngine``'s (``engine.py``, which lists the tiers it composes); the wrapper
+adds the wrapped model's surface. It stands for the model it wraps ([transparent-wrapper] in
+``transparent.py``); ``fully_shard`` (``fully_shard.py``) is the same engine without a wrapper.
 """
 
 from __future__ import annotations
@@ -28,21 +15,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .arguments import (check_params, check_reshard_after_forward, compute_dtype, intact_problem, offload_target,
-                        registrations, shard_device)
-from .group import FlatGroup
-from .hooks import HookDriver
-from .lifecycle import StepLifecycle, TrainingPhase
-from .layout import GroupLayout, plan_groups
-from .materialize import materialize_buffers
+from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
+from .engine import ShardEngine
+from .lifecycle import TrainingPhase
 from .mesh import ShardMesh
-from .precision import policy_param_dtype, register_casts, resolve_precision
-from .prefetch import PrefetchSchedule
-from .protocol import StepProtocol
-from .shard_state import ShardState, persistent_buffers
-from .streams import CommStreams
-from .transparent import MOVE_ERROR, refuse_detaching
-from .transport import Transport, make_transport
+from .precision import policy_param_dtype, resolve_precision
+from .shard_state import persistent_buffers
+from .transparent import MOVE_ERROR
 
 __all__ = ["ODCShard", "TrainingPhase"]
 
@@ -158,51 +137,21 @@ class ODCShard(nn.Module):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
 
-        self.module = module
-        self.units = units
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        self.mesh = ShardMesh(device, process_group, mesh, timeout_s=timeout)
-        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
-        self.param_dtype = param_dtype
+        self.module = module
+        self.units = units
         self.reshard_after_forward = reshard_after_forward
-        at_least_fp32 = torch.promote_types(param_dtype, torch.float32)
-        self.layouts: list[GroupLayout] = plan_groups(named, self.world_size, group_bytes, param_dtype)
-        master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
-        self.transport: Transport = make_transport(comm, self.mesh)
-        self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
-        host, pin = offload_target(offload_policy, self.mesh, gather_masters)
-        self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
-                             [self.precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
-        self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
-        self.protocol = StepProtocol(self.comm, self.mesh)
-        by_name, regs = dict(named), registrations(module)
-        # Every name a parameter is reachable by (tied parameters have several).
-        canonical = {id(p): name for name, p in named}
-        self.aliases = {name: canonical[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
-                        if canonical[id(p)] != name}
-        self._param_entries = sum(len(r) for r in regs.values())
-        device_mesh = self.mesh.device_mesh
-        starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
-        self.groups: list[FlatGroup] = [
-            FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.comm, dtype, self.protocol, device_mesh, start, param_dtype, host, pin)
-            for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
-        ]
-        self.lifecycle = StepLifecycle(self.groups, self.comm, self.mesh, PrefetchSchedule(prefetch),
-                                       reshard_after_forward, self.protocol, checks=self._check_intact)
-        # FSDP2's default: the mean over the data-parallel ranks, every replica's included
-        self.lifecycle.divide_factor = float(self.world_size * self.mesh.replicas)
-        self.protocol.attach(self.groups, self.lifecycle)
-        if on_meta:
-            materialize_buffers(module, device)
-        self.mesh.barrier()  # every row written before anyone may read it
-        self.shard_state = ShardState(self.groups, self.protocol, self.aliases)
-        group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
-        self._driver = HookDriver(module, group_of, self.lifecycle, units)
-        self._cast_hooks = register_casts(module, self.precision)
-        refuse_detaching(module)  # [transparent-wrapper]
-        self._closed = False
+        self.engine = ShardEngine(
+            module, named, device=device, mesh=ShardMesh(device, process_group, mesh, timeout_s=timeout),
+            param_dtype=param_dtype, precision=self.precision, group_bytes=group_bytes, comm=comm,
+            reshard_after_forward=reshard_after_forward, prefetch=prefetch, overlap_push=overlap_push,
+            gather_masters=gather_masters, offload_policy=offload_policy, is_unit=lambda m: isinstance(m, units))
+        # The engine's parts under the names the checkpoint, optimizer and application code read.
+        for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
+                     "groups", "lifecycle", "shard_state"):
+            setattr(self, part, getattr(self.engine, part))
+        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
 
     # -- the wrapped model's surface -------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -237,13 +186,6 @@ class ODCShard(nn.Module):
         """Run the wrapped model, gathering each group right before it is needed."""
         self._check_open()
         return self.module(*args, **kwargs)
-
-    def _check_intact(self) -> None:
-        """Run before every forward: the model must still hold the parameters ODCShard planned."""
-        self._check_open()
-        problem = intact_problem(self.module, self.shard_state.params, self._param_entries, self.param_dtype)
-        if problem:
-            raise RuntimeError(problem)
 
     # -- minibatch protocol --------------------------------------------------------
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
@@ -305,14 +247,8 @@ class ODCShard(nn.Module):
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
         """Context in which every parameter holds its full value (collective: all ranks enter)."""
-        self._check_open()
-        for g in self.groups:
-            g.to_unsharded()
-            g.wait_ready()
-        try:
+        with self.engine.unsharded():
             yield
-        finally:
-            self.reshard_all()
 
     @contextlib.contextmanager
     def changing_parameters(self) -> Iterator[None]:
@@ -373,24 +309,10 @@ class ODCShard(nn.Module):
 
     def close(self) -> None:
         """Release the transport, hooks and rows; the model cannot be used afterwards (collective)."""
-        if not self._closed:
-            self.reshard_all()
-            self.comm.pushes_done()  # the push stream's work, the zeroing included ([streams] 5), before frees
-            self._closed = True
-            self._driver.remove()
-            for handle in self._cast_hooks:
-                handle.remove()
-            self.protocol.close()
-            for g in self.groups:
-                g.release()
-            for mod in self.module.modules():
-                mod.__dict__.pop("_apply", None)
-            self.transport.close()
-            self.mesh.close()
+        self.engine.close()
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this ODCShard was closed; its rows (and masters) are released")
+        self.engine.check_open()
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,156 @@
+"""``ShardEngine``: one model's sharding machinery, behind both ``ODCShard`` and ``fully_shard``.
+
+It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
+
+* ``ShardMesh`` ([mesh]): the ranks and the collectives they meet with;
+* ``Transport`` ([transport]): where rows live and how they move;
+* ``CommStreams`` ([streams]): the side streams gathers and pushes run on;
+* ``FlatGroup`` ([layout], [storage-resize], [grad-buffers], [masters]): one group's
+  rows, buffers, state and use counts;
+* ``ShardedParam`` ([params]): one parameter's sharded and unsharded forms;
+* ``StepLifecycle`` ([lifecycle]): the step, one method per phase, with its
+  ``PrefetchSchedule`` ([prefetch]); ``HookDriver`` ([hooks]): which hook runs which phase;
+* ``StepProtocol`` ([step-protocol], [grad-protocol], [optimizer-events]): the
+  minibatch's state machine: when ranks meet, and every change of rows;
+* ``ShardState`` ([shard-state]): the one way into the sharded values (checkpoints,
+  Hugging Face files, state dicts).
+
+One engine serves one root module: ``ODCShard`` builds one over the model it wraps, and
+``fully_shard`` one over the outermost module it was called on, whose every call below is a
+unit of it ([fully-shard] in ``fully_shard.py``). Either way a minibatch has one sync and one
+finish meeting, however many units there are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .arguments import intact_problem, offload_target, registrations
+from .group import FlatGroup
+from .hooks import HookDriver
+from .lifecycle import StepLifecycle
+from .layout import GroupLayout, plan_groups
+from .materialize import materialize_buffers
+from .mesh import ShardMesh
+from .precision import Precision, register_casts
+from .prefetch import PrefetchSchedule
+from .protocol import StepProtocol
+from .shard_state import ShardState
+from .streams import CommStreams
+from .transparent import refuse_detaching
+from .transport import Transport, make_transport
+
+
+class ShardEngine:
+    """Shard ``named`` (parameters of ``root``) over ``mesh``'s ranks in flat groups, and hook ``root``.
+
+    The arguments are ``ODCShard``'s, checked and resolved (see its docstring); beyond them:
+
+    Args:
+        is_unit: whether a module is hooked as a whole ([hooks]).
+        owner_of: a parameter name's unit, where groups must not span units (``fully_shard``); None: groups
+            follow only ``group_bytes``.
+    """
+
+    def __init__(self, root: nn.Module, named: list[tuple[str, nn.Parameter]], *, device: torch.device,
+                 mesh: ShardMesh, param_dtype: torch.dtype, precision: Precision, group_bytes: int, comm: str,
+                 reshard_after_forward: bool, prefetch: int, overlap_push: bool, gather_masters: bool,
+                 offload_policy, is_unit: Callable[[nn.Module], bool],
+                 owner_of: Callable[[str], object] | None = None):
+        self.root = root
+        self.mesh = mesh
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
+        on_meta = named[0][1].is_meta
+        at_least_fp32 = torch.promote_types(param_dtype, torch.float32)
+        self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, group_bytes, param_dtype, owner_of)
+        master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
+        self.transport: Transport = make_transport(comm, mesh)
+        host, pin = offload_target(offload_policy, mesh, gather_masters)
+        self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
+                             [precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
+        self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
+        self.protocol = StepProtocol(self.comm, mesh)
+        by_name, regs = dict(named), registrations(root)
+        # Every name a parameter is reachable by (tied parameters have several).
+        canonical = {id(p): name for name, p in named}
+        self.aliases = {name: canonical[id(p)] for name, p in root.named_parameters(remove_duplicate=False)
+                        if id(p) in canonical and canonical[id(p)] != name}
+        self.param_entries = sum(len(r) for r in regs.values())
+        device_mesh = mesh.device_mesh
+        starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
+        self.groups: list[FlatGroup] = [
+            FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
+                      self.comm, dtype, self.protocol, device_mesh, start, param_dtype, host, pin)
+            for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
+        ]
+        for g in self.groups:
+            g.reshard_after_forward = reshard_after_forward
+        self.lifecycle = StepLifecycle(self.groups, self.comm, mesh, PrefetchSchedule(prefetch), self.protocol,
+                                       checks=self.check_intact)
+        # FSDP2's default: the mean over the data-parallel ranks, every replica's included
+        self.lifecycle.divide_factor = float(mesh.world_size * mesh.replicas)
+        self.protocol.attach(self.groups, self.lifecycle)
+        if on_meta:
+            materialize_buffers(root, device)
+        mesh.barrier()  # every row written before anyone may read it
+        self.shard_state = ShardState(self.groups, self.protocol, self.aliases)
+        group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
+        self.driver = HookDriver(root, group_of, self.lifecycle, is_unit)
+        self._cast_hooks = register_casts(root, precision)
+        refuse_detaching(root)  # [transparent-wrapper]
+        self.closed = False
+
+    def check_intact(self) -> None:
+        """Run before every forward: the model must still hold the parameters that were planned."""
+        self.check_open()
+        problem = intact_problem(self.root, self.shard_state.params, self.param_entries, self.param_dtype)
+        if problem:
+            raise RuntimeError(problem)
+
+    def check_open(self) -> None:
+        """Raise if the engine was closed."""
+        if self.closed:
+            raise RuntimeError("this model's sharding was closed; its rows (and masters) are released")
+
+    def reshard_all(self) -> None:
+        """Free every group's unsharded buffer (modules hold their shards again)."""
+        self.lifecycle.reshard_all()
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Context in which every parameter holds its full value (collective: all ranks enter)."""
+        self.check_open()
+        for g in self.groups:
+            g.to_unsharded()
+            g.wait_ready()
+        try:
+            yield
+        finally:
+            self.reshard_all()
+
+    def close(self) -> None:
+        """Release the transport, hooks and rows; the model cannot be used afterwards (collective)."""
+        if self.closed:
+            return
+        self.reshard_all()
+        self.comm.pushes_done()  # the push stream's work, the zeroing included ([streams] 5), before frees
+        self.closed = True
+        self.driver.remove()
+        for handle in self._cast_hooks:
+            handle.remove()
+        self.protocol.close()
+        for g in self.groups:
+            g.release()
+        for mod in self.root.modules():
+            mod.__dict__.pop("_apply", None)
+        self.transport.close()
+        self.mesh.close()
+
+
+__all__ = ["ShardEngine"]
