@@ -1,7 +1,7 @@
 """odcfsdp: fully sharded data parallel training with on-demand one-sided communication.
 
-``ODCShard``, ``optim`` and ``param_groups`` are imported when first used (PEP 562), so that
-``python -m odcfsdp.bundle`` runs where torch is not installed (the machine that downloads).
+``ODCShard``, ``fully_shard``, ``ODCModule``, ``optim`` and ``param_groups`` are imported when first used
+(PEP 562), so that ``python -m odcfsdp.bundle`` runs where torch is not installed (the machine that downloads).
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ODCShard", "optim", "param_groups", "__version__"]
+__all__ = ["ODCModule", "ODCShard", "fully_shard", "optim", "param_groups", "__version__"]
 
-_LAZY = {"ODCShard": ("sharding", "ODCShard"), "param_groups": ("optim", "param_groups"), "optim": ("optim", None)}
+_LAZY = {"ODCShard": ("sharding", "ODCShard"), "fully_shard": ("sharding", "fully_shard"),
+         "ODCModule": ("sharding", "ODCModule"), "param_groups": ("optim", "param_groups"), "optim": ("optim", None)}
 
 
 def __getattr__(name: str):

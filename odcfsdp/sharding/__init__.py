@@ -1,5 +1,7 @@
-"""Flat-group sharding: layout, transports, groups and the ``ODCShard`` wrapper."""
+"""Flat-group sharding: layout, transports, groups, the engine, the ``ODCShard`` wrapper and ``fully_shard``."""
 
+from .engine import ShardEngine
+from .fully_shard import ODCModule, fully_shard
 from .group import FlatGroup, GroupState
 from .lifecycle import StepLifecycle, TrainingPhase
 from .layout import GroupLayout, ParamSlot, plan_groups
@@ -10,7 +12,7 @@ from .shard import ODCShard
 from .shard_state import ShardState
 
 __all__ = [
-    "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCParameter", "ODCShard",
-    "ParamSlot", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepLifecycle", "StepProtocol",
-    "TrainingPhase", "plan_groups",
+    "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCModule", "ODCParameter", "ODCShard",
+    "ParamSlot", "ShardEngine", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepLifecycle", "StepProtocol",
+    "TrainingPhase", "fully_shard", "plan_groups",
 ]

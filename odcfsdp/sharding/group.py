@@ -163,6 +163,7 @@ class FlatGroup:
         # use (else keep it for backward) and after backward (else keep it until the step's finish)
         self.reshard_after_forward = True
         self.reshard_after_backward = True
+        self.owner = None  # the fully_shard module whose unit this group belongs to ([fully-shard])
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0

@@ -100,7 +100,7 @@ class HookDriver:
         self.handles: list = [root.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward(), prepend=True)]
         self.site_of: dict[nn.Module, Site] = {}  # each hooked module's site (``fully_shard``'s methods use them)
         for mod, params in hook_sites(root, is_unit):
-            site = tuple(dict.fromkeys(group_of[p] for p in params))
+            site = tuple(dict.fromkeys(group_of[p] for p in params if p in group_of))  # not ignored_params
             if not site:
                 continue
             self.site_of[mod] = site

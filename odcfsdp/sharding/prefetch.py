@@ -9,6 +9,10 @@ next ``depth`` sites in forward order (i+1, i+2, ...) or, in backward, in revers
 hand does not use up the depth: two norms in one group are one step ahead, not
 two). A site first seen after the first forward (a module called only sometimes)
 has no position and prefetches nothing.
+
+A site may be given its own targets instead (``set_explicit``: FSDP2's
+``set_modules_to_forward_prefetch`` / ``_backward_prefetch``), one list per direction; they
+replace the recorded order's for that site and direction.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ class PrefetchSchedule:
         self.sites: list[tuple] = []  # each site's groups, in the order the first forward ran them
         self.position: dict[tuple, int] = {}  # a site's place in that order (looked up on every hook call)
         self.recorded = False
+        self.explicit: dict[tuple[tuple, bool], list] = {}  # (site, backward) -> groups to gather ahead
+
+    def set_explicit(self, site: tuple, groups: Sequence[Hashable], backward: bool) -> None:
+        """Gather ``groups`` ahead when ``site`` starts (in backward if ``backward``), instead of the recorded
+        order's next sites."""
+        self.explicit[(tuple(site), backward)] = list(dict.fromkeys(g for g in groups if g not in site))
 
     def record(self, site: tuple) -> int | None:
         """Note that ``site`` ran (while recording); return its position (None if unknown)."""
@@ -43,6 +53,9 @@ class PrefetchSchedule:
 
     def targets(self, site: Sequence[Hashable], backward: bool) -> list:
         """Groups of the next ``depth`` sites after ``site`` (before it in backward), ``site``'s own excluded."""
+        explicit = self.explicit.get((tuple(site), backward))
+        if explicit is not None:
+            return explicit
         pos = self.position.get(tuple(site))
         if not self.recorded or not self.depth or pos is None:
             return []
