@@ -176,25 +176,27 @@ def test_cli_page_is_the_generated_one():
     assert [k for k, _, _ in key_table() if f"| `{k}` |" not in page] == []
 
 
-def test_documented_odcshard_arguments_are_its_signature():
-    """Wherever the README or a docs page lists ODCShard's arguments (a heading ``odcfsdp.ODCShard(...)``), the list
-    is ``inspect.signature(ODCShard)``'s, in order, and that page names every argument in backticks (``name`` or
-    ``name=...``) elsewhere."""
+@pytest.mark.parametrize("name", ["ODCShard", "fully_shard"])
+def test_documented_arguments_are_the_signature(name):
+    """Wherever the README or a docs page lists ODCShard's or fully_shard's arguments (a heading
+    ``odcfsdp.ODCShard(...)``), the list is ``inspect.signature``'s, in order, and that page names every argument in
+    backticks (``name`` or ``name=...``) elsewhere."""
     import inspect
 
-    from odcfsdp.sharding.shard import ODCShard
+    import odcfsdp
 
-    names = [n for n in inspect.signature(ODCShard.__init__).parameters if n != "self"]
+    obj = getattr(odcfsdp, name)
+    names = [n for n in inspect.signature(obj.__init__ if isinstance(obj, type) else obj).parameters if n != "self"]
     found = 0
     for page in PAGES:
         text = page.read_text()
-        for heading in re.finditer(r"^#+ `odcfsdp\.ODCShard\((.*)\)`$", text, re.M):
+        for heading in re.finditer(rf"^#+ `odcfsdp\.{name}\((.*)\)`$", text, re.M):
             found += 1
             listed = [a.split("=")[0].strip() for a in heading.group(1).split(",") if a.strip() != "*"]
             assert listed == names, page.name
             body = text.replace(heading.group(0), "")
             assert [n for n in names if not re.search(rf"`{n}[`=]", body)] == [], page.name
-    assert found, "no page lists ODCShard's arguments"
+    assert found, f"no page lists {name}'s arguments"
 
 
 #: a design note named by tag and file: "[memory-model] in `odcfsdp/memory/__init__.py`" (the file may be a link)

@@ -241,3 +241,27 @@ def test_fsdp_module_methods_and_refusals():
         assert "wrapped already" in errors["odcshard"]
         assert "must share mp_policy" in errors["mixed"]
         assert all("\n" not in e for e in errors.values())
+
+
+def test_ignored_params_stay_plain_and_train_as_in_one_process():
+    """One process (no torch.distributed): ``ignored_params`` stay plain parameters (not sharded), the rest are
+    shards, and a step of the whole model equals the plain model's."""
+    from torch.distributed.tensor import DTensor
+
+    from odcfsdp import fully_shard
+
+    plain, model = _model(), _model()
+    head = model.lm_head.weight
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model, ignored_params={head})
+    assert model.lm_head.weight is head and getattr(head, "_odc", None) is None
+    assert all(getattr(p, "_odc", None) is not None for n, p in model.named_parameters() if n != "lm_head.weight")
+    for m in (plain, model):
+        opt, _ = _optimizer(m)
+        x = _micro_batches(0, 0, 1)[0]
+        causal_lm_loss(m(x), x, x.numel()).backward()
+        opt.step()
+    got = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(got[n], p, rtol=1e-5, atol=1e-6, msg=n)
