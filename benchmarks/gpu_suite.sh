@@ -7,7 +7,8 @@
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them, the copy-engine gather's 2-GPU ones
 # left to tests_copy_engine), tests_copy_engine (issue 31's copy-engine hang taken apart: the gather with and
-# without its side streams, each case bounded), comm, optim (one GPU is enough),
+# without its side streams, each case bounded), fully_shard (issue 34: a torchtitan-style script through torch's
+# fully_shard and ours, and uneven counts against one process), comm, optim (one GPU is enough),
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, e2e_longtail_8b, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
@@ -35,7 +36,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -52,7 +53,7 @@ section_cmd() {  # section, gpus in lane, port, dir
   case $s in
     tests)  # on 2+ GPUs the one-GPU inductor compile tests (about 190 s) are left to a one-GPU lane, and the
       # copy-engine gather's 2-GPU tests to tests_copy_engine, to fit the limit with room for one bounded hang
-      local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine'"
+      local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine and not fully_shard'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py" \
            "tests/test_gpu.py -q -p no:cacheprovider $(per_test_bound 300) --junitxml=$dir/gpu_tests.xml $select" \
@@ -60,6 +61,10 @@ section_cmd() {  # section, gpus in lane, port, dir
     tests_copy_engine)  # 4 cases on 2 GPUs, each bounded at 90 s by spawn: at most ~7 min if every one hangs
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu.py -k copy_engine -q -p no:cacheprovider $(per_test_bound 150)" \
+           "--junitxml=$dir/gpu_tests.xml $extra" ;;
+    fully_shard)  # issue 34: the torchtitan-style script through torch's fully_shard and odcfsdp's, and uneven counts
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
+           "tests/test_gpu.py -k fully_shard -q -p no:cacheprovider $(per_test_bound 240)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     comm) echo "$run -m benchmarks.comm_bench --iters 20 --out $dir --commit $COMMIT $extra" ;;
     optim) echo "python3 -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;

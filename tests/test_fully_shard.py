@@ -17,14 +17,14 @@ CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
 STEPS, SAVE_AT, SEQ = 4, 2, 12
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)  # every rank the same initial model
-    return Llama(CFG)
+    return Llama(CFG).to(device)
 
 
-def _micro_batches(step: int, rank: int, n: int) -> list[torch.Tensor]:
+def _micro_batches(step: int, rank: int, n: int, device: str = "cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + 10 * rank)
-    return [torch.randint(0, CFG.vocab_size, (2, SEQ), generator=g) for _ in range(n)]
+    return [torch.randint(0, CFG.vocab_size, (2, SEQ), generator=g).to(device) for _ in range(n)]
 
 
 def _optimizer(model: nn.Module):
@@ -50,19 +50,19 @@ def _step(model, opt, sched, batches: list[torch.Tensor], sync_toggle: bool) -> 
     return total, norm
 
 
-def _build(impl: str, mesh):
+def _build(impl: str, mesh, device: str = "cpu"):
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
         from odcfsdp import fully_shard
-    model = _model()
+    model = _model(device)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _script(impl: str, counts: list[int], path: str) -> dict:
+def _script(impl: str, counts: list[int], path: str, device: str = "cpu") -> dict:
     """The torchtitan-style script: STEPS steps, a DCP save after SAVE_AT, then a fresh model loads it and runs the
     remaining steps again. Returns (loss, norm) per step, and those of the run from the checkpoint."""
     import torch.distributed.checkpoint as dcp
@@ -70,16 +70,16 @@ def _script(impl: str, counts: list[int], path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _build(impl, mesh)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    model = _build(impl, mesh, device)
     opt, sched = _optimizer(model)
     steps = []
     for step in range(STEPS):
         if step == SAVE_AT:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd, "sched": sched.state_dict()}, checkpoint_id=path)
-        steps.append(_step(model, opt, sched, _micro_batches(step, rank, counts[rank]), True))
-    fresh = _build(impl, mesh)
+        steps.append(_step(model, opt, sched, _micro_batches(step, rank, counts[rank], device), True))
+    fresh = _build(impl, mesh, device)
     with torch.no_grad():  # other values, all overwritten by the load (before any forward: nothing gathered yet)
         for p in fresh.parameters():
             p.to_local().mul_(-3.0)
@@ -89,22 +89,22 @@ def _script(impl: str, counts: list[int], path: str) -> dict:
     dcp.load(state, checkpoint_id=path)
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fresh_sched.load_state_dict(state["sched"])
-    resumed = [_step(fresh, fresh_opt, fresh_sched, _micro_batches(step, rank, counts[rank]), False)
+    resumed = [_step(fresh, fresh_opt, fresh_sched, _micro_batches(step, rank, counts[rank], device), False)
                for step in range(SAVE_AT, STEPS)]
     return {"steps": steps, "resumed": resumed, "classes": sorted({type(m).__name__ for m in model.modules()})}
 
 
-def _reference(counts: list[int]) -> list[tuple[list[float], float]]:
+def _reference(counts: list[int], device: str = "cpu") -> list[tuple[list[float], float]]:
     """One plain process: each step's gradient is the mean over ranks of each rank's (its micro-batches' losses
     over their number), then the same clip, AdamW and scheduler. Per step: each rank's loss, and the norm."""
-    model = _model()
+    model = _model(device)
     opt, sched = _optimizer(model)
     out = []
     for step in range(STEPS):
         losses = []
         for rank, n in enumerate(counts):
             total = 0.0
-            for x in _micro_batches(step, rank, n):
+            for x in _micro_batches(step, rank, n, device):
                 loss = causal_lm_loss(model(x), x, x.numel()) / n
                 (loss / len(counts)).backward()
                 total += loss.item()
