@@ -191,3 +191,22 @@ def test_the_float8_settings_reach_odcshard_from_the_config():
     assert shard_arguments(cfg.shard, built)["float8"] == "tensorwise"
     assert shard_arguments(config_from({"shard": {"float8": "none"}}).shard, built)["float8"] is None
     assert dataclasses.fields(type(cfg.shard))[-2].name == "float8"  # before the config-only replicas
+
+
+def test_fp8_bench(tmp_path):
+    """benchmarks/fp8_bench.py's CPU smoke run (fp32 on CPU): every method trains; odcfsdp's tensorwise float8 equals
+    torchao + FSDP2 float8 (the same float8 casts of the same fp32 weights) to the bit, while the model without float8
+    and the rowwise recipe do not; the result is the one schema."""
+    pytest.importorskip("torchao")
+    from benchmarks import fp8_bench, harness
+
+    data = fp8_bench.main(["--cpu", "--layers", "2", "--steps", "4", "--warmup", "1", "--out", str(tmp_path)])
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == list(fp8_bench.METHODS)
+    assert all(r["tokens_per_s"] > 0 and len(r["losses"]) == 4 for r in rows.values())
+    assert rows["odc_float8_tensorwise"]["losses"] == rows["fsdp2_float8"]["losses"]
+    assert rows["odc_float8_tensorwise"]["loss_rel_gap_max"] == 0.0
+    assert rows["odc_bf16"]["loss_rel_gap_max"] > 1e-5 and rows["odc_float8_rowwise"]["loss_rel_gap_max"] > 1e-5
+    assert rows["odc_bf16"]["losses"][-1] < rows["odc_bf16"]["losses"][0]  # it learns
+    assert harness.load_result(tmp_path / "fp8_bench.json") == data and set(data) == {"meta", "rows"}
+    assert "| odc_float8_tensorwise |" in (tmp_path / "fp8_bench.md").read_text()
