@@ -60,3 +60,28 @@ def ddp(model: nn.Module, device: torch.device):
     wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     return wrapped, autocast, float(dist.get_world_size()), wrapped.no_sync
+
+
+def torchao_float8(model: nn.Module, recipe: str | None) -> None:
+    """torchtitan's float8 for FSDP2: torchao's ``Float8Linear`` on the layers odcfsdp converts (``float8_eligible``),
+    with float8 all-gather (``enable_fsdp_float8_all_gather``) where the recipe is tensorwise; before ``fsdp2``."""
+    if not recipe:
+        return
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from odcfsdp.sharding.float8 import float8_eligible
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
+                                 enable_fsdp_float8_all_gather=recipe == "tensorwise")
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_eligible)
+
+
+def float8_scales_after_step(opt: torch.optim.Optimizer, model: nn.Module, recipe: str | None) -> None:
+    """With tensorwise float8 all-gather, ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step
+    (one all-reduce of every weight's amax, as torchtitan does), inside the step's measured time."""
+    if recipe == "tensorwise":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        opt.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))

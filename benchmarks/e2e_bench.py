@@ -106,10 +106,12 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            units=() if ablation == "module_hooks" else bench_model(args).units,
                            gather_masters=ablation in ("gather_masters", "lean"),
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
-                           mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None)
+                           mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
+                           float8=args.float8)
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
+        e2e_baselines.torchao_float8(model, args.float8)
         return e2e_baselines.fsdp2(model, decoder_layers(model, bench_model(args).units), device,
                                    offload=method.endswith("offload"), nosync=method.endswith("_nosync"))
     if baseline(method) == "ddp":
@@ -159,6 +161,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     wrapped, autocast, loss_scale, no_sync = wrap(method, model, device, args)
     bm.finish(wrapped)  # HF models: per-layer compile after wrapping (the CLI's order)
     opt = optimizer_for(method, wrapped, device, args)
+    if baseline(method).startswith("fsdp2"):
+        e2e_baselines.float8_scales_after_step(opt, wrapped, args.float8)
     try:
         if cuda:  # after wrapping: building the full model first is the same for every method, not counted
             torch.cuda.empty_cache()
@@ -350,6 +354,8 @@ def parse(argv=None):
     p.add_argument("--attention-cost-factor", type=float, default=1.0,
                    help="the balancers' weight of an attention FLOP against a matmul FLOP (1.8 fitted on 2x H200 "
                         "with cuDNN attention from n2_longtail_cudnn_compiled_d89966a); MFU always counts plain FLOPs")
+    p.add_argument("--float8", default=None, choices=("tensorwise", "rowwise"),
+                   help="odc and fsdp2 methods: torchao's float8 linears (fsdp2: float8 all-gather when tensorwise)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     harness.add_common(p, out="results/e2e", cpu_ranks=True)

@@ -33,12 +33,12 @@ def _check_suite_command(section: str, cmd: str) -> None:
     scripts = [i for i, w in enumerate(words) if w.startswith("benchmarks.")]  # python -m benchmarks.<name>
     if scripts:
         assert words[scripts[0] - 1] == "-m", (section, cmd)
-        from benchmarks import hf_finetune_check
+        from benchmarks import fp8_bench, hf_finetune_check
 
         i = scripts[0]
         module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
                   "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
-                  "hf_finetune_check": hf_finetune_check}[words[i].removeprefix("benchmarks.")]
+                  "hf_finetune_check": hf_finetune_check, "fp8_bench": fp8_bench}[words[i].removeprefix("benchmarks.")]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes
     elif "pytest" in words:
         files = [w for w in words if w.startswith("tests/")]

@@ -69,6 +69,35 @@ def _gpu_memory(count: int) -> int | None:
         return None
 
 
+def _gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability from ``nvidia-smi`` (no CUDA context in the launcher); None where it
+    cannot tell (then the ranks' own check, in ``ODCShard``, decides)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.split()
+        major, minor = out[0].split(".")
+        return int(major), int(minor)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _float8(cfg: TrainConfig, cuda: bool) -> None:
+    """``shard.float8`` asks for what this machine has: a GPU of compute capability 8.9+ and torchao
+    ([float8] in ``odcfsdp/sharding/float8.py``); else one line naming the fix (``pip install odcfsdp[fp8]``)."""
+    if cfg.shard.float8 in (None, "none"):
+        return
+    from ..sharding.float8 import INSTALL_HINT, float8_problem, torchao_installed
+
+    capability = _gpu_capability() if cuda else None
+    if cuda and capability is None:  # the GPU is the ranks' to judge (ODCShard asks CUDA); torchao is not
+        problem = None if torchao_installed() else f"float8 training needs torchao, which is not installed: " \
+            f"{INSTALL_HINT}"
+    else:
+        problem = float8_problem("cuda" if cuda else "cpu", capability)
+    if problem:
+        raise ValueError(f"shard.float8={cfg.shard.float8}: {problem}")
+
+
 def _fits_memory(cfg: TrainConfig, cuda: bool) -> None:
     """The model's fp32 weights and gradient accumulators (8 bytes a parameter, sharded over the ranks; optimizer
     state and activations come on top) fit the memory they live in: the GPUs', or the host's where the ranks run on
@@ -157,10 +186,11 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
         raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} holds no "
                          "checkpoint to continue it from: choose another run.out_dir, or replace the run with "
                          "run.overwrite=true")
-    if not torchrun:  # under torchrun the launcher, not this process, placed the ranks
-        import torch
+    import torch
 
-        cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())
+    cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())
+    _float8(cfg, cuda)
+    if not torchrun:  # under torchrun the launcher, not this process, placed the ranks
         have = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
         if r.world_size > 1 and r.world_size > have:
             raise ValueError(f"run.world_size={r.world_size} ranks on a machine with {have} "

@@ -115,10 +115,20 @@ def _offload(name: str | None, built):
     return CPUOffloadPolicy(pin_memory=name == "cpu")
 
 
+#: ``shard.float8``'s values: a torchao recipe, or none (``none`` on the command line, ``null`` in YAML)
+FLOAT8_CHOICES = (None, "none", "tensorwise", "rowwise")
+
+
+def _float8(name: str | None, built) -> str | None:
+    """``shard.float8``: the recipe ODCShard takes, None for ``none``."""
+    return None if name in (None, "none") else name
+
+
 CONVERSIONS: dict[str, Conversion] = {
     "param_dtype": Conversion(_dtype_name, lambda name, built: _dtype(name)),
     "offload_policy": Conversion(lambda policy: None, _offload),
     "mp_policy": Conversion(lambda policy: MixedPrecisionConfig(), _policy),
+    "float8": Conversion(lambda recipe: recipe, _float8),
     "units": Conversion(lambda classes: [c.__name__ for c in classes],
                         lambda names, built: unit_classes(built.model, names)),
 }
@@ -186,6 +196,10 @@ class ShardConfig:
     dtype, e.g. bf16; fp32 by default), ``output_dtype`` and ``cast_forward_inputs`` at the model's forward (see
     [precision] in ``precision.py``). (keys param_dtype, reduce_dtype, output_dtype: dtype names;
     cast_forward_inputs)"""
+    float8: Optional[str] = None
+    """``"tensorwise"`` or ``"rowwise"``: convert the model's linears to torchao's float8 training first (not the
+    output head, nor a linear whose dims are not multiples of 16); needs torchao (``pip install odcfsdp[fp8]``) and a
+    GPU of compute capability 8.9+ ([float8] in ``float8.py``). (tensorwise | rowwise; none: no float8)"""
     replicas: Optional[int] = None
     """HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch; 1: full
     sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1. Becomes

@@ -18,7 +18,7 @@ from ..data.formats import FORMAT_CHOICES
 from ..data.lengths import KINDS as LENGTH_KINDS
 from ..optim import optimizer_class, optimizer_keywords
 from ..sharding.transport import COMM_CHOICES, capabilities
-from .shard_config import OFFLOAD_CHOICES
+from .shard_config import FLOAT8_CHOICES, OFFLOAD_CHOICES
 from .sources import SOURCES, source_choices, source_of
 from .specs import model_specs
 
@@ -97,6 +97,7 @@ def validate(cfg) -> None:
     if cfg.shard.offload_policy and cfg.shard.gather_masters:
         raise ValueError("shard.gather_masters=true keeps the masters where peers read them; shard.offload_policy "
                          "moves them to host memory: choose one")
+    choice("shard.float8", cfg.shard.float8, FLOAT8_CHOICES)
     choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     positive("shard.group_bytes", cfg.shard.group_bytes)
     positive("shard.prefetch", cfg.shard.prefetch, allow_zero=True)

@@ -34,6 +34,24 @@ def check_reshard_after_forward(value) -> None:
                          "shard groups")
 
 
+def check_units(units, module: nn.Module) -> tuple[type[nn.Module], ...]:
+    """``units`` as a tuple of ``nn.Module`` classes of which ``module`` has an instance (an empty tuple: none)."""
+    units = tuple(units)
+    if not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
+        raise TypeError(f"units must be nn.Module subclasses, got {units!r}")
+    if units and not any(isinstance(m, units) for m in module.modules()):
+        raise ValueError(f"no module of the model is one of units={[u.__name__ for u in units]}")
+    return units
+
+
+def check_numbers(prefetch, timeout) -> None:
+    """``prefetch`` is an int >= 0 (groups gathered ahead) and ``timeout`` a number of seconds > 0."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+
+
 def shard_device(named: list[tuple[str, nn.Parameter]], device) -> torch.device:
     """Where rows live: ``device`` (needed for a meta model, else the parameters' own), a CUDA index filled in."""
     on_meta = named[0][1].is_meta

@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
+from .arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
+                        shard_device)
 from .engine import ShardEngine
+from .float8 import prepare_float8
 from .lifecycle import TrainingPhase
 from .mesh import ShardMesh
 from .precision import policy_param_dtype, resolve_precision
@@ -96,6 +98,9 @@ class ODCShard(nn.Module):
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` (as above), ``reduce_dtype``
             (the gradient accumulators' dtype, e.g. bf16; fp32 by default), ``output_dtype`` and
             ``cast_forward_inputs`` at the model's forward (see [precision] in ``precision.py``).
+        float8: ``"tensorwise"`` or ``"rowwise"``: convert the model's linears to torchao's float8 training first
+            (not the output head, nor a linear whose dims are not multiples of 16); needs torchao
+            (``pip install odcfsdp[fp8]``) and a GPU of compute capability 8.9+ ([float8] in ``float8.py``).
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class ODCShard(nn.Module):
         gather_masters: bool = False,
         offload_policy=None,
         mp_policy=None,
+        float8: str | None = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -129,16 +135,10 @@ class ODCShard(nn.Module):
         device = shard_device(named, device)
         param_dtype = compute_dtype(named, device, policy_param_dtype(mp_policy, param_dtype))
         self.precision = resolve_precision(mp_policy, param_dtype)
-        units = tuple(units)
-        if not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
-            raise TypeError(f"units must be nn.Module subclasses, got {units!r}")
-        if units and not any(isinstance(m, units) for m in module.modules()):
-            raise ValueError(f"no module of the model is one of units={[u.__name__ for u in units]}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+        units = check_units(units, module)
+        check_numbers(prefetch, timeout)
+        self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
 
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.module = module
         self.units = units
         self.reshard_after_forward = reshard_after_forward

@@ -1,0 +1,172 @@
+"""Float8 training: torchao's float8 linears under ODCShard (``ODCShard(float8="tensorwise" | "rowwise")``).
+
+Design note [float8]
+--------------------
+``ODCShard(module, float8=recipe)`` converts ``module``'s ``nn.Linear`` layers to torchao's
+``Float8Linear`` (``torchao.float8.convert_to_float8_training`` with
+``Float8LinearConfig.from_recipe_name(recipe)``) *before* it plans its groups, so the converted
+model is what is sharded. ``convert_float8_linears`` is the same conversion for a model you wrap
+yourself. What is converted, as torchtitan's float8 converter chooses:
+
+* every ``nn.Linear`` whose ``in_features`` and ``out_features`` are both multiples of 16 (the
+  float8 matmul, ``torch._scaled_mm``, wants them so; smaller odd shapes would not pay anyway);
+* but not the output head: a linear whose name (last component) is ``output`` or ``lm_head``
+  (``FLOAT8_SKIP``), whose logits feed the loss and are kept in the compute dtype.
+
+A ``Float8Linear``'s weight is an ordinary parameter, so it is sharded, gathered, pushed and
+stepped like any other: the fp32 master is what the optimizer updates, the ``param_dtype`` (bf16)
+row is what peers gather, and the layer casts the gathered weight to float8 in its forward
+(tensorwise: one scale per tensor from the whole weight's amax; rowwise: one per row), its
+input and output gradient in the matmuls of backward. So today float8 speeds up the linears'
+matmuls, and the gather moves bf16, as it does without float8 ([float8-gather] says what moving
+float8 would take).
+
+Float8 needs a GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell) and torchao
+(``pip install odcfsdp[fp8]``); ``float8_problem`` says, in one line, what is missing, and
+``ODCShard`` raises it, as the training CLI does before any rank starts. The conversion itself
+runs anywhere (torchao's float8 matmul also runs, slowly, on CPU), which is how the CPU tests
+check that a converted model trains alike sharded and in one process.
+
+Design note [float8-gather]
+---------------------------
+Not built yet: with tensorwise scaling, peers could gather float8 bytes plus one fp32 scale
+per weight, half of bf16's bytes, as FSDP2 does with torchao's ``enable_fsdp_float8_all_gather``
+(there each weight's local shard is a ``WeightWithDynamicFloat8CastTensor`` whose
+``fsdp_pre_all_gather`` casts the shard with a scale that ``precompute_float8_dynamic_scale_for_fsdp``
+computed after the optimizer step: the inf-norm of every float8 weight's shard, stacked, one
+all-reduce (max), ``scale = finfo(e4m3).max / max(amax, eps)`` in float64, then
+``fsdp_post_all_gather`` wraps the gathered bytes and the scale as a ``Float8TrainingTensor``).
+The ODC version, by step of [lifecycle]:
+
+1. plan: the ``Float8Linear`` weights (tensorwise recipe only) go into groups of their own, whose
+   row dtype is ``float8_e4m3fn`` (1 byte a parameter: ``plan_groups`` counts ``group_bytes`` in
+   it) and whose gradient buffer and accumulator keep ``param_dtype`` / ``reduce_dtype``: the
+   group's row dtype and its gradient dtype part ways (today ``FlatGroup`` has one).
+2. finish (step 10), before the meeting: each rank takes the amax of each float8 weight's slice of
+   its master row (``torch._foreach_norm(ord=inf)`` over the slices: one kernel, no copy) and
+   puts the amaxes into its meeting row. The meeting's all-gather (``Meetings.meet``) then carries
+   them: a float64 table instead of int64 (counts stay exact below 2**53), so the max over ranks
+   costs no collective of its own: "the amax all-reduce folds into the step's existing meeting".
+3. finish, after the meeting: every rank computes every weight's scale from the same table, so
+   scales need no gather at all, only the bytes do. The owner casts its master slices to float8
+   with them into its row (one pass, fp32 -> e4m3, as FSDP2 casts its fp32 shard). This cast
+   comes *after* the meeting, which today is the point after which peers may read rows: so the
+   zeroing's device-side barrier ([streams] 5) must also order the cast before any peer's next
+   gather (on CUDA the barrier is queued after the cast on the same stream; on ``shm`` a host
+   barrier after the cast). A row change outside a step (``rows_changing``) does the same.
+4. gather (step 2): the one-sided kernels load and store by dtype (``_TL_DTYPES`` in
+   ``kernels/rows.py``), so a float8 row goes through them viewed as ``uint8`` (bytes are bytes:
+   no cast). The unsharded buffer of a float8 group is ``float8_e4m3fn``, and each weight's
+   unsharded form becomes a ``Float8TrainingTensor`` over its slice and its scale (the
+   parameter autograd sees, whose gradient torchao's matmul returns in ``param_dtype``, into the
+   group's gradient buffer as today). ``Float8Linear.forward`` takes an already-cast weight as it
+   is (it checks ``tensor_already_casted_to_fp8``), so the layer's own cast and its amax pass over
+   the full weight disappear too.
+5. the collective transport: the all-gather moves the same float8 rows (it copies bytes as well);
+   the scales come from the meeting as above.
+
+Rowwise scaling gathers bf16 and lets torchao cast locally, on purpose: a rowwise weight needs one
+scale per row of the weight for the forward matmul *and* one per column for the backward's
+``grad_input = grad_output @ W`` (the transposed operand is scaled along the other axis), so a
+float8 row cast once by the owner would serve only one of the two, and the column scales need the
+amax of every column over every rank's rows, a reduction over the whole gathered weight. Casting
+bf16 locally, after the gather, has no such problem, and rowwise's gain is in its accuracy, not in
+bytes (measured 1.02x bf16 on the issue's probe).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+
+#: the torchao float8 recipes ODCShard takes (``Float8LinearConfig.from_recipe_name``)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+#: names (last component) of the output heads that stay in the compute dtype, as torchtitan's filter keeps ``output``
+FLOAT8_SKIP = ("output", "lm_head")
+#: the least CUDA compute capability with float8 matmuls (Ada Lovelace); Hopper is (9, 0)
+FLOAT8_MIN_CAPABILITY = (8, 9)
+INSTALL_HINT = "pip install odcfsdp[fp8]"
+
+
+def torchao_installed() -> bool:
+    """Whether torchao can be imported (without importing it: its import is slow and prints warnings)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def float8_problem(device: torch.device | str, capability: tuple[int, int] | None = None) -> str | None:
+    """Why float8 training cannot run on ``device`` (one line naming the fix), or None when it can.
+
+    ``capability`` is the GPU's compute capability where the caller knows it without a CUDA context (the launcher
+    reads it from ``nvidia-smi``); otherwise CUDA is asked.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"float8 training needs a GPU of compute capability {FLOAT8_MIN_CAPABILITY[0]}."
+                f"{FLOAT8_MIN_CAPABILITY[1]} or more (H100, H200, L40S, RTX 4090), and this run is on {device.type}: "
+                "drop float8 (shard.float8=none) or run on such a GPU")
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < FLOAT8_MIN_CAPABILITY:
+        return (f"float8 training needs a GPU of compute capability {FLOAT8_MIN_CAPABILITY[0]}."
+                f"{FLOAT8_MIN_CAPABILITY[1]} or more (H100, H200, L40S, RTX 4090); this GPU's is "
+                f"{capability[0]}.{capability[1]}: drop float8 (shard.float8=none) or use such a GPU")
+    if not torchao_installed():
+        return f"float8 training needs torchao, which is not installed: {INSTALL_HINT}"
+    return None
+
+
+def check_recipe(recipe) -> None:
+    """``recipe`` is one of ``FLOAT8_RECIPES`` (or None: no float8)."""
+    if recipe is not None and recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"float8={recipe!r} is not a recipe; choose one of {FLOAT8_RECIPES} (None: no float8)")
+
+
+def float8_eligible(module: nn.Module, fqn: str) -> bool:
+    """Whether ``module`` (named ``fqn`` in the model) is converted: an ``nn.Linear`` whose dims are both multiples
+    of 16 and that is not the output head (``FLOAT8_SKIP``), as torchtitan's float8 converter filters."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if fqn.rsplit(".", 1)[-1] in FLOAT8_SKIP:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_float8_linears(module: nn.Module, recipe: str) -> list[str]:
+    """Convert ``module``'s eligible ``nn.Linear`` layers (``float8_eligible``) in place to torchao's
+    ``Float8Linear`` with the ``recipe`` ("tensorwise" or "rowwise"); return the converted layers' names.
+
+    Call it before wrapping (``ODCShard(float8=recipe)`` does); it needs torchao (``pip install odcfsdp[fp8]``).
+    """
+    check_recipe(recipe)
+    if recipe is None:
+        return []
+    if not torchao_installed():
+        raise ImportError(f"float8 training needs torchao, which is not installed: {INSTALL_HINT}")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = [name for name, m in module.named_modules() if float8_eligible(m, name)]
+    if not chosen:
+        raise ValueError("float8: the model has no nn.Linear whose dims are multiples of 16 outside the output head; "
+                         "there is nothing to convert")
+    wanted = set(chosen)
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda _m, fqn: fqn in wanted)
+    return chosen
+
+
+def prepare_float8(module: nn.Module, recipe: str | None, device: torch.device) -> list[str]:
+    """``ODCShard(float8=recipe)``: refuse in one line where float8 cannot run (``float8_problem``), else convert
+    ``module``'s linears (``convert_float8_linears``); returns the converted names (none without a recipe)."""
+    check_recipe(recipe)
+    if recipe is None:
+        return []
+    problem = float8_problem(device)
+    if problem:
+        raise RuntimeError(problem)
+    return convert_float8_linears(module, recipe)
+
+
+__all__ = ["FLOAT8_RECIPES", "FLOAT8_SKIP", "check_recipe", "convert_float8_linears", "float8_eligible",
+           "float8_problem", "prepare_float8", "torchao_installed"]

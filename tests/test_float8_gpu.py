@@ -1,0 +1,46 @@
+"""Issue 35's numerics on one GPU: odcfsdp's float8 (torchao's Float8Linear under ODCShard) against torchao + FSDP2
+float8 over 200 steps, and its gap to bf16 (benchmarks/fp8_bench.py's training, a 2-layer model that fits one GPU).
+
+Marked ``gpu``; runs only on a GPU of compute capability 8.9+ with torchao installed. Measured values are appended
+as JSON lines to ``$ODC_RESULTS`` when it is set, as test_gpu.py's are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                       reason="float8 needs a GPU of compute capability 8.9+"),
+]
+
+#: dims multiples of 16 (every layer's linears are converted), small enough for 200 compiled steps in ~2 minutes
+SHAPE = ["--layers", "2", "--dim", "1024", "--ffn", "2816", "--heads", "8", "--kv-heads", "4", "--vocab", "4096",
+         "--batch", "4", "--seq", "1024", "--lr", "1e-3"]
+
+
+def test_float8_tracks_torchao_fsdp2_float8_within_1pct_over_200_steps(tmp_path):
+    """Every step's loss within 1% of torchao + FSDP2 float8 at the same step (the issue's bar; both cast the same
+    weights: odcfsdp from the bf16 rows, FSDP2 from its fp32 shard, hence not to the bit), and float8's final loss
+    within 3% of bf16's (torchao reports float8 loss curves that track bf16's)."""
+    pytest.importorskip("torchao")
+    from benchmarks import fp8_bench
+
+    data = fp8_bench.main([*SHAPE, "--steps", "200", "--warmup", "5", "--out", str(tmp_path),
+                           "--methods", "odc_bf16", "odc_float8_tensorwise", "fsdp2_float8"])
+    rows = {r["method"]: r for r in data["rows"]}
+    f8, bf16 = rows["odc_float8_tensorwise"], rows["odc_bf16"]
+    gap_to_bf16 = abs(f8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"]
+    if os.environ.get("ODC_RESULTS"):
+        with open(os.environ["ODC_RESULTS"], "a") as f:
+            f.write(json.dumps({"test": "float8_vs_fsdp2_float8", "loss_rel_gap": f8["loss_rel_gap"],
+                                "loss_rel_gap_max": f8["loss_rel_gap_max"], "gap_to_bf16": gap_to_bf16,
+                                "tokens_per_s": {m: r["tokens_per_s"] for m, r in rows.items()}}) + "\n")
+    assert f8["losses"][-1] < 0.7 * f8["losses"][0]  # it learns, so the comparison means something
+    assert f8["loss_rel_gap_max"] < 0.01, f8["loss_rel_gap_max"]
+    assert gap_to_bf16 < 0.03, gap_to_bf16
