@@ -19,7 +19,11 @@ own every unit. A call:
    parameters are planned as its own groups, hooked module by module. ``reshard_after_forward``
    defaults to FSDP2's: True for a unit, False for the root's own groups (used again at once by
    backward). All calls of one engine must agree on the mesh, ``mp_policy`` and ``offload_policy``,
-   since one engine has one of each.
+   since one engine has one of each. On CUDA a call that absorbs nothing runs on the ``collective``
+   transport: NVSHMEM's heap is sized once, by the first engine on it, and must hold the whole
+   model's rows, so the root's call, which absorbs the blocks', is the one that sizes it. A single
+   call on a whole model (no blocks) thus runs on NCCL collectives, with equal micro-batch counts
+   (``ODCShard(model)`` is the one-sided way to shard a model in one call).
 
 After a torchtitan script's calls, one engine owns the model: a minibatch costs the same two
 meetings as ``ODCShard``'s, micro-batch counts may differ per rank, and the standard loop, DCP and
@@ -228,7 +232,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     below = [m for m in module.modules() if m is not module and isinstance(m, ODCModule)]
     for m in below:
         _check_same(m._odc_settings, settings)
-    for root in dict.fromkeys(m._odc_settings.engine_root for m in below):
+    absorbed = list(dict.fromkeys(m._odc_settings.engine_root for m in below))
+    for root in absorbed:
         _absorb(root)
     ignored_all = set().union(ignored, *(m._odc_settings.ignored for m in below))
     named = [(n, p) for n, p in module.named_parameters() if p not in ignored_all]
@@ -237,7 +242,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     check_params(named)
     module._odc_settings = settings
     try:
-        engine = _build(module, named, settings, set(below))
+        engine = _build(module, named, settings, set(below), bool(absorbed))
     except BaseException:
         del module._odc_settings  # the module stays as it was (the units below keep plain parameters)
         raise
@@ -272,7 +277,14 @@ def _absorb(root: nn.Module) -> None:
         root.get_submodule(prefix)._parameters[leaf] = made[canonical]
 
 
-def _build(module: nn.Module, named, settings: UnitSettings, units: set) -> ShardEngine:
+def _transport(device: torch.device, absorbs: bool) -> str:
+    """Step 4's transport: NVSHMEM's heap is sized once, by the first engine on it, so a call that absorbs nothing (a
+    block, before its root) runs on ``collective`` on CUDA, and the call that absorbs the blocks' engines sizes the
+    heap for the whole model. Elsewhere (``shm`` on CPU) every engine is ``auto``'s."""
+    return "collective" if device.type == "cuda" and not absorbs else "auto"
+
+
+def _build(module: nn.Module, named, settings: UnitSettings, units: set, absorbs: bool) -> ShardEngine:
     """Step 4 of [fully-shard]: one engine over ``module``, ``units`` hooked as a whole."""
     on_meta = named[0][1].is_meta
     device = None
@@ -296,7 +308,7 @@ def _build(module: nn.Module, named, settings: UnitSettings, units: set) -> Shar
     mesh = ShardMesh(device, None, settings.mesh) if settings.mesh is not None else ShardMesh(device)
     engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype,
                          precision=resolve_precision(settings.mp_policy, param_dtype), group_bytes=GROUP_BYTES,
-                         comm="auto", reshard_after_forward=True, prefetch=1, overlap_push=True,
+                         comm=_transport(device, absorbs), reshard_after_forward=True, prefetch=1, overlap_push=True,
                          gather_masters=False, offload_policy=settings.offload_policy,
                          is_unit=lambda m: m in units, owner_of=owner_of)
     for g in engine.groups:
