@@ -22,6 +22,17 @@ from odcfsdp.sharding.float8 import convert_float8_linears, float8_problem
 from test_train import cli
 
 #: every dim a multiple of 16, so every linear but the head is converted
+def _cpu_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes rowwise scales (torch 2.11's takes per-tensor ones only)."""
+    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+ROWWISE_ON_CPU = _cpu_takes_rowwise_scales()
 CONFIG = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
 
 
@@ -163,7 +174,8 @@ def _sharded_float8_rank(recipe: str, batches, tokens) -> list[float]:
     return local
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.skipif(
+    not ROWWISE_ON_CPU, reason="this torch's CPU _scaled_mm takes per-tensor scales only"))])
 def test_a_float8_model_trains_alike_sharded_on_two_ranks_and_in_one_process(recipe):
     """The same float8 model, its micro-batches split over 2 ranks, against one plain process on both; and far
     from the same model without float8 (so float8 is what runs)."""
@@ -200,13 +212,16 @@ def test_fp8_bench(tmp_path):
     pytest.importorskip("torchao")
     from benchmarks import fp8_bench, harness
 
-    data = fp8_bench.main(["--cpu", "--layers", "2", "--steps", "4", "--warmup", "1", "--out", str(tmp_path)])
+    methods = [m for m in fp8_bench.METHODS if ROWWISE_ON_CPU or "rowwise" not in m]
+    data = fp8_bench.main(["--cpu", "--layers", "2", "--steps", "4", "--warmup", "1", "--out", str(tmp_path),
+                           "--methods", *methods])
     rows = {r["method"]: r for r in data["rows"]}
-    assert list(rows) == list(fp8_bench.METHODS)
+    assert list(rows) == methods
     assert all(r["tokens_per_s"] > 0 and len(r["losses"]) == 4 for r in rows.values())
     assert rows["odc_float8_tensorwise"]["losses"] == rows["fsdp2_float8"]["losses"]
     assert rows["odc_float8_tensorwise"]["loss_rel_gap_max"] == 0.0
-    assert rows["odc_bf16"]["loss_rel_gap_max"] > 1e-5 and rows["odc_float8_rowwise"]["loss_rel_gap_max"] > 1e-5
+    assert rows["odc_bf16"]["loss_rel_gap_max"] > 1e-5
+    assert not ROWWISE_ON_CPU or rows["odc_float8_rowwise"]["loss_rel_gap_max"] > 1e-5
     assert rows["odc_bf16"]["losses"][-1] < rows["odc_bf16"]["losses"][0]  # it learns
     assert harness.load_result(tmp_path / "fp8_bench.json") == data and set(data) == {"meta", "rows"}
     assert "| odc_float8_tensorwise |" in (tmp_path / "fp8_bench.md").read_text()
