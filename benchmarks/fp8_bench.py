@@ -50,6 +50,8 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (compilation)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="what parameters are gathered and computed in on CUDA (both methods)")
     p.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     p.add_argument("--cpu", action="store_true", help="a CPU smoke run (tiny sizes)")
     harness.add_common(p, out="results/fp8/local")
@@ -95,8 +97,9 @@ def build_model(args, compiled: bool):
     return Llama(cfg)
 
 
-def wrap(method: str, model, device: torch.device):
-    """The model as ``method`` trains it, and what runs after each optimizer step (FSDP2's scale precompute)."""
+def wrap(method: str, model, device: torch.device, param_dtype: torch.dtype = torch.bfloat16):
+    """The model as ``method`` trains it, and what runs after each optimizer step (FSDP2's scale precompute);
+    ``param_dtype`` the dtype parameters are gathered and computed in on CUDA, for both."""
     from odcfsdp import ODCShard
     from odcfsdp.models.llama import DecoderLayer
     from odcfsdp.sharding.float8 import convert_float8_linears, float8_eligible
@@ -106,7 +109,8 @@ def wrap(method: str, model, device: torch.device):
         if recipe and device.type != "cuda":  # the CPU smoke run: ODCShard(float8=) refuses CPU, the conversion not
             convert_float8_linears(model, recipe)
             recipe = None
-        return ODCShard(model.to(device), units=(DecoderLayer,), float8=recipe), lambda: None
+        dtype = param_dtype if device.type == "cuda" else None
+        return ODCShard(model.to(device), units=(DecoderLayer,), float8=recipe, param_dtype=dtype), lambda: None
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
@@ -114,7 +118,12 @@ def wrap(method: str, model, device: torch.device):
                                  enable_fsdp_float8_all_gather=device.type == "cuda")
     model = model.to(device)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: float8_eligible(m, fqn))
-    kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if device.type == "cuda" else {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # the mesh on the run's device: FSDP2's default mesh is CUDA's wherever CUDA is, the CPU smoke run's too
+    kwargs = {"mesh": init_device_mesh(device.type, (1,))}
+    if device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype, torch.float32)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for i, layer in enumerate(layers):
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
@@ -127,7 +136,7 @@ def train(method: str, args, data: list[torch.Tensor], device: torch.device) -> 
     from odcfsdp.models import causal_lm_loss
 
     model, after_step = wrap(method, build_model(args, compiled=not args.no_compile and device.type == "cuda"),
-                             device)
+                             device, getattr(torch, args.param_dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
     cuda = device.type == "cuda"
     if cuda:
