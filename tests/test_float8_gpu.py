@@ -31,8 +31,8 @@ def test_float8_tracks_torchao_fsdp2_float8_within_1pct_over_200_steps(tmp_path)
     pytest.importorskip("torchao")
     from benchmarks import fp8_bench
 
-    data = fp8_bench.main([*SHAPE, "--steps", "200", "--warmup", "5", "--out", str(tmp_path),
-                           "--param-dtype", "float32", "--methods", "odc_bf16", "odc_float8_tensorwise", "fsdp2_float8"])
+    data = fp8_bench.main([*SHAPE, "--steps", "200", "--warmup", "5", "--out", str(tmp_path), "--param-dtype",
+                           "float32", "--methods", "odc_bf16", "odc_float8_tensorwise", "fsdp2_float8"])
     rows = {r["method"]: r for r in data["rows"]}
     f8, bf16 = rows["odc_float8_tensorwise"], rows["odc_bf16"]
     gap_to_bf16 = abs(f8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"]
