@@ -46,7 +46,8 @@ def parse(run_dir: Path) -> tuple[list[dict], list[dict]]:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
         tests.append({"name": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                       "seconds": float(case.get("time", 0))})
-    measured = [json.loads(line) for line in (run_dir / "gpu_measured.jsonl").read_text().splitlines() if line]
+    lines = run_dir / "gpu_measured.jsonl"  # absent when no test of the run measured anything
+    measured = [json.loads(line) for line in lines.read_text().splitlines() if line] if lines.exists() else []
     return tests, measured
 
 
