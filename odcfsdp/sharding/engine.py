@@ -106,6 +106,12 @@ class ShardEngine:
         refuse_detaching(root)  # [transparent-wrapper]
         self.closed = False
 
+    def register_casts(self, modules) -> None:
+        """Also cast the forward inputs and outputs of ``modules`` as the precision says (``fully_shard``'s units,
+        as FSDP2 casts at every module it was called on); removed on ``close``."""
+        for m in modules:
+            self._cast_hooks += register_casts(m, self.precision)
+
     def check_intact(self) -> None:
         """Run before every forward: the model must still hold the parameters that were planned."""
         self.check_open()

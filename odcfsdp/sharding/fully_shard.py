@@ -11,12 +11,18 @@ own every unit. A call:
    ``dp_mesh_dims``, an int ``reshard_after_forward``), and so is a second call on one module;
 2. swaps the module's class for ``ODC<Class>`` (``ODCModule``'s methods over the module's own), as
    FSDP2 swaps in ``FSDP<Class>``, and records the call's settings on it;
-3. absorbs the engines earlier calls built below it (the blocks'): each gathers its full values
-   (one engine at a time, so at most one block's), is closed, and its modules get plain parameters
-   again. The blocks' own engines thus cost one gather of their parameters at set-up;
+3. absorbs the engines earlier calls built below it (the blocks'): each gathers its full values, is
+   closed, and its modules get plain parameters with those values again (meta ones if the engine
+   was built on the meta device: nothing to gather). So the blocks' own engines cost one gather of
+   their parameters at set-up, and for a moment every rank holds the blocks' full values again, as
+   before the first call (build the model on the meta device to never hold it whole). Everything
+   that can refuse the call is checked before this step, so a refused call leaves the model as it
+   was; settings made on a block since its call (``set_reshard_after_forward``, prefetch targets,
+   the divide factor) are kept on the module and applied again to the new engine;
 4. builds one engine over the module: the modules of earlier calls below it are its units (each one
    hook site, [hooks], whose groups hold no other unit's parameters), the module's remaining
-   parameters are planned as its own groups, hooked module by module. ``reshard_after_forward``
+   parameters are planned as its own groups, hooked module by module; ``mp_policy``'s input and
+   output casts run at every unit's forward, as FSDP2's. ``reshard_after_forward``
    defaults to FSDP2's: True for a unit, False for the root's own groups (used again at once by
    backward). All calls of one engine must agree on the mesh, ``mp_policy`` and ``offload_policy``,
    since one engine has one of each. On CUDA a call that absorbs nothing runs on the ``collective``
@@ -35,162 +41,16 @@ sync off until the last micro-batch (FSDP2's way to accumulate), the step sees t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import torch.nn as nn
 
 from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
 from .engine import ShardEngine
 from .mesh import ShardMesh
+from .odc_module import ODCModule, UnitSettings, UnshardHandle, apply_prefetch, odc_class
 from .precision import policy_param_dtype, resolve_precision
 
 GROUP_BYTES = 32 << 20  # ODCShard's default group budget
-
-
-@dataclass
-class UnitSettings:
-    """One ``fully_shard`` call's settings, kept on its module."""
-
-    mesh: Any
-    reshard_after_forward: bool | None
-    mp_policy: Any
-    offload_policy: Any
-    ignored: set = field(default_factory=set)
-    requires_gradient_sync: bool = True
-    engine_root: nn.Module | None = None  # the module whose engine this unit belongs to
-
-
-class UnshardHandle:
-    """What ``ODCModule.unshard(async_op=True)`` returns: ``wait()`` makes the gathered values usable."""
-
-    def __init__(self, groups):
-        self._groups = groups
-
-    def wait(self) -> None:
-        """Block the current stream until the gathers are done."""
-        for g in self._groups:
-            g.wait_ready()
-
-
-class ODCModule:
-    """The methods ``fully_shard`` adds to a module's class: FSDP2's ``FSDPModule`` methods that have an ODC
-    meaning. Each acts on this module's own unit (``recurse``: and every unit below it)."""
-
-    def __new__(cls, *args, **kwargs):
-        # As FSDP2's FSDPModule: constructing ODC<Class> directly builds a plain Class.
-        orig_cls = cls.__mro__[2]
-        self = orig_cls.__new__(orig_cls, *args, **kwargs)
-        self.__init__(*args, **kwargs)
-        return self
-
-    # -- which engine and groups --------------------------------------------------------------------------
-    @property
-    def _odc_engine(self) -> ShardEngine:
-        return self._odc_settings.engine_root.__dict__["_odc_engine_owned"]
-
-    def _odc_groups(self, recurse: bool = False) -> list:
-        engine = self._odc_engine
-        mods = [m for m in self.modules() if isinstance(m, ODCModule)] if recurse else [self]
-        owners = {id(m) for m in mods}
-        return [g for g in engine.groups if id(g.owner) in owners]
-
-    # -- FSDPModule's methods ----------------------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather this unit's parameters now (not recursive), as FSDP2's; they stay until ``reshard()`` or their
-        use in forward is over. With ``async_op`` the gather is queued and the returned handle's ``wait()``
-        makes it usable."""
-        groups = self._odc_groups()
-        for g in groups:
-            g.to_unsharded(ahead=async_op)
-        handle = UnshardHandle(groups)
-        if not async_op:
-            handle.wait()
-            return None
-        return handle
-
-    def reshard(self) -> None:
-        """Free this unit's gathered parameters (the modules hold their shards again)."""
-        for g in self._odc_groups():
-            g.to_sharded()
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Free this unit's parameters after their last use in forward (True) or keep them for backward."""
-        check_reshard_after_forward(reshard_after_forward)
-        for g in self._odc_groups(recurse):
-            g.reshard_after_forward = reshard_after_forward
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Free this unit's parameters after backward (True), or keep them gathered until the optimizer step's
-        finish ([lifecycle] 10), saving the next micro-batch's gathers for their memory."""
-        if not isinstance(reshard_after_backward, bool):
-            raise ValueError(f"reshard_after_backward must be True or False, got {reshard_after_backward!r}")
-        for g in self._odc_groups(recurse):
-            g.reshard_after_backward = reshard_after_backward
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Accepted, and changes nothing: every micro-batch's gradient is added into its owners' accumulators as
-        it is produced, with no collective to put off, so a step sees the same sum either way ([fully-shard])."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise ValueError(f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
-        for m in (self.modules() if recurse else [self]):
-            if isinstance(m, ODCModule):
-                m._odc_settings.requires_gradient_sync = requires_gradient_sync
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the gradients summed over ranks and micro-batches by ``factor`` (default: the data-parallel
-        ranks, so ``.grad`` is the mean; 1.0 keeps the sum). One factor serves the whole engine."""
-        self._odc_engine.lifecycle.set_divide_factor(factor)
-
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
-        """When this unit's forward starts, gather ``modules``' units ahead (instead of the recorded order's next
-        sites, [prefetch])."""
-        self._set_prefetch(modules, backward=False)
-
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        """When this unit's backward starts, gather ``modules``' units ahead (instead of the recorded order's)."""
-        self._set_prefetch(modules, backward=True)
-
-    def _set_prefetch(self, modules, backward: bool) -> None:
-        engine = self._odc_engine
-        site = engine.driver.site_of.get(self)
-        if site is None:
-            raise ValueError(f"{type(self).__name__} has no parameters of its own to gather, so no forward of it "
-                             "starts a prefetch; set the prefetch on a unit that has")
-        targets = []
-        for m in modules:
-            if not isinstance(m, ODCModule) or m._odc_engine is not engine or m not in engine.driver.site_of:
-                raise ValueError(f"can only prefetch fully_shard modules of the same model, got {type(m).__name__}")
-            targets += engine.driver.site_of[m]
-        engine.lifecycle.prefetch.set_explicit(site, targets, backward)
-
-    # -- state dicts: through the engine, so rows follow the values --------------------------------------
-    def state_dict(self, *args, **kwargs):  # type: ignore[override]
-        """The module's state dict: parameters are this rank's shards (DTensors), as FSDP2's."""
-        if "_odc_engine_owned" in self.__dict__:
-            self._odc_engine.reshard_all()  # a group kept for backward would otherwise show its unsharded form
-        return super().state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Set parameters and buffers from a state dict of shards or full values (collective at the root)."""
-        if "_odc_engine_owned" not in self.__dict__:
-            raise RuntimeError("load_state_dict on a fully_shard unit: load the root's state dict (the module the "
-                               "last fully_shard call was on), so every rank's rows change together")
-        if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the shards: values are copied into them")
-        from torch.nn.modules.module import _IncompatibleKeys
-
-        return _IncompatibleKeys(*self._odc_engine.shard_state.load_state_dict(self, state_dict, strict))
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _odc_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ODC{cls.__name__}", (ODCModule, cls), {})
-    return _CLASSES[cls]
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,
@@ -199,12 +59,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     """Shard ``module``'s parameters in place, as FSDP2's ``fully_shard``, on ODC's engine ([fully-shard]).
 
     Call it on each block, then on the root. After each call the module's parameters are this rank's shards
-    (DTensors, ``Shard(0)``), its class is ``ODC<Class>`` with ``ODCModule``'s methods, and it is returned. The
-    root's call gathers every unit's rows into one engine, so ranks meet once per minibatch and may run
-    different numbers of micro-batches.
+    (DTensors, ``Shard(0)``; the fp32 masters, whatever the model's dtype), its class is ``ODC<Class>`` with
+    ``ODCModule``'s methods, and it is returned. The root's call gathers every unit's rows into one engine, so
+    ranks meet once per minibatch and may run different numbers of micro-batches.
 
     Args:
-        module: the module to shard (a block, then the whole model).
+        module: the module to shard (a block, then the whole model). One module: FSDP2's list of modules (one unit
+            over several) is refused.
         mesh: a 1-D ``DeviceMesh`` to shard over, or 2-D ``("replicate", "shard")`` for HSDP; the default
             process group when None. Every call of one model uses the same.
         reshard_after_forward: free this unit's parameters after forward (True) or keep them for backward
@@ -217,7 +78,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         dp_mesh_dims: must be None.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"fully_shard takes one nn.Module, got {type(module).__name__} (FSDP2's list of modules, "
+                        "one unit over several, is not supported: call it on their parent, or on each)")
     if isinstance(module, ODCModule):
         raise ValueError(f"fully_shard was called on this {type(module).__name__} already: call it once per module")
     if shard_placement_fn is not None:
@@ -227,36 +89,63 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         raise ValueError("dp_mesh_dims is not supported: pass a 1-D mesh, or a 2-D (replicate, shard) mesh for HSDP")
     if reshard_after_forward is not None:
         check_reshard_after_forward(reshard_after_forward)
-    ignored = set(ignored_params or ())
-    settings = UnitSettings(mesh, reshard_after_forward, mp_policy, offload_policy, ignored)
+    settings = UnitSettings(mesh, reshard_after_forward, mp_policy, offload_policy, set(ignored_params or ()))
     below = [m for m in module.modules() if m is not module and isinstance(m, ODCModule)]
-    for m in below:
-        _check_same(m._odc_settings, settings)
-    absorbed = list(dict.fromkeys(m._odc_settings.engine_root for m in below))
+    ignored_all = set().union(settings.ignored, *(m._odc_settings.ignored for m in below))
+    _check_before_absorbing(module, below, settings, ignored_all)
+    absorbed = [r for r in dict.fromkeys(m._odc_settings.engine_root for m in below)
+                if r is not None and "_odc_engine_owned" in r.__dict__]
     for root in absorbed:
         _absorb(root)
-    ignored_all = set().union(ignored, *(m._odc_settings.ignored for m in below))
     named = [(n, p) for n, p in module.named_parameters() if p not in ignored_all]
-    if not named:
-        raise ValueError(f"{type(module).__name__} has no parameters to shard")
     check_params(named)
     module._odc_settings = settings
     try:
-        engine = _build(module, named, settings, set(below), bool(absorbed))
+        engine = _build(module, named, settings, below, bool(absorbed))
     except BaseException:
-        del module._odc_settings  # the module stays as it was (the units below keep plain parameters)
+        del module._odc_settings  # the module stays plain; the units below keep plain values for the next try
+        for m in below:
+            m._odc_settings.engine_root = None
         raise
-    module.__class__ = _odc_class(type(module))
+    module.__class__ = odc_class(type(module))
     module.__dict__["_odc_engine_owned"] = engine
-    units = [*below, module]
-    for m in units:
+    for m in [*below, module]:
         m._odc_settings.engine_root = module
     return module
 
 
+def _check_before_absorbing(module: nn.Module, below: list, settings: UnitSettings, ignored: set) -> None:
+    """Whatever can refuse the call, refused before step 3 changes anything ([fully-shard] 1)."""
+    for m in below:
+        _check_same(m._odc_settings, settings)
+    named = [(n, p) for n, p in module.named_parameters() if p not in ignored]
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameters to shard")
+    for name, p in named:
+        if p.dim() == 0:
+            raise ValueError(f"parameter {name!r} is 0-dimensional; parameters are sharded on dim 0 (as FSDP2 "
+                             "shards them): make it shape (1,)")
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
+        if getattr(p, "_odc", None) is None and not p.is_meta and p.numel() and not p.untyped_storage().nbytes():
+            # the original tensor of a parameter an earlier call sharded, still registered here: a tie across units
+            raise ValueError(f"parameter {name!r} is tied to a parameter of a module an earlier fully_shard call "
+                             "sharded, so this one no longer holds its values: tie parameters within one unit (call "
+                             "fully_shard on a module that holds every use of them)")
+
+
+def _policy(value, default_cls):
+    return default_cls() if value is None else value
+
+
 def _check_same(inner: UnitSettings, outer: UnitSettings) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    defaults = {"mp_policy": MixedPrecisionPolicy, "offload_policy": OffloadPolicy}
     for what in ("mesh", "mp_policy", "offload_policy"):
         a, b = getattr(inner, what), getattr(outer, what)
+        if what in defaults:  # None is FSDP2's default policy
+            a, b = _policy(a, defaults[what]), _policy(b, defaults[what])
         if a is not b and a != b:
             raise ValueError(f"fully_shard calls of one model must share {what}: a module below was given {a!r}, "
                              f"this call {b!r} (odcfsdp runs one engine per model)")
@@ -265,14 +154,18 @@ def _check_same(inner: UnitSettings, outer: UnitSettings) -> None:
 def _absorb(root: nn.Module) -> None:
     """Step 3 of [fully-shard]: close ``root``'s engine and give its modules plain parameters with their values."""
     engine = root.__dict__.pop("_odc_engine_owned")
-    trained = {s.name: lay.requires_grad for lay in engine.layouts for s in lay.slots}
-    full = engine.shard_state.full_state_dict()  # collective, like every call
+    slots = {s.name: (lay, s) for lay in engine.layouts for s in lay.slots}
+    on_meta = root._odc_settings.built_on_meta
+    full = {} if on_meta else engine.shard_state.full_state_dict()  # collective, like every call
     engine.close()
     made: dict[str, nn.Parameter] = {}
-    for name, value in full.items():
+    for name in [*slots, *engine.aliases]:
         canonical = engine.aliases.get(name, name)
         if canonical not in made:
-            made[canonical] = nn.Parameter(value.to(engine.mesh.device), requires_grad=trained[canonical])
+            lay, slot = slots[canonical]
+            value = (torch.empty(slot.shape, dtype=lay.dtype, device="meta") if on_meta
+                     else full[canonical].to(engine.mesh.device))
+            made[canonical] = nn.Parameter(value, requires_grad=lay.requires_grad)
         prefix, _, leaf = name.rpartition(".")
         root.get_submodule(prefix)._parameters[leaf] = made[canonical]
 
@@ -284,8 +177,8 @@ def _transport(device: torch.device, absorbs: bool) -> str:
     return "collective" if device.type == "cuda" and not absorbs else "auto"
 
 
-def _build(module: nn.Module, named, settings: UnitSettings, units: set, absorbs: bool) -> ShardEngine:
-    """Step 4 of [fully-shard]: one engine over ``module``, ``units`` hooked as a whole."""
+def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorbs: bool) -> ShardEngine:
+    """Step 4 of [fully-shard]: one engine over ``module``, the modules ``below`` hooked as units."""
     on_meta = named[0][1].is_meta
     device = None
     if on_meta:  # as FSDP2: the mesh's device type, the current device of it
@@ -295,6 +188,7 @@ def _build(module: nn.Module, named, settings: UnitSettings, units: set, absorbs
     device = shard_device(named, device)
     wanted = policy_param_dtype(settings.mp_policy, None)
     param_dtype = compute_dtype(named, device, wanted or named[0][1].dtype)
+    units = set(below)
     prefixes = {prefix: m for prefix, m in module.named_modules() if m in units}
 
     def owner_of(name: str) -> nn.Module:
@@ -306,15 +200,24 @@ def _build(module: nn.Module, named, settings: UnitSettings, units: set, absorbs
         return module
 
     mesh = ShardMesh(device, None, settings.mesh) if settings.mesh is not None else ShardMesh(device)
-    engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype,
-                         precision=resolve_precision(settings.mp_policy, param_dtype), group_bytes=GROUP_BYTES,
-                         comm=_transport(device, absorbs), reshard_after_forward=True, prefetch=1, overlap_push=True,
-                         gather_masters=False, offload_policy=settings.offload_policy,
-                         is_unit=lambda m: m in units, owner_of=owner_of)
+    precision = resolve_precision(settings.mp_policy, param_dtype)
+    engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype, precision=precision,
+                         group_bytes=GROUP_BYTES, comm=_transport(device, absorbs), reshard_after_forward=True,
+                         prefetch=1, overlap_push=True, gather_masters=False,
+                         offload_policy=settings.offload_policy, is_unit=lambda m: m in units, owner_of=owner_of)
+    engine.register_casts(below)  # FSDP2 casts at every fully_shard module's forward
+    settings.built_on_meta = on_meta
     for g in engine.groups:
         g.owner = owner_of(g.layout.slots[0].name)
-        own = g.owner._odc_settings.reshard_after_forward
-        g.reshard_after_forward = own if own is not None else g.owner is not module
+        unit = g.owner._odc_settings
+        g.reshard_after_forward = (unit.reshard_after_forward if unit.reshard_after_forward is not None
+                                   else g.owner is not module)
+        g.reshard_after_backward = unit.reshard_after_backward
+    for m in [*below, module]:  # settings made on the units since their calls
+        if m._odc_settings.divide_factor is not None:
+            engine.lifecycle.set_divide_factor(m._odc_settings.divide_factor)
+        for backward, targets in m._odc_settings.prefetch.items():
+            apply_prefetch(m, engine, targets, backward)
     return engine
 
 

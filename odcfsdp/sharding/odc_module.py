@@ -1,0 +1,188 @@
+"""``ODCModule``: what ``fully_shard`` adds to a module's class ([fully-shard] in ``fully_shard.py``).
+
+FSDP2's ``FSDPModule`` methods that have an ODC meaning, over the groups of one unit. A setting made
+before the root's call (on a block whose engine the root's call absorbs) is kept in the unit's
+``UnitSettings`` and applied again to the engine that owns the unit in the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from .arguments import check_reshard_after_forward
+from .engine import ShardEngine
+
+
+@dataclass
+class UnitSettings:
+    """One ``fully_shard`` call's settings, and those set on its module since, kept on the module."""
+
+    mesh: Any
+    reshard_after_forward: bool | None
+    mp_policy: Any
+    offload_policy: Any
+    ignored: set = field(default_factory=set)
+    requires_gradient_sync: bool = True
+    reshard_after_backward: bool = True
+    divide_factor: float | None = None
+    prefetch: dict = field(default_factory=dict)  # backward (bool) -> the modules to gather ahead
+    built_on_meta: bool = False  # its engine planned a meta model (absorbing gives meta parameters back)
+    engine_root: nn.Module | None = None  # the module whose engine this unit belongs to
+
+
+class UnshardHandle:
+    """What ``ODCModule.unshard(async_op=True)`` returns: ``wait()`` makes the gathered values usable."""
+
+    def __init__(self, groups):
+        self._groups = groups
+
+    def wait(self) -> None:
+        """Block the current stream until the gathers are done."""
+        for g in self._groups:
+            g.wait_ready()
+
+
+class ODCModule:
+    """The methods ``fully_shard`` adds to a module's class: FSDP2's ``FSDPModule`` methods that have an ODC
+    meaning. Each acts on this module's own unit (``recurse``: and every unit below it)."""
+
+    def __new__(cls, *args, **kwargs):
+        # As FSDP2's FSDPModule: constructing ODC<Class> directly builds a plain Class.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a fully_shard module cannot be deep-copied (its parameters are this rank's shards, bound to "
+                        "the model's engine): copy the model before fully_shard, as with FSDP2")
+
+    # -- which engine and groups --------------------------------------------------------------------------
+    @property
+    def _odc_engine(self) -> ShardEngine:
+        root = self._odc_settings.engine_root
+        engine = None if root is None else root.__dict__.get("_odc_engine_owned")
+        if engine is None:
+            raise RuntimeError(f"this {type(self).__name__}'s model is not sharded: the fully_shard call on its root "
+                               "failed; call it again")
+        return engine
+
+    def _odc_units(self, recurse: bool) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, ODCModule)] if recurse else [self]
+
+    def _odc_groups(self, recurse: bool = False) -> list:
+        owners = {id(m) for m in self._odc_units(recurse)}
+        return [g for g in self._odc_engine.groups if id(g.owner) in owners]
+
+    # -- FSDPModule's methods ----------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this unit's parameters now (not recursive), as FSDP2's; they stay until ``reshard()`` or their
+        use in forward is over. With ``async_op`` the gather is queued and the returned handle's ``wait()``
+        makes it usable."""
+        groups = self._odc_groups()
+        for g in groups:
+            g.to_unsharded(ahead=async_op)
+        handle = UnshardHandle(groups)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters (the modules hold their shards again)."""
+        for g in self._odc_groups():
+            g.to_sharded()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free this unit's parameters after their last use in forward (True) or keep them for backward."""
+        check_reshard_after_forward(reshard_after_forward)
+        for m in self._odc_units(recurse):
+            m._odc_settings.reshard_after_forward = reshard_after_forward
+        for g in self._odc_groups(recurse):
+            g.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free this unit's parameters after backward (True), or keep them gathered until the optimizer step's
+        finish ([lifecycle] 10), saving the next micro-batch's gathers for their memory."""
+        if not isinstance(reshard_after_backward, bool):
+            raise ValueError(f"reshard_after_backward must be True or False, got {reshard_after_backward!r}")
+        for m in self._odc_units(recurse):
+            m._odc_settings.reshard_after_backward = reshard_after_backward
+        for g in self._odc_groups(recurse):
+            g.reshard_after_backward = reshard_after_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Accepted, and changes nothing: every micro-batch's gradient is added into its owners' accumulators as
+        it is produced, with no collective to put off, so a step sees the same sum either way ([fully-shard])."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ValueError(f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
+        for m in self._odc_units(recurse):
+            m._odc_settings.requires_gradient_sync = requires_gradient_sync
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the gradients summed over ranks and micro-batches by ``factor`` (default: the data-parallel
+        ranks, so ``.grad`` is the mean; 1.0 keeps the sum). One factor serves the whole engine."""
+        engine = self._odc_engine
+        engine.lifecycle.set_divide_factor(factor)
+        self._odc_settings.divide_factor = float(factor)
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """When this unit's forward starts, gather ``modules``' units ahead (instead of the recorded order's next
+        sites, [prefetch])."""
+        self._set_prefetch(list(modules), backward=False)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """When this unit's backward starts, gather ``modules``' units ahead (instead of the recorded order's)."""
+        self._set_prefetch(list(modules), backward=True)
+
+    def _set_prefetch(self, modules: list[nn.Module], backward: bool) -> None:
+        self._odc_settings.prefetch[backward] = modules
+        apply_prefetch(self, self._odc_engine, modules, backward)
+
+    # -- state dicts: through the engine, so rows follow the values --------------------------------------
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        """The module's state dict: parameters are this rank's shards (DTensors), as FSDP2's."""
+        if "_odc_engine_owned" in self.__dict__:
+            self._odc_engine.reshard_all()  # a group kept for backward would otherwise show its unsharded form
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Set parameters and buffers from a state dict of shards or full values (collective at the root)."""
+        if "_odc_engine_owned" not in self.__dict__:
+            raise RuntimeError("load_state_dict on a fully_shard unit: load the root's state dict (the module the "
+                               "last fully_shard call was on), so every rank's rows change together")
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the shards: values are copied into them")
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        return _IncompatibleKeys(*self._odc_engine.shard_state.load_state_dict(self, state_dict, strict))
+
+
+def apply_prefetch(module: nn.Module, engine: ShardEngine, modules: list[nn.Module], backward: bool) -> None:
+    """Gather ``modules``' sites ahead when ``module``'s site starts (in backward if ``backward``)."""
+    site = engine.driver.site_of.get(module)
+    if site is None:
+        raise ValueError(f"{type(module).__name__} has no parameters of its own to gather, so no forward of it "
+                         "starts a prefetch; set the prefetch on a unit that has")
+    targets = []
+    for m in modules:
+        if not isinstance(m, ODCModule) or m not in engine.driver.site_of:
+            raise ValueError(f"can only prefetch fully_shard modules of the same model, got {type(m).__name__}")
+        targets += engine.driver.site_of[m]
+    engine.lifecycle.prefetch.set_explicit(site, targets, backward)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def odc_class(cls: type) -> type:
+    """``ODC<cls>``: ``ODCModule``'s methods over ``cls``'s (made once per class)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ODC{cls.__name__}", (ODCModule, cls), {})
+    return _CLASSES[cls]
+
+
+__all__ = ["ODCModule", "UnitSettings", "UnshardHandle", "apply_prefetch", "odc_class"]
