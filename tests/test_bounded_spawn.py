@@ -46,7 +46,9 @@ def test_a_hung_rank_times_out_in_bound_and_names_its_line():
 
 
 def _fail_on_0_hang_on_1() -> None:
+    dist.barrier()  # both ranks started (on busy cores rank 1 was still importing when rank 0 failed at once)
     if dist.get_rank() == 0:
+        time.sleep(2.0)  # rank 1 is inside hang_here_forever by then, where its stack is to show it
         raise ValueError("rank 0 gives up")
     hang_here_forever()
 
