@@ -278,3 +278,40 @@ def test_a_float8_gather_model_saves_masters_and_loads_its_casts_back(tmp_path):
     """Checkpoints hold the fp32 masters; loading them into a model of other values recasts its float8 rows (the
     load's change meeting carries the amaxes): the same scales, the same outputs to the bit."""
     assert spawn(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"), timeout=300) == [True, True]
+
+
+def _casts_with_gather_masters() -> int:
+    model = _sharded("shm", gather_masters=True)  # the other groups' rows are their fp32 masters; float8 rows not
+    assert all(model.transport.rows[lay.index].dtype == (FLOAT8_DTYPE if lay.float8 else torch.float32)
+               for lay in model.layouts)
+    _train(model, [[step[dist.get_rank()]] for step in _batches(2, steps=2)], TOKENS)
+    checked = _check_casts(model)
+    model.close()
+    return checked
+
+
+def test_gather_masters_keeps_float8_rows_apart_from_the_masters():
+    """With ``gather_masters`` the float8 groups still keep a float8 row next to their fp32 master, cast as ever."""
+    assert spawn(_casts_with_gather_masters, 2, timeout=300) == [FLOAT8_WEIGHTS] * 2
+
+
+def test_rowwise_layers_and_the_switch_off_gather_param_dtype_in_one_process():
+    """One process, no process group: rowwise float8 layers, or tensorwise ones with ``float8_gather=False``, plan
+    no float8 group; tensorwise with the switch on trains as the plain float8 model does, to the bit. A switch that is
+    not a bool is refused in one line, before the model is converted."""
+    from odcfsdp import ODCShard
+
+    with mock.patch.object(float8, "float8_problem", return_value=None):
+        rowwise = ODCShard(_float8_llama(None), float8="rowwise", comm="shm", float8_gather=True)
+        off = ODCShard(_float8_llama(None), float8="tensorwise", comm="shm")
+        on = ODCShard(_float8_llama(None), float8="tensorwise", comm="shm", float8_gather=True)
+        model = _float8_llama(None)
+        with pytest.raises(TypeError, match=r"^float8_gather must be True or False, got 'yes'$"):
+            ODCShard(model, float8="tensorwise", float8_gather="yes")
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    assert not any(lay.float8 for lay in rowwise.layouts) and not any(lay.float8 for lay in off.layouts)
+    assert sum(len(lay.slots) for lay in on.layouts if lay.float8) == FLOAT8_WEIGHTS
+    batches = [[torch.cat(step)] for step in _batches(2)]  # both ranks' micro-batches as one
+    assert _train(on, batches, TOKENS) == _train(_float8_llama("tensorwise"), batches, TOKENS)
+    for m in (rowwise, off, on):
+        m.close()

@@ -143,9 +143,9 @@ class ODCShard(nn.Module):
         self.precision = resolve_precision(mp_policy, param_dtype)
         units = check_units(units, module)
         check_numbers(prefetch, timeout)
-        self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
         if not isinstance(float8_gather, bool):
             raise TypeError(f"float8_gather must be True or False, got {float8_gather!r}")
+        self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
         float8_weights = float8_gathered(module, named) if float8_gather else {}
 
         self.module = module
