@@ -47,8 +47,9 @@ the whole weight, bit for bit: a float8-gather model trains exactly as one proce
 ``Float8Linear``s and as FSDP2's float8 all-gather (``tests/test_float8_gather.py``). Built, by step
 of [lifecycle] (``float8_rows.py`` holds the machinery):
 
-1. plan: the ``Float8Linear`` weights of the tensorwise recipe (``float8_gathered``; not one tied to
-   another module, whose other users want plain values) go into groups of their own
+1. plan: the weights of ``Float8Linear`` layers that cast tensorwise (``float8_gathered``:
+   ``float8="tensorwise"``'s, or layers converted before wrapping; not a weight tied to another
+   module, whose other users want plain values) go into groups of their own
    (``GroupLayout.float8``), counted at 1 byte a parameter against ``group_bytes``; their rows are
    ``float8_e4m3fn``, their unsharded buffer too, while their gradient buffer keeps ``param_dtype``
    (``FlatGroup.grad_dtype``), their accumulator ``reduce_dtype`` and their master fp32.
@@ -77,8 +78,10 @@ of [lifecycle] (``float8_rows.py`` holds the machinery):
 5. the collective transport's all-gather moves the same float8 rows as bytes.
 
 Costs and limits: the owner's cast is one pass over its float8 master slices a step (FSDP2 casts its
-shard at every all-gather instead); on the nvshmem transport the cast adds one device-side all-reduce
-and one ``quiesce`` per step; the scales are exact only for fp32 (or wider) masters, which masters are.
+shard at every all-gather instead), one small kernel per weight; on the nvshmem transport the cast
+adds one device-side all-reduce and one ``quiesce`` per step. With ``gather_masters`` the other groups'
+rows are their masters, the float8 groups keep their float8 row. ``ODCShard.unsharded()`` shows a
+float8 weight in its float8 form (``full_state_dict`` and checkpoints read the fp32 masters).
 ``float8_gather`` is off by default until the GPU checks of issue 35 have run with it
 (``benchmarks/gpu_suite.sh``: ``tests_float8``, ``fp8_1gpu``, ``fp8_8b_balanced``).
 

@@ -256,7 +256,9 @@ class ODCShard(nn.Module):
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
-        """Context in which every parameter holds its full value (collective: all ranks enter)."""
+        """Context in which every parameter holds its full value (collective: all ranks enter). A weight gathered in
+        float8 (``float8_gather``) holds its float8 form, a ``Float8TrainingTensor``: read masters with
+        ``full_state_dict`` instead."""
         with self.engine.unsharded():
             yield
 
