@@ -77,8 +77,9 @@ of [lifecycle] (``float8_rows.py`` holds the machinery):
    returns in ``param_dtype``, accumulates into the group's gradient buffer as any other's.
 5. the collective transport's all-gather moves the same float8 rows as bytes.
 
-Costs and limits: the owner's cast is one pass over its float8 master slices a step (FSDP2 casts its
-shard at every all-gather instead), one small kernel per weight; on the nvshmem transport the cast
+Costs and limits: the owner's cast is one pass over its float8 master rows a step (FSDP2 casts its
+shard at every all-gather instead), a few kernels per group (each element scaled by its weight's
+scale, ``repeat_interleave``d over the segments); on the nvshmem transport the cast
 adds one device-side all-reduce and one ``quiesce`` per step. With ``gather_masters`` the other groups'
 rows are their masters, the float8 groups keep their float8 row. ``ODCShard.unsharded()`` shows a
 float8 weight in its float8 form (``full_state_dict`` and checkpoints read the fp32 masters).

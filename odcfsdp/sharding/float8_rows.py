@@ -83,6 +83,12 @@ class Float8Rows:
     def attach(self, groups) -> None:
         """The model's groups are built: those of float8 layouts are the ones cast."""
         self.groups = {g.index: g for g in groups if g.layout.float8}
+        device = self.scales.device
+        # per group: its weights' scale numbers and segment lengths, so that one expansion gives every element of
+        # the row its weight's scale (padding too: zero in the master, zero in the row)
+        self._numbers = {gi: torch.tensor([self._number[(gi, i)] for i in range(len(g.layout.slots))], device=device)
+                         for gi, g in self.groups.items()}
+        self._segs = {gi: torch.tensor([s.seg for s in g.layout.slots], device=device) for gi, g in self.groups.items()}
 
     def wrap(self, layout: GroupLayout) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
         """For each parameter of a float8 group, what makes its unsharded form from its view of the group's float8
@@ -119,10 +125,10 @@ class Float8Rows:
         (``CommStreams.zero_around_meeting``'s ``rows_after`` orders that)."""
         with torch.no_grad():
             self.scales.copy_(scales_from_amaxes(table.to(self.scales.device)))
-            for (gi, i), master in zip(self.slots, self._masters()):
-                g = self.groups[gi]
-                g.layout.local_view(g.row, i, g.rank).copy_(to_float8(master.to(g.row.device), self.scales[
-                    self._number[(gi, i)]]))
+            for gi, g in self.groups.items():  # a few kernels a group, not a few a weight (launches: 224 in 8B)
+                scale = torch.repeat_interleave(self.scales[self._numbers[gi]], self._segs[gi],
+                                                output_size=g.layout.row_len)  # no host sync for the size
+                g.row.copy_(to_float8(g.master.to(g.row.device), scale))
 
 
 __all__ = ["EPS", "Float8Rows", "float8_gathered", "scales_from_amaxes", "to_float8"]
