@@ -202,7 +202,9 @@ def test_the_float8_settings_reach_odcshard_from_the_config():
     cfg = config_from({"shard": {"float8": "tensorwise"}})
     assert shard_arguments(cfg.shard, built)["float8"] == "tensorwise"
     assert shard_arguments(config_from({"shard": {"float8": "none"}}).shard, built)["float8"] is None
-    assert dataclasses.fields(type(cfg.shard))[-2].name == "float8"  # before the config-only replicas
+    assert [f.name for f in dataclasses.fields(type(cfg.shard))][-3:] == ["float8", "float8_gather", "replicas"]
+    assert shard_arguments(config_from({"shard": {"float8": "tensorwise", "float8_gather": True}}).shard,
+                           built)["float8_gather"] is True
 
 
 def test_fp8_bench(tmp_path):
