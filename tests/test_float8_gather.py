@@ -315,3 +315,27 @@ def test_rowwise_layers_and_the_switch_off_gather_param_dtype_in_one_process():
     assert _train(on, batches, TOKENS) == _train(_float8_llama("tensorwise"), batches, TOKENS)
     for m in (rowwise, off, on):
         m.close()
+
+
+def _meet_apart() -> str:
+    from odcfsdp.sharding.meetings import Meeting
+
+    model = _sharded("shm")
+    try:
+        if dist.get_rank() == 0:
+            model.protocol.meet(Meeting.SYNC)  # reads .grad while rank 1 finishes its step
+        else:
+            model.protocol.meet_carrying(Meeting.FINISH, model.engine.float8.amaxes(torch.device("cpu")))
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        model.close()
+    return "no error"
+
+
+def test_ranks_at_different_meetings_get_the_disagreement_error_not_a_hang():
+    """A sync carries no amaxes but has the finish's row length (zeros), so ranks at different meetings read one
+    table and raise the same one-line error, as without float8."""
+    errors = spawn(_meet_apart, 2, timeout=120)
+    assert errors[0] == errors[1] and errors[0].startswith("ranks disagree about the minibatch (rank 0: sync of "
+                                                           "minibatch 0"), errors

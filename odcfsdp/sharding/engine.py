@@ -107,6 +107,7 @@ class ShardEngine:
         if on_meta:
             materialize_buffers(root, device)
         if self.float8 is not None:  # the first float8 rows: the scales need every rank's amaxes (one all-gather)
+            self.protocol.meetings.carry_len = len(self.float8.slots)
             self.float8.attach(self.groups)
             self.float8.cast(mesh.all_gather_rows(self.float8.amaxes(mesh.device)))
         mesh.barrier()  # every row written before anyone may read it

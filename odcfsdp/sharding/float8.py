@@ -56,7 +56,9 @@ of [lifecycle] (``float8_rows.py`` holds the machinery):
 2. finish (step 10), before the meeting: each rank takes the inf-norm of each float8 weight's slice of
    its master (``Float8Rows.amaxes``: one ``_foreach_norm``, no copy) and appends them to its meeting
    row: the meeting's all-gather (``Meetings.meet_carrying``) moves a float64 row (the counts stay
-   exact below 2**53), so the max over ranks costs no collective of its own. ``publish`` leaves
+   exact below 2**53), so the max over ranks costs no collective of its own. Every meeting of such a
+   model has that row length (zeros where nothing is carried), so ranks at different meetings still
+   read one table and raise the same disagreement error. ``publish`` leaves
    float8 rows alone: without the scales there is nothing to cast with.
 3. finish, after the meeting: every rank computes every scale from the same table (so scales need no
    gather) and casts its master slices into its row (``Float8Rows.cast``). Peers may gather right

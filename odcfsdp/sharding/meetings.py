@@ -50,6 +50,7 @@ class Meetings:
         self.mesh = mesh
         self.transport_name = transport_name
         self.uneven_micro_batches = uneven_micro_batches
+        self.carry_len = 0  # what every meeting carries (the float8 amaxes, [float8-gather]): set by the engine
 
     def meet(self, kind: Meeting, minibatch: int, skipped_passes: int, pushes: int) -> int:
         """One meeting of all ranks; returns the pushes of every rank. Raises alike on every rank if they disagree.
@@ -67,6 +68,8 @@ class Meetings:
         the ``(ranks, len)`` table of every rank's ``carry``. The row is float64 (counts stay exact below 2**53), so
         carrying costs no collective of its own."""
         self.mesh.arrive(f"the {kind.name.lower()} meeting of minibatch {minibatch}")  # [watchdog]
+        if carry is None and self.carry_len:  # every meeting's row has one length: ranks at different meetings
+            carry = torch.zeros(self.carry_len, dtype=torch.float64)  # get the disagreement error, not a hang
         mine = torch.tensor([int(kind), minibatch, skipped_passes, pushes], dtype=torch.float64,
                             device=self.mesh.device)
         if carry is not None:
