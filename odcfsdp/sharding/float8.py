@@ -29,7 +29,7 @@ check that a converted model trains alike sharded and in one process.
 
 Design note [float8-gather]
 ---------------------------
-With tensorwise scaling and ``ODCShard(float8_gather=True)``, peers gather float8 bytes, one byte a
+With tensorwise scaling and ``ODCShard(float8_gather=True)`` peers gather float8 bytes, one byte a
 parameter (half of bf16's), plus one fp32 scale per weight that no one gathers: FSDP2 does the same
 with torchao's ``enable_fsdp_float8_all_gather`` (each local shard a ``WeightWithDynamicFloat8CastTensor``
 whose ``fsdp_pre_all_gather`` casts it with a scale ``precompute_float8_dynamic_scale_for_fsdp``
@@ -44,7 +44,8 @@ The maths, for weight w whose fp32 master slices ``M_r,w`` ranks r hold:
 and the matmul divides by ``s_w`` (torchao's ``_scaled_mm`` with the reciprocal). The cast is
 elementwise, so casting each slice with the whole weight's scale gives the slices of torchao's cast of
 the whole weight, bit for bit: a float8-gather model trains exactly as one process running the same
-``Float8Linear``s and as FSDP2's float8 all-gather (``tests/test_float8_gather.py``). Built, by step
+``Float8Linear``s and as FSDP2's float8 all-gather (``tests/test_float8_gather.py``, fp32 on CPU;
+config key ``shard.float8_gather``). Built, by step
 of [lifecycle] (``float8_rows.py`` holds the machinery):
 
 1. plan: the weights of ``Float8Linear`` layers that cast tensorwise (``float8_gathered``:
