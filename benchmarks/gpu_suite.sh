@@ -16,8 +16,8 @@
 # hf_1b_vs_llama_1b (HF Llama-3.2-1B shape vs our 1B, same workload, one call; fits one GPU),
 # hf_finetune_longtail (the CLI on long-tailed chats next to the e2e bench's odc run of the same model;
 # fits one GPU), sim_heldout_8b (issue 31: the step simulator's next held-out 8B run, another seed and 2 samples
-# per GPU), tests_float8 (issue 35: float8 against torchao + FSDP2 float8 over 200 steps, bf16 rows gathered and,
-# with float8_gather, float8 ones; one GPU of compute capability 8.9+, torchao carried as a wheel; and the CPU float8
+# per GPU), tests_float8 (issue 35: float8 against torchao + FSDP2 float8 over 200 steps, bf16 rows gathered, and
+# in a test of its own float8 ones, float8_gather; one GPU of compute capability 8.9+, torchao carried as a wheel; and the CPU float8
 # tests, the float8 gather's among them), fp8_1gpu (issue 35: benchmarks/fp8_bench.py, 8B-shaped layers on one
 # GPU: bf16, float8 tensorwise and rowwise, tensorwise with float8_gather, torchao + FSDP2 float8), fp8_8b_balanced
 # (issue 35: the 8B model, odc float8 gathering float8 rows, --float8-gather, against

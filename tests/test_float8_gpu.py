@@ -26,12 +26,12 @@ SHAPE = ["--layers", "2", "--dim", "1024", "--ffn", "2816", "--heads", "8", "--k
 
 def test_float8_tracks_torchao_fsdp2_float8_within_1pct_over_200_steps(tmp_path):
     """Every step's loss within 1% of torchao + FSDP2 float8 at the same step (the issue's bar), bf16 parameters for
-    both, with bf16 rows gathered and with float8 ones (``float8_gather``); and float8's final loss within 3% of bf16's (torchao reports float8 loss curves that track bf16's)."""
+    both; and float8's final loss within 3% of bf16's (torchao reports float8 loss curves that track bf16's)."""
     pytest.importorskip("torchao")
     from benchmarks import fp8_bench
 
     data = fp8_bench.main([*SHAPE, "--steps", "200", "--warmup", "5", "--out", str(tmp_path),
-                           "--methods", "odc_bf16", "odc_float8_tensorwise", "odc_float8_gather", "fsdp2_float8"])
+                           "--methods", "odc_bf16", "odc_float8_tensorwise", "fsdp2_float8"])
     rows = {r["method"]: r for r in data["rows"]}
     f8, bf16 = rows["odc_float8_tensorwise"], rows["odc_bf16"]
     gap_to_bf16 = abs(f8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"]
@@ -48,8 +48,26 @@ def test_float8_tracks_torchao_fsdp2_float8_within_1pct_over_200_steps(tmp_path)
     # 11.1% for bf16 vs it; 0.11% over the last 20 steps). Measured at 5b19202 (results/fp8/numerics_5b19202): at
     # 1e-4, 0.64% at most (bf16 parameters), 0.27% (fp32); at 3e-4, 1.16% (bf16).
     assert f8["loss_rel_gap_max"] < 0.01, (f8["loss_rel_gap_max"], f8["loss_rel_gap_argmax"])
-    # [float8-gather]: the owners cast their fp32 masters, as FSDP2's float8 all-gather casts its fp32 shards (the same
-    # formula; only the other casts and the kernels' sums differ): the same bar, not yet measured on a GPU
-    gathered = rows["odc_float8_gather"]
-    assert gathered["loss_rel_gap_max"] < 0.01, (gathered["loss_rel_gap_max"], gathered["loss_rel_gap_argmax"])
     assert gap_to_bf16 < 0.03, gap_to_bf16
+
+
+def test_float8_gather_tracks_torchao_fsdp2_float8_within_1pct_over_200_steps(tmp_path):
+    """[float8-gather] (``float8_gather=True``): the owners cast their fp32 masters with the whole weights' scales, as
+    FSDP2's float8 all-gather casts its fp32 shards, so every step's loss is held to the same 1% of torchao + FSDP2
+    float8 (a test of its own: a failure of the float8 gather leaves the test above standing). Not yet run on a
+    GPU (gpu_suite section tests_float8)."""
+    pytest.importorskip("torchao")
+    from benchmarks import fp8_bench
+
+    data = fp8_bench.main([*SHAPE, "--steps", "200", "--warmup", "5", "--out", str(tmp_path),
+                           "--methods", "odc_float8_gather", "fsdp2_float8"])
+    gathered = {r["method"]: r for r in data["rows"]}["odc_float8_gather"]
+    if os.environ.get("ODC_RESULTS"):
+        with open(os.environ["ODC_RESULTS"], "a") as f:
+            f.write(json.dumps({"test": "float8_gather_vs_fsdp2_float8", "loss_rel_gap": gathered["loss_rel_gap"],
+                                "loss_rel_gap_max": gathered["loss_rel_gap_max"],
+                                "argmax": gathered["loss_rel_gap_argmax"],
+                                "losses": {r["method"]: r["losses"] for r in data["rows"]},
+                                "tokens_per_s": {r["method"]: r["tokens_per_s"] for r in data["rows"]}}) + "\n")
+    assert gathered["losses"][-1] < 0.7 * gathered["losses"][0]  # it learns
+    assert gathered["loss_rel_gap_max"] < 0.01, (gathered["loss_rel_gap_max"], gathered["loss_rel_gap_argmax"])
