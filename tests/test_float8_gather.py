@@ -339,3 +339,28 @@ def test_ranks_at_different_meetings_get_the_disagreement_error_not_a_hang():
     errors = spawn(_meet_apart, 2, timeout=120)
     assert errors[0] == errors[1] and errors[0].startswith("ranks disagree about the minibatch (rank 0: sync of "
                                                            "minibatch 0"), errors
+
+
+def test_frozen_float8_weights_are_gathered_in_float8_too():
+    """One process: the attention weights frozen (requires_grad off before wrapping) are planned into float8 groups of
+    their own, without accumulators, and cast as the trained ones: training equals the plain float8 model's to the
+    bit, and the frozen weights do not move."""
+    from odcfsdp import ODCShard
+
+    def frozen(model):
+        for name, p in model.named_parameters():
+            p.requires_grad_(".self_attn." not in name)
+        return model
+
+    with mock.patch.object(float8, "float8_problem", return_value=None):
+        model = ODCShard(frozen(_float8_llama(None)), float8="tensorwise", comm="shm", float8_gather=True)
+    cold = [lay for lay in model.layouts if lay.float8 and not lay.requires_grad]
+    assert sum(len(lay.slots) for lay in cold) == 2 * 4 and all(model.transport.accumulators[lay.index] is None
+                                                                for lay in cold)
+    before = {n: v.clone() for n, v in model.full_state_dict().items() if ".self_attn." in n}
+    batches = [[torch.cat(step)] for step in _batches(2)]
+    reference = frozen(_float8_llama("tensorwise"))
+    assert _train(model, batches, TOKENS) == _train(reference, batches, TOKENS)
+    after = model.full_state_dict()
+    assert before and all(torch.equal(v, after[n]) for n, v in before.items())
+    model.close()
