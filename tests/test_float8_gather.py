@@ -28,14 +28,16 @@ TOKENS = 2 * 16 * 2  # the target tokens of a step's two micro-batches (one per 
 GATHERS = ("all_gather_single", "all_gather_into_tensor")  # torch >= 2.13's name, and the older one
 
 
-def _sharded(comm: str, float8_gather: bool = True, seed: int = 0, **kwargs):
+def _sharded(comm: str, float8_gather: bool = True, seed: int = 0, meta: bool = False, **kwargs):
     from odcfsdp import ODCShard
     from odcfsdp.models import Llama, LlamaConfig
 
     torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        llama = Llama(LlamaConfig(**CONFIG))
     with mock.patch.object(float8, "float8_problem", return_value=None):  # the GPU check lifted: CPU float8 runs
-        model = ODCShard(Llama(LlamaConfig(**CONFIG)), float8="tensorwise", comm=comm, float8_gather=float8_gather,
-                         **kwargs)
+        model = ODCShard(llama, float8="tensorwise", comm=comm, float8_gather=float8_gather,
+                         device="cpu" if meta else None, **kwargs)
     model.set_gradient_divide_factor(1.0)  # the losses are per global token: the sum over ranks is the gradient
     return model
 
@@ -248,7 +250,7 @@ def test_float8_weights_plan_into_groups_of_their_own_counted_at_one_byte():
     assert layouts[0].row_len == 2 * 64 * 32  # each rank holds 32 rows of each; 1 byte an element is 16-aligned
 
 
-def _checkpoint_round_trip(path: str) -> bool:
+def _checkpoint_round_trip(path: str, meta: bool) -> bool:
     from safetensors.torch import load_file
 
     from odcfsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -263,7 +265,7 @@ def _checkpoint_round_trip(path: str) -> bool:
     x = _batches(2, steps=1)[0][rank][:, :-1]
     with torch.no_grad():
         before = model(x)
-    fresh = _sharded("shm", seed=7)  # other values, other scales: all replaced by the load
+    fresh = _sharded("shm", seed=7, meta=meta)  # other values, or none (zero rows): all replaced by the load
     load_checkpoint(latest_checkpoint(path), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
     with torch.no_grad():
         after = fresh(x)
@@ -274,10 +276,12 @@ def _checkpoint_round_trip(path: str) -> bool:
     return same
 
 
-def test_a_float8_gather_model_saves_masters_and_loads_its_casts_back(tmp_path):
-    """Checkpoints hold the fp32 masters; loading them into a model of other values recasts its float8 rows (the
-    load's change meeting carries the amaxes): the same scales, the same outputs to the bit."""
-    assert spawn(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"), timeout=300) == [True, True]
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_float8_gather_model_saves_masters_and_loads_its_casts_back(tmp_path, meta):
+    """Checkpoints hold the fp32 masters; loading them into a model of other values (or none: built on the meta
+    device) recasts its float8 rows (the load's change meeting carries the amaxes): the same scales, the same
+    outputs to the bit."""
+    assert spawn(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"), meta, timeout=300) == [True, True]
 
 
 def _casts_with_gather_masters() -> int:
