@@ -368,3 +368,25 @@ def test_frozen_float8_weights_are_gathered_in_float8_too():
     after = model.full_state_dict()
     assert before and all(torch.equal(v, after[n]) for n, v in before.items())
     model.close()
+
+
+def _train_hsdp(batches, tokens: int) -> tuple[list[float], int]:
+    from odcfsdp.sharding.hsdp import hybrid_mesh
+
+    model = _sharded("shm", mesh=hybrid_mesh(2, "cpu"))  # 2 replicas of 2 shards: amaxes meet within a shard group
+    losses = _train(model, [[step[dist.get_rank()]] for step in batches], tokens)
+    checked = _check_casts(model)
+    model.close()
+    return losses, checked
+
+
+def test_hsdp_replicas_cast_alike_and_train_like_one_process():
+    """HSDP on 4 ranks (2 replicas x 2 shards): each shard group's meeting carries its amaxes, the replicas' masters
+    are equal, so every replica casts the same bytes; the losses match one process on the 4 micro-batches (the
+    gradient sums run in another order: 1e-6), and every weight is torchao's cast of the whole weight."""
+    batches, tokens = _batches(4), 4 * 16 * 2
+    reference = _train(_float8_llama("tensorwise"), batches, tokens)
+    results = spawn(_train_hsdp, 4, batches, tokens, timeout=300)
+    assert [checked for _, checked in results] == [FLOAT8_WEIGHTS] * 4
+    sharded = [sum(step) for step in zip(*(losses for losses, _ in results))]
+    assert max(abs(a - b) / b for a, b in zip(sharded, reference)) < 1e-6, (sharded, reference)
