@@ -107,7 +107,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            gather_masters=ablation in ("gather_masters", "lean"),
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
-                           float8=args.float8)
+                           float8=args.float8, float8_gather=args.float8_gather)
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
@@ -356,6 +356,7 @@ def parse(argv=None):
                         "with cuDNN attention from n2_longtail_cudnn_compiled_d89966a); MFU always counts plain FLOPs")
     p.add_argument("--float8", default=None, choices=("tensorwise", "rowwise"),
                    help="odc and fsdp2 methods: torchao's float8 linears (fsdp2: float8 all-gather when tensorwise)")
+    p.add_argument("--float8-gather", action="store_true", help="odc: gather tensorwise float8 weights in float8")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     harness.add_common(p, out="results/e2e", cpu_ranks=True)

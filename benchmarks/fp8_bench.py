@@ -8,6 +8,8 @@ probability 0.9, else a random token). Methods:
 * ``odc_bf16``: ``ODCShard(model, units=(DecoderLayer,))``, bf16 compute;
 * ``odc_float8_tensorwise`` / ``odc_float8_rowwise``: the same with ``float8=`` ([float8] in
   ``odcfsdp/sharding/float8.py``: torchao's ``Float8Linear``, bf16 rows gathered);
+* ``odc_float8_gather``: tensorwise with ``float8_gather=True`` ([float8-gather]: the owners cast, float8 rows
+  gathered, each layer's weight already cast);
 * ``fsdp2_float8``: torchtitan's way: torchao's ``convert_to_float8_training`` (tensorwise, same layers) with
   ``enable_fsdp_float8_all_gather``, ``fully_shard`` per layer then the root (bf16 compute, fp32 reduce) on a
   process group of one rank, and ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step.
@@ -31,7 +33,7 @@ import torch
 
 from benchmarks import harness
 
-METHODS = ("odc_bf16", "odc_float8_tensorwise", "odc_float8_rowwise", "fsdp2_float8")
+METHODS = ("odc_bf16", "odc_float8_tensorwise", "odc_float8_rowwise", "odc_float8_gather", "fsdp2_float8")
 REFERENCE = "fsdp2_float8"
 
 
@@ -105,12 +107,14 @@ def wrap(method: str, model, device: torch.device, param_dtype: torch.dtype = to
     from odcfsdp.sharding.float8 import convert_float8_linears, float8_eligible
 
     if method.startswith("odc"):
-        recipe = method.removeprefix("odc_float8_") if "float8" in method else None
+        gather = method == "odc_float8_gather"
+        recipe = "tensorwise" if gather else method.removeprefix("odc_float8_") if "float8" in method else None
         if recipe and device.type != "cuda":  # the CPU smoke run: ODCShard(float8=) refuses CPU, the conversion not
-            convert_float8_linears(model, recipe)
+            convert_float8_linears(model, recipe)  # (float8_gather takes layers converted before wrapping too)
             recipe = None
         dtype = param_dtype if device.type == "cuda" else None
-        return ODCShard(model.to(device), units=(DecoderLayer,), float8=recipe, param_dtype=dtype), lambda: None
+        return ODCShard(model.to(device), units=(DecoderLayer,), float8=recipe, param_dtype=dtype,
+                        float8_gather=gather), lambda: None
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 

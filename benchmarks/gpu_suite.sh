@@ -16,10 +16,12 @@
 # hf_1b_vs_llama_1b (HF Llama-3.2-1B shape vs our 1B, same workload, one call; fits one GPU),
 # hf_finetune_longtail (the CLI on long-tailed chats next to the e2e bench's odc run of the same model;
 # fits one GPU), sim_heldout_8b (issue 31: the step simulator's next held-out 8B run, another seed and 2 samples
-# per GPU), tests_float8 (issue 35: float8 against torchao + FSDP2 float8 over 200 steps; one GPU of compute
-# capability 8.9+, torchao carried as a wheel), fp8_1gpu (issue 35: benchmarks/fp8_bench.py, 8B-shaped layers on one
-# GPU: bf16, float8 tensorwise and rowwise, torchao + FSDP2 float8), fp8_8b_balanced (issue 35: the 8B model, odc
-# float8 against FSDP2 with torchao's float8 all-gather, in one call, with memory; 2+ GPUs). Results go to
+# per GPU), tests_float8 (issue 35: float8 against torchao + FSDP2 float8 over 200 steps, bf16 rows gathered, and
+# in a test of its own float8 ones, float8_gather; one GPU of compute capability 8.9+, torchao carried as a wheel; and the CPU float8
+# tests, the float8 gather's among them), fp8_1gpu (issue 35: benchmarks/fp8_bench.py, 8B-shaped layers on one
+# GPU: bf16, float8 tensorwise and rowwise, tensorwise with float8_gather, torchao + FSDP2 float8), fp8_8b_balanced
+# (issue 35: the 8B model, odc float8 gathering float8 rows, --float8-gather, against
+# FSDP2 with torchao's float8 all-gather, in one call, with memory; 2+ GPUs). Results go to
 # OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
@@ -45,7 +47,7 @@ declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [comm]=2
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
                   [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570 [sim_heldout_8b]=570
-                  [tests_float8]=420 [fp8_1gpu]=480 [fp8_8b_balanced]=540)
+                  [tests_float8]=570 [fp8_1gpu]=540 [fp8_8b_balanced]=540)
 
 per_test_bound() {  # pytest-timeout's option, where the plugin is installed (carry its wheel); spawn bounds either way
   if python3 -c 'import pytest_timeout' 2>/dev/null; then echo "--timeout $1"; else echo "-p no:timeout"; fi
@@ -138,14 +140,17 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--e2e $dir/e2e/e2e_bench.json --out $dir --commit $COMMIT $extra" ;;
     tests_float8)  # one GPU is enough: the 200-step numerics and the CPU-side float8 tests, with torchao
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
-           "tests/test_float8_gpu.py tests/test_float8.py -q -p no:cacheprovider $(per_test_bound 360)" \
+           "tests/test_float8_gpu.py tests/test_float8.py tests/test_float8_gather.py -q -p no:cacheprovider" \
+           "$(per_test_bound 360)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     fp8_1gpu)  # 4 layers of dim 4096 / ffn 14336, 2 x 4096 tokens per step, compiled; one GPU whatever the lane has
       echo "python3 -m benchmarks.fp8_bench --layers 4 --steps 12 --warmup 4 --out $dir --commit $COMMIT $extra" ;;
-    fp8_8b_balanced)  # e2e_balanced_8b's workload, both methods with torchao float8 (FSDP2: float8 all-gather and
+    fp8_8b_balanced)  # e2e_balanced_8b's workload, both methods with torchao float8 gathered in float8 (odc:
+      # float8_gather, [float8-gather]; FSDP2: float8 all-gather and
       # the scales precomputed after each step, torchtitan's settings); bf16 figures: e2e_balanced_8b in the same call
       echo "$run -m benchmarks.e2e_bench --size 8b --workloads balanced --batch $((2 * n)) --steps 4 --warmup 2" \
-           "--activation-checkpointing --compile --float8 tensorwise --methods odc fsdp2 --memory-breakdown" \
+           "--activation-checkpointing --compile --float8 tensorwise --float8-gather --methods odc fsdp2" \
+           "--memory-breakdown" \
            "--keep-going --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac

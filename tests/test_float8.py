@@ -202,12 +202,15 @@ def test_the_float8_settings_reach_odcshard_from_the_config():
     cfg = config_from({"shard": {"float8": "tensorwise"}})
     assert shard_arguments(cfg.shard, built)["float8"] == "tensorwise"
     assert shard_arguments(config_from({"shard": {"float8": "none"}}).shard, built)["float8"] is None
-    assert dataclasses.fields(type(cfg.shard))[-2].name == "float8"  # before the config-only replicas
+    assert [f.name for f in dataclasses.fields(type(cfg.shard))][-3:] == ["float8", "float8_gather", "replicas"]
+    assert shard_arguments(config_from({"shard": {"float8": "tensorwise", "float8_gather": True}}).shard,
+                           built)["float8_gather"] is True
 
 
 def test_fp8_bench(tmp_path):
-    """benchmarks/fp8_bench.py's CPU smoke run (fp32 on CPU): every method trains; odcfsdp's tensorwise float8 equals
-    torchao + FSDP2 float8 (the same float8 casts of the same fp32 weights) to the bit, while the model without float8
+    """benchmarks/fp8_bench.py's CPU smoke run (fp32 on CPU): every method trains; odcfsdp's tensorwise float8, with
+    bf16 rows gathered or float8 ones, equals torchao + FSDP2 float8 (the same float8 casts of the same fp32 weights)
+    to the bit, while the model without float8
     and the rowwise recipe do not; the result is the one schema."""
     pytest.importorskip("torchao")
     from benchmarks import fp8_bench, harness
@@ -220,6 +223,7 @@ def test_fp8_bench(tmp_path):
     assert all(r["tokens_per_s"] > 0 and len(r["losses"]) == 4 for r in rows.values())
     assert rows["odc_float8_tensorwise"]["losses"] == rows["fsdp2_float8"]["losses"]
     assert rows["odc_float8_tensorwise"]["loss_rel_gap_max"] == 0.0
+    assert rows["odc_float8_gather"]["losses"] == rows["fsdp2_float8"]["losses"]  # the owner's cast: the same bytes
     assert rows["odc_bf16"]["loss_rel_gap_max"] > 1e-5
     assert not ROWWISE_ON_CPU or rows["odc_float8_rowwise"]["loss_rel_gap_max"] > 1e-5
     assert rows["odc_bf16"]["losses"][-1] < rows["odc_bf16"]["losses"][0]  # it learns

@@ -55,6 +55,21 @@ def test_gather_casts_fp32_rows_into_a_bf16_buffer(world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gather_moves_float8_rows_as_bytes(world_size):
+    """[float8-gather]: float8 rows go through the gather kernel as uint8 views (the nvshmem transport's path): the
+    float8 buffer ends up holding every rank's bytes as they were, where ``unpack`` puts them."""
+    named = [(f"p{i}", torch.empty(s)) for i, s in enumerate(SHAPES)]
+    (layout,) = plan_groups(named, world_size, 1 << 40, torch.bfloat16, float8=frozenset(n for n, _ in named))
+    rows = [torch.randn(layout.row_len, device=DEVICE).to(torch.float8_e4m3fn).view(torch.uint8)
+            for _ in range(world_size)]
+    out = torch.full((layout.unsharded_numel,), 0xFF, dtype=torch.uint8, device=DEVICE)  # poisoned (NaN in e4m3)
+    gather_rows(rows[0], row_offsets(rows[0], rows), out, group_chunk_table(layout, 64, DEVICE), world_size)
+    want = layout.unpack(torch.stack(rows))
+    for got_seg, want_seg in zip(layout.unsharded_segments(out), layout.unsharded_segments(want)):
+        assert torch.equal(got_seg, want_seg)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_scatter_accumulate_matches_pack(world_size, grad_dtype):
     block = 32

@@ -33,7 +33,8 @@ from .arguments import intact_problem, offload_target, registrations
 from .group import FlatGroup
 from .hooks import HookDriver
 from .lifecycle import StepLifecycle
-from .layout import GroupLayout, plan_groups
+from .float8_rows import Float8Rows
+from .layout import FLOAT8_DTYPE, GroupLayout, plan_groups
 from .materialize import materialize_buffers
 from .mesh import ShardMesh
 from .precision import Precision, register_casts
@@ -54,13 +55,15 @@ class ShardEngine:
         is_unit: whether a module is hooked as a whole ([hooks]).
         owner_of: a parameter name's unit, where groups must not span units (``fully_shard``); None: groups
             follow only ``group_bytes``.
+        float8: the weights gathered in float8 with their ``Float8Linear`` (``float8_gathered``, [float8-gather]
+            in ``float8.py``): groups of their own, whose rows are float8.
     """
 
     def __init__(self, root: nn.Module, named: list[tuple[str, nn.Parameter]], *, device: torch.device,
                  mesh: ShardMesh, param_dtype: torch.dtype, precision: Precision, group_bytes: int, comm: str,
                  reshard_after_forward: bool, prefetch: int, overlap_push: bool, gather_masters: bool,
                  offload_policy, is_unit: Callable[[nn.Module], bool],
-                 owner_of: Callable[[str], object] | None = None):
+                 owner_of: Callable[[str], object] | None = None, float8: dict[str, nn.Module] | None = None):
         self.root = root
         self.mesh = mesh
         self.param_dtype = param_dtype
@@ -68,12 +71,16 @@ class ShardEngine:
         self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
         on_meta = named[0][1].is_meta
         at_least_fp32 = torch.promote_types(param_dtype, torch.float32)
-        self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, group_bytes, param_dtype, owner_of)
+        self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, group_bytes, param_dtype, owner_of,
+                                                      frozenset(float8 or ()))
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
+        row_dtypes = [FLOAT8_DTYPE if lay.float8 else dtype if gather_masters else param_dtype
+                      for lay, dtype in zip(self.layouts, master_dtypes)]
         self.transport: Transport = make_transport(comm, mesh)
         host, pin = offload_target(offload_policy, mesh, gather_masters)
-        self.transport.setup(self.layouts, master_dtypes if gather_masters else param_dtype,
-                             [precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
+        self.transport.setup(self.layouts, row_dtypes, [precision.accumulator_dtype(d) for d in master_dtypes],
+                             gather_dtype=param_dtype)
+        self.float8 = Float8Rows(self.layouts, float8, param_dtype, device) if float8 else None
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
         self.protocol = StepProtocol(self.comm, mesh)
         by_name, regs = dict(named), registrations(root)
@@ -86,18 +93,23 @@ class ShardEngine:
         starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.comm, dtype, self.protocol, device_mesh, start, param_dtype, host, pin)
+                      self.comm, dtype, self.protocol, device_mesh, start, FLOAT8_DTYPE if lay.float8 else param_dtype,
+                      host, pin, grad_dtype=param_dtype, wraps=self.float8.wrap(lay) if self.float8 else None)
             for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
         for g in self.groups:
             g.reshard_after_forward = reshard_after_forward
         self.lifecycle = StepLifecycle(self.groups, self.comm, mesh, PrefetchSchedule(prefetch), self.protocol,
-                                       checks=self.check_intact)
+                                       checks=self.check_intact, float8=self.float8)
         # FSDP2's default: the mean over the data-parallel ranks, every replica's included
         self.lifecycle.divide_factor = float(mesh.world_size * mesh.replicas)
         self.protocol.attach(self.groups, self.lifecycle)
         if on_meta:
             materialize_buffers(root, device)
+        if self.float8 is not None:  # the first float8 rows: the scales need every rank's amaxes (one all-gather)
+            self.protocol.meetings.carry_len = len(self.float8.slots)
+            self.float8.attach(self.groups)
+            self.float8.cast(mesh.all_gather_rows(self.float8.amaxes(mesh.device)))
         mesh.barrier()  # every row written before anyone may read it
         self.shard_state = ShardState(self.groups, self.protocol, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}

@@ -17,9 +17,9 @@ A ``Float8Linear``'s weight is an ordinary parameter, so it is sharded, gathered
 stepped like any other: the fp32 master is what the optimizer updates, the ``param_dtype`` (bf16)
 row is what peers gather, and the layer casts the gathered weight to float8 in its forward
 (tensorwise: one scale per tensor from the whole weight's amax; rowwise: one per row), its
-input and output gradient in the matmuls of backward. So today float8 speeds up the linears'
-matmuls, and the gather moves bf16, as it does without float8 ([float8-gather] says what moving
-float8 would take).
+input and output gradient in the matmuls of backward. So float8 speeds up the linears'
+matmuls, and the gather moves bf16, as it does without float8; with ``float8_gather=True``
+(tensorwise) the owners cast instead and peers gather float8 bytes ([float8-gather]).
 
 Float8 needs a GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell) and torchao
 (``pip install odcfsdp[fp8]``); ``float8_problem`` says, in one line, what is missing, and
@@ -29,41 +29,65 @@ check that a converted model trains alike sharded and in one process.
 
 Design note [float8-gather]
 ---------------------------
-Not built yet: with tensorwise scaling, peers could gather float8 bytes plus one fp32 scale
-per weight, half of bf16's bytes, as FSDP2 does with torchao's ``enable_fsdp_float8_all_gather``
-(there each weight's local shard is a ``WeightWithDynamicFloat8CastTensor`` whose
-``fsdp_pre_all_gather`` casts the shard with a scale that ``precompute_float8_dynamic_scale_for_fsdp``
-computed after the optimizer step: the inf-norm of every float8 weight's shard, stacked, one
-all-reduce (max), ``scale = finfo(e4m3).max / max(amax, eps)`` in float64, then
+With tensorwise scaling and ``ODCShard(float8_gather=True)`` peers gather float8 bytes, one byte a
+parameter (half of bf16's), plus one fp32 scale per weight that no one gathers: FSDP2 does the same
+with torchao's ``enable_fsdp_float8_all_gather`` (each local shard a ``WeightWithDynamicFloat8CastTensor``
+whose ``fsdp_pre_all_gather`` casts it with a scale ``precompute_float8_dynamic_scale_for_fsdp``
+computed after the optimizer step from one all-reduce (max) of the shards' inf-norms;
 ``fsdp_post_all_gather`` wraps the gathered bytes and the scale as a ``Float8TrainingTensor``).
-The ODC version, by step of [lifecycle]:
+The maths, for weight w whose fp32 master slices ``M_r,w`` ranks r hold:
 
-1. plan: the ``Float8Linear`` weights (tensorwise recipe only) go into groups of their own, whose
-   row dtype is ``float8_e4m3fn`` (1 byte a parameter: ``plan_groups`` counts ``group_bytes`` in
-   it) and whose gradient buffer and accumulator keep ``param_dtype`` / ``reduce_dtype``: the
-   group's row dtype and its gradient dtype part ways (today ``FlatGroup`` has one).
-2. finish (step 10), before the meeting: each rank takes the amax of each float8 weight's slice of
-   its master row (``torch._foreach_norm(ord=inf)`` over the slices: one kernel, no copy) and
-   puts the amaxes into its meeting row. The meeting's all-gather (``Meetings.meet``) then carries
-   them: a float64 table instead of int64 (counts stay exact below 2**53), so the max over ranks
-   costs no collective of its own: "the amax all-reduce folds into the step's existing meeting".
-3. finish, after the meeting: every rank computes every weight's scale from the same table, so
-   scales need no gather at all, only the bytes do. The owner casts its master slices to float8
-   with them into its row (one pass, fp32 -> e4m3, as FSDP2 casts its fp32 shard). This cast
-   comes *after* the meeting, which today is the point after which peers may read rows: so the
-   zeroing's device-side barrier ([streams] 5) must also order the cast before any peer's next
-   gather (on CUDA the barrier is queued after the cast on the same stream; on ``shm`` a host
-   barrier after the cast). A row change outside a step (``rows_changing``) does the same.
-4. gather (step 2): the one-sided kernels load and store by dtype (``_TL_DTYPES`` in
-   ``kernels/rows.py``), so a float8 row goes through them viewed as ``uint8`` (bytes are bytes:
-   no cast). The unsharded buffer of a float8 group is ``float8_e4m3fn``, and each weight's
-   unsharded form becomes a ``Float8TrainingTensor`` over its slice and its scale (the
-   parameter autograd sees, whose gradient torchao's matmul returns in ``param_dtype``, into the
-   group's gradient buffer as today). ``Float8Linear.forward`` takes an already-cast weight as it
-   is (it checks ``tensor_already_casted_to_fp8``), so the layer's own cast and its amax pass over
-   the full weight disappear too.
-5. the collective transport: the all-gather moves the same float8 rows (it copies bytes as well);
-   the scales come from the meeting as above.
+    amax_w = max_r max|M_r,w|          (a rank holding no rows of w contributes 0)
+    s_w    = fp32(448 / fp64(max(amax_w, 1e-12)))        (448: e4m3's largest; torchao's EPS)
+    row    = e4m3(clamp(fp32(M_r,w) * s_w, -448, 448))   (rank r's float8 slice, saturating)
+
+and the matmul divides by ``s_w`` (torchao's ``_scaled_mm`` with the reciprocal). The cast is
+elementwise, so casting each slice with the whole weight's scale gives the slices of torchao's cast of
+the whole weight, bit for bit: a float8-gather model trains exactly as one process running the same
+``Float8Linear``s and as FSDP2's float8 all-gather (``tests/test_float8_gather.py``, fp32 on CPU;
+config key ``shard.float8_gather``). Built, by step
+of [lifecycle] (``float8_rows.py`` holds the machinery):
+
+1. plan: the weights of ``Float8Linear`` layers that cast tensorwise (``float8_gathered``:
+   ``float8="tensorwise"``'s, or layers converted before wrapping; not a weight tied to another
+   module, whose other users want plain values) go into groups of their own
+   (``GroupLayout.float8``), counted at 1 byte a parameter against ``group_bytes``; their rows are
+   ``float8_e4m3fn``, their unsharded buffer too, while their gradient buffer keeps ``param_dtype``
+   (``FlatGroup.grad_dtype``), their accumulator ``reduce_dtype`` and their master fp32.
+2. finish (step 10), before the meeting: each rank takes the inf-norm of each float8 weight's slice of
+   its master (``Float8Rows.amaxes``: one ``_foreach_norm``, no copy) and appends them to its meeting
+   row: the meeting's all-gather (``Meetings.meet_carrying``) moves a float64 row (the counts stay
+   exact below 2**53), so the max over ranks costs no collective of its own. Every meeting of such a
+   model has that row length (zeros where nothing is carried), so ranks at different meetings still
+   read one table and raise the same disagreement error. ``publish`` leaves
+   float8 rows alone: without the scales there is nothing to cast with.
+3. finish, after the meeting: every rank computes every scale from the same table (so scales need no
+   gather) and casts its master slices into its row (``Float8Rows.cast``). Peers may gather right
+   after the meeting, so the cast is ordered before any peer's next gather ([streams] 6 in
+   ``streams.py``): where peers read rows one-sidedly, a 1-element all-reduce follows the cast on the
+   current stream (device-side on CUDA, a host barrier on CPU); the collective transport needs none.
+   A row change outside a step (``rows_changing``: checkpoint and Hugging Face loads) ends in the same
+   finish, so its meeting carries the amaxes too; at construction one all-gather of the amaxes
+   precedes the existing barrier.
+4. gather (step 2): the transports move float8 rows as bytes (``transport.base.as_bytes``: ``uint8``
+   views; gloo has no float8, and the row kernels load and store by dtype, ``_TL_DTYPES`` in
+   ``kernels/rows.py`` takes ``uint8``). Each weight's unsharded form is a parameter whose data is a
+   ``Float8TrainingTensor`` over its slice of the gathered float8 buffer with its scale (a 0-dim view
+   of one scales tensor, updated in place: the parameter is made once, as FSDP2 makes its unsharded
+   float8 parameter once). ``Float8Linear.forward`` takes it as already cast (torchao's
+   ``tensor_already_casted_to_fp8``), so the layer's own amax pass and cast over the whole weight are
+   gone, in forward and in backward's ``grad_input`` matmul. Its gradient, which torchao's matmul
+   returns in ``param_dtype``, accumulates into the group's gradient buffer as any other's.
+5. the collective transport's all-gather moves the same float8 rows as bytes.
+
+Costs and limits: the owner's cast is one pass over its float8 master rows a step (FSDP2 casts its
+shard at every all-gather instead), a few kernels per group (each element scaled by its weight's
+scale, ``repeat_interleave``d over the segments); on the nvshmem transport the cast
+adds one device-side all-reduce and one ``quiesce`` per step. With ``gather_masters`` the other groups'
+rows are their masters, the float8 groups keep their float8 row. ``ODCShard.unsharded()`` shows a
+float8 weight in its float8 form (``full_state_dict`` and checkpoints read the fp32 masters).
+``float8_gather`` is off by default until the GPU checks of issue 35 have run with it
+(``benchmarks/gpu_suite.sh``: ``tests_float8``, ``fp8_1gpu``, ``fp8_8b_balanced``).
 
 Rowwise scaling gathers bf16 and lets torchao cast locally, on purpose: a rowwise weight needs one
 scale per row of the weight for the forward matmul *and* one per column for the backward's
@@ -88,6 +112,8 @@ FLOAT8_SKIP = ("output", "lm_head")
 #: the least CUDA compute capability with float8 matmuls (Ada Lovelace); Hopper is (9, 0)
 FLOAT8_MIN_CAPABILITY = (8, 9)
 INSTALL_HINT = "pip install odcfsdp[fp8]"
+#: ``ODCShard(float8_gather=)``'s default: tensorwise weights gathered in float8 ([float8-gather])
+FLOAT8_GATHER_DEFAULT = False
 
 
 def torchao_installed() -> bool:

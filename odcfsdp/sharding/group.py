@@ -131,13 +131,16 @@ class FlatGroup:
             masters that gathers cast, [gather-masters]).
         host: where the master lives when offloaded ([offload]; None: next to the row, or the row itself).
         pin: pin the offloaded master and the host gradient buffer.
+        grad_dtype: the gradient buffer's dtype (default: ``compute_dtype``; a float8 group's is ``param_dtype``).
+        wraps: per parameter, what makes its unsharded form from its view (``Float8Rows.wrap``; None: plain views).
     """
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter],
                  registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype,
                  events: GradEvents, device_mesh,
                  first_position: int = 0, compute_dtype: torch.dtype | None = None,
-                 host: torch.device | None = None, pin: bool = False):
+                 host: torch.device | None = None, pin: bool = False, grad_dtype: torch.dtype | None = None,
+                 wraps: list | None = None):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         transport = comm.transport
         compute_dtype = compute_dtype or transport.rows[layout.index].dtype
@@ -154,6 +157,8 @@ class FlatGroup:
             self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
         self._grad_host: torch.Tensor | None = None  # [offload]: the host copy of the accumulator .grad views
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=compute_dtype, device=self.row.device)
+        # [float8-gather]: a float8 group's buffer is float8, its gradients (torchao's matmul's) are param_dtype
+        self.grad_dtype = grad_dtype or compute_dtype
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
         self._grad_copy: torch.Tensor | None = None  # READY: the accumulator in the masters' dtype ([precision])
@@ -168,7 +173,7 @@ class FlatGroup:
         self.forward_uses_left = 0
         self.backward_uses_left = 0
         self.params = [ShardedParam(layout, i, self.unsharded, self.master, self.accumulator, self.rank, p, regs,
-                                    events, device_mesh, first_position + i)
+                                    events, device_mesh, first_position + i, wraps[i] if wraps else None)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
         self._trained = [sp for sp in self.params if sp.trained]
         self._published_version = self._versions()
@@ -189,8 +194,9 @@ class FlatGroup:
         return self.master
 
     def publish(self) -> None:
-        """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide)."""
-        if self.row is not self.master:
+        """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide). A float8
+        row is cast after the finish's meeting instead, once the scales are known (``Float8Rows.cast``)."""
+        if self.row is not self.master and not self.layout.float8:
             # An offloaded master goes over as it is and is cast on the device (a copy_ across devices and dtypes
             # casts on the host first: a CPU pass over the masters, then a pageable copy). From pinned memory the
             # copy is queued: every meeting ends in a host read of a tensor on this stream (_meet's all-gather
@@ -279,7 +285,7 @@ class FlatGroup:
         """
         if self.grad_buffer is not None or not self._trained:
             return
-        self.grad_buffer = torch.zeros(self.layout.unsharded_numel, dtype=self.unsharded.dtype,
+        self.grad_buffer = torch.zeros(self.layout.unsharded_numel, dtype=self.grad_dtype,
                                        device=self.unsharded.device)
         for i, sp in enumerate(self.params):
             if sp.trained:

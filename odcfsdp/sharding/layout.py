@@ -47,6 +47,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 ALIGN_BYTES = 16
+#: the dtype of float8-gathered rows ([float8-gather] in ``float8.py``): e4m3, as torchao casts weights
+FLOAT8_DTYPE = torch.float8_e4m3fn
 
 
 def align_elems(dtype: torch.dtype) -> int:
@@ -137,6 +139,7 @@ class GroupLayout:
         requires_grad: whether the group's parameters are trained.
         slots: the parameters, in row order.
         row_len: row length C in elements (a multiple of the alignment unit).
+        float8: its rows hold float8 weights cast by their owner ([float8-gather] in ``float8.py``).
     """
 
     index: int
@@ -145,6 +148,7 @@ class GroupLayout:
     requires_grad: bool
     slots: tuple[ParamSlot, ...]
     row_len: int
+    float8: bool = False
 
     @functools.cached_property
     def padded(self) -> bool:
@@ -222,6 +226,7 @@ def plan_groups(
     group_bytes: int,
     comm_dtype: torch.dtype | None = None,
     owner_of: Callable[[str], object] | None = None,
+    float8: frozenset[str] = frozenset(),
 ) -> list[GroupLayout]:
     """Plan flat groups over parameters in order.
 
@@ -237,6 +242,8 @@ def plan_groups(
         comm_dtype: dtype moved between ranks; defaults to each parameter's dtype.
         owner_of: a parameter's unit (``fully_shard``'s module); a group also closes where the owner changes,
             so no group spans two units and each unit gathers only its own groups.
+        float8: names of the weights gathered in float8 ([float8-gather]): groups of their own, counted at one
+            byte a parameter.
     """
     if not isinstance(group_bytes, int) or isinstance(group_bytes, bool) or group_bytes <= 0:
         raise ValueError(f"group_bytes must be a positive int (bytes per group), got {group_bytes!r}")
@@ -254,25 +261,27 @@ def plan_groups(
         if not pending:
             return
         dtype = pending[0][1].dtype
-        dtypes = (dtype, comm_dtype or dtype)
+        cast = pending[0][0] in float8
+        dtypes = (dtype, FLOAT8_DTYPE if cast else comm_dtype or dtype)
         slots, off = [], 0
         for name, p in pending:
             shard, seg = shard_sizes(p.shape, world_size, dtypes)
             slots.append(ParamSlot(name, tuple(p.shape), off, seg, shard))
             off += seg
-        groups.append(GroupLayout(len(groups), world_size, dtype, pending[0][1].requires_grad, tuple(slots), off))
+        groups.append(GroupLayout(len(groups), world_size, dtype, pending[0][1].requires_grad, tuple(slots), off,
+                                  cast))
         pending.clear()
 
     used = 0
     for name, p in named_params:
-        cdt = comm_dtype or p.dtype
+        cdt = FLOAT8_DTYPE if name in float8 else comm_dtype or p.dtype
         itemsize = torch.empty((), dtype=cdt).element_size()
         nbytes = world_size * shard_sizes(p.shape, world_size, (p.dtype, cdt))[1] * itemsize
         if pending:
             head = pending[0][1]
             other_owner = owner_of is not None and owner_of(pending[0][0]) != owner_of(name)
             if (head.dtype != p.dtype or head.requires_grad != p.requires_grad or used + nbytes > group_bytes
-                    or other_owner):
+                    or other_owner or (pending[0][0] in float8) != (name in float8)):
                 close()
                 used = 0
         pending.append((name, p))

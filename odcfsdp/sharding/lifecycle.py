@@ -39,6 +39,8 @@ run different numbers of micro-batches (zero included): nothing in them waits fo
 10. ``finish`` (every trained gradient consumed: stepped on, or cleared by ``zero_grad``),
     ``odc::finish``: reshard every group, publish masters to rows, drop ``.grad``, and zero the
     accumulators around one meeting ([streams] 5): nobody gathers or pushes before every row is final.
+    Float8 rows ([float8-gather] in ``float8.py``): the masters' amaxes ride that meeting, and each
+    owner casts its float8 rows with the scales right after it, before any peer's gather ([streams] 6).
 
 So a minibatch costs two meetings (8 and 10) however many micro-batches each rank ran, and
 ``zero_grad`` none ([zero-grad-pass]). Changes of rows outside a step (``rows_changing``: checkpoint
@@ -93,16 +95,18 @@ class StepLifecycle:
         protocol: the step protocol: takes the events (a forward, the end of backward), counts the
             pushes and runs the meetings (``count_pushes``, ``meet``).
         checks: run at the start of every root forward, before anything else (may raise).
+        float8: the float8-gathered weights (``Float8Rows``, [float8-gather] in ``float8.py``), cast at step 10.
     """
 
     def __init__(self, groups: Sequence[FlatGroup], comm: CommStreams, mesh: ShardMesh, prefetch: PrefetchSchedule,
-                 protocol, checks: Callable[[], None] = lambda: None):
+                 protocol, checks: Callable[[], None] = lambda: None, float8=None):
         self.groups = list(groups)
         self.comm = comm
         self.mesh = mesh
         self.prefetch = prefetch
         self.protocol = protocol
         self.checks = checks
+        self.float8 = float8
         self.phase = TrainingPhase.IDLE
         self.divide_factor = 1.0  # step 8's divisor of the summed gradients (ODCShard sets FSDP2's default)
         self._divided_by = 1.0  # the factor the attached accumulators were divided by (undone by drop_grads)
@@ -266,7 +270,13 @@ class StepLifecycle:
                 g.detach_grads()
             self._divided_by = 1.0  # the accumulators are zeroed below
             self.comm.rows_published()
-            self.comm.zero_around_meeting(self._accumulators, lambda: self.protocol.meet(kind), self.mesh)
+            if self.float8 is None:
+                self.comm.zero_around_meeting(self._accumulators, lambda: self.protocol.meet(kind), self.mesh)
+                return
+            # [float8-gather]: the masters are final, so their amaxes ride this meeting; the cast follows it
+            amaxes, table = self.float8.amaxes(self.mesh.device), []
+            self.comm.zero_around_meeting(self._accumulators, lambda: table.append(
+                self.protocol.meet_carrying(kind, amaxes)), self.mesh, rows_after=lambda: self.float8.cast(table[0]))
 
     def begin_change(self) -> None:
         """Before rows change outside a step (``rows_changing``): reshard, this rank's pushes complete, one

@@ -50,6 +50,7 @@ class Meetings:
         self.mesh = mesh
         self.transport_name = transport_name
         self.uneven_micro_batches = uneven_micro_batches
+        self.carry_len = 0  # what every meeting carries (the float8 amaxes, [float8-gather]): set by the engine
 
     def meet(self, kind: Meeting, minibatch: int, skipped_passes: int, pushes: int) -> int:
         """One meeting of all ranks; returns the pushes of every rank. Raises alike on every rank if they disagree.
@@ -58,9 +59,23 @@ class Meetings:
         (kind, minibatch, skipped passes, pushes, problem), so that a problem found in one group stops every
         replica together.
         """
+        return self.meet_carrying(kind, minibatch, skipped_passes, pushes)[0]
+
+    def meet_carrying(self, kind: Meeting, minibatch: int, skipped_passes: int, pushes: int,
+                      carry: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """``meet``, whose one all-gather also carries this rank's ``carry`` (a float64 vector of the same length on
+        every rank: the float8 weights' amaxes, [float8-gather] in ``float8.py``); returns every rank's pushes and
+        the ``(ranks, len)`` table of every rank's ``carry``. The row is float64 (counts stay exact below 2**53), so
+        carrying costs no collective of its own."""
         self.mesh.arrive(f"the {kind.name.lower()} meeting of minibatch {minibatch}")  # [watchdog]
-        mine = torch.tensor([int(kind), minibatch, skipped_passes, pushes], dtype=torch.int64, device=self.mesh.device)
-        table = self.mesh.all_gather_rows(mine).cpu()
+        if carry is None and self.carry_len:  # every meeting's row has one length: ranks at different meetings
+            carry = torch.zeros(self.carry_len, dtype=torch.float64)  # get the disagreement error, not a hang
+        mine = torch.tensor([int(kind), minibatch, skipped_passes, pushes], dtype=torch.float64,
+                            device=self.mesh.device)
+        if carry is not None:
+            mine = torch.cat([mine, carry.to(mine.device, torch.float64)])
+        full = self.mesh.all_gather_rows(mine).cpu()
+        table, carried = full[:, :4].to(torch.int64), full[:, 4:]
         problem = disagreement("rank", table)
         if problem is None and kind is Meeting.SYNC and not self.uneven_micro_batches and \
                 (table[:, 3] != table[0, 3]).any():
@@ -79,7 +94,7 @@ class Meetings:
                 problem = f"replica(s) {stopped} stopped at this sync (see their error)"
         if problem is not None:
             raise RuntimeError(problem)
-        return total
+        return total, carried
 
     def declare_minibatch(self, micro_batches: int, tokens: int | None) -> int | None:
         """``ODCShard.begin_minibatch``: one small all-gather (none if one-sided without tokens); see there."""

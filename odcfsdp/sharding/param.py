@@ -33,7 +33,7 @@ accumulators.
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -134,11 +134,14 @@ class ShardedParam:
         events: where ``.grad`` reads and writes go (the model's step protocol).
         device_mesh: the mesh of the DTensor shards (None: one process, plain tensors).
         position: its place in the model's parameter order (``.grad`` passes are told apart by it).
+        wrap: makes the unsharded form from its view of ``buffer`` (a float8 weight's ``Float8TrainingTensor``,
+            [float8-gather] in ``float8.py``); None: the original parameter viewing the buffer.
     """
 
     def __init__(self, layout: GroupLayout, index: int, buffer: torch.Tensor, master: torch.Tensor,
                  accumulator: torch.Tensor | None, rank: int, original: nn.Parameter,
-                 registrations: list[tuple[nn.Module, str]], events: GradEvents, device_mesh, position: int):
+                 registrations: list[tuple[nn.Module, str]], events: GradEvents, device_mesh, position: int,
+                 wrap: Callable[[torch.Tensor], torch.Tensor] | None = None):
         slot = layout.slots[index]
         self.name = slot.name
         self.position = position
@@ -149,11 +152,19 @@ class ShardedParam:
         self._device_mesh = device_mesh
         view = layout.param_view(buffer, index)
         unsharded = original
-        if original.is_meta:
-            # Not nn.Parameter(view): that would share the buffer's version counter (see
-            # [storage-resize]); .data assignment gives the parameter its own.
-            unsharded = nn.Parameter(view.new_empty(0), requires_grad=original.requires_grad)
-        unsharded.data = view
+        if wrap is not None:
+            # A tensor subclass cannot become the original parameter's .data: a new parameter (as FSDP2's
+            # unsharded float8 parameter), whose subclass holds the view; the original is refused to optimizers too.
+            unsharded = nn.Parameter(wrap(view), requires_grad=original.requires_grad)
+            if self.trained:
+                UNSHARDED[id(original)] = original
+            self._original = original
+        else:
+            if original.is_meta:
+                # Not nn.Parameter(view): that would share the buffer's version counter (see
+                # [storage-resize]); .data assignment gives the parameter its own.
+                unsharded = nn.Parameter(view.new_empty(0), requires_grad=original.requires_grad)
+            unsharded.data = view
         self.unsharded: nn.Parameter = unsharded
         self.slot = slot
         self.shape = slot.shape
@@ -227,6 +238,8 @@ class ShardedParam:
             self._hook = None
         self.detach_grad()
         UNSHARDED.pop(id(self.unsharded), None)
+        if (original := getattr(self, "_original", None)) is not None:
+            UNSHARDED.pop(id(original), None)
         empty = torch.empty(0, dtype=self.local.dtype, device=self.local.device)
         if isinstance(self.sharded, DTensor):
             self.sharded._local_tensor = empty

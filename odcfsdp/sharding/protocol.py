@@ -261,6 +261,12 @@ class StepProtocol:
         skipped, self.skipped_passes = self.skipped_passes, 0
         return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
 
+    def meet_carrying(self, kind: Meeting, carry: torch.Tensor) -> torch.Tensor:
+        """``meet``, carrying this rank's ``carry`` (the float8 amaxes); returns every rank's
+        (``Meetings.meet_carrying``)."""
+        skipped, self.skipped_passes = self.skipped_passes, 0
+        return self.meetings.meet_carrying(kind, self.minibatch, skipped, self.pushes, carry)[1]
+
     def declare_minibatch(self, micro_batches: int, tokens: int | None) -> int | None:
         """``ODCShard.begin_minibatch``: one small all-gather (none if one-sided without tokens); see there."""
         return self.meetings.declare_minibatch(micro_batches, tokens)

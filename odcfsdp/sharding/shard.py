@@ -18,7 +18,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
                         shard_device)
 from .engine import ShardEngine
-from .float8 import prepare_float8
+from .float8 import FLOAT8_GATHER_DEFAULT, prepare_float8
+from .float8_rows import float8_gathered
 from .lifecycle import TrainingPhase
 from .mesh import ShardMesh
 from .precision import policy_param_dtype, resolve_precision
@@ -101,6 +102,10 @@ class ODCShard(nn.Module):
         float8: ``"tensorwise"`` or ``"rowwise"``: convert the model's linears to torchao's float8 training first
             (not the output head, nor a linear whose dims are not multiples of 16); needs torchao
             (``pip install odcfsdp[fp8]``) and a GPU of compute capability 8.9+ ([float8] in ``float8.py``).
+        float8_gather: gather the weights of tensorwise ``Float8Linear`` layers (``float8="tensorwise"``'s, or ones
+            converted before wrapping) in float8: their owners cast them once per step, with scales from amaxes the
+            step's meeting carries; half of bf16's bytes ([float8-gather] in ``float8.py``). False gathers them in
+            ``param_dtype``; rowwise layers always are.
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class ODCShard(nn.Module):
         offload_policy=None,
         mp_policy=None,
         float8: str | None = None,
+        float8_gather: bool = FLOAT8_GATHER_DEFAULT,
     ):
         super().__init__()
         if not isinstance(module, nn.Module) or isinstance(module, ODCShard):
@@ -137,7 +143,10 @@ class ODCShard(nn.Module):
         self.precision = resolve_precision(mp_policy, param_dtype)
         units = check_units(units, module)
         check_numbers(prefetch, timeout)
+        if not isinstance(float8_gather, bool):
+            raise TypeError(f"float8_gather must be True or False, got {float8_gather!r}")
         self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
+        float8_weights = float8_gathered(module, named) if float8_gather else {}
 
         self.module = module
         self.units = units
@@ -146,7 +155,8 @@ class ODCShard(nn.Module):
             module, named, device=device, mesh=ShardMesh(device, process_group, mesh, timeout_s=timeout),
             param_dtype=param_dtype, precision=self.precision, group_bytes=group_bytes, comm=comm,
             reshard_after_forward=reshard_after_forward, prefetch=prefetch, overlap_push=overlap_push,
-            gather_masters=gather_masters, offload_policy=offload_policy, is_unit=lambda m: isinstance(m, units))
+            gather_masters=gather_masters, offload_policy=offload_policy, is_unit=lambda m: isinstance(m, units),
+            float8=float8_weights)
         # The engine's parts under the names the checkpoint, optimizer and application code read.
         for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
                      "groups", "lifecycle", "shard_state"):
@@ -246,7 +256,9 @@ class ODCShard(nn.Module):
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
-        """Context in which every parameter holds its full value (collective: all ranks enter)."""
+        """Context in which every parameter holds its full value (collective: all ranks enter). A weight gathered in
+        float8 (``float8_gather``) holds its float8 form, a ``Float8TrainingTensor``: read masters with
+        ``full_state_dict`` instead."""
         with self.engine.unsharded():
             yield
 

@@ -36,6 +36,13 @@ done*:
    a step waits for the current stream only (``loop.train_step``); a device-wide sync
    would wait for the zeroing too. The standard loop's ``zero_grad()`` after the step
    meets nobody and waits for nothing ([zero-grad-pass] in ``protocol.py``).
+6. ``rows_after`` (float8 rows, [float8-gather] in ``float8.py``): the owner casts its float8 rows
+   *after* the meeting (the scales come from it), on the current stream, so where peers read rows
+   one-sidedly (``remote_pushes``: the one-sided transports) one all-reduce of a flag follows on the
+   same stream: every later gather (current stream, or the gather stream after ``rows_published``)
+   comes after every owner's cast. On CUDA it is device-side, the host waits for nothing; on CPU
+   (gloo) it is a host barrier. The collective transport needs none: a rank's all-gather sends its
+   row when the rank calls it, after its own cast.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class CommStreams:
         barrier = self.push_stream is not None and transport.caps.remote_pushes
         self._flag = torch.zeros(1, device=device) if barrier else None
         self.written_aside([self._flag] if self._flag is not None else [])
+        self._row_flag: torch.Tensor | None = None  # the float8 cast's barrier (6), made on first use
 
     @staticmethod
     def _after_current(stream: torch.cuda.Stream | None):
@@ -122,21 +130,35 @@ class CommStreams:
             for t in tensors:
                 t.record_stream(self.push_stream)
 
-    def zero_around_meeting(self, accumulators: list[torch.Tensor], meet: Callable[[], object], shard_group) -> None:
+    def zero_around_meeting(self, accumulators: list[torch.Tensor], meet: Callable[[], object], shard_group,
+                            rows_after: Callable[[], object] | None = None) -> None:
         """Run ``meet()`` and zero this rank's ``accumulators`` before any rank's next push (5).
 
         Every rank calls it at the same point. ``shard_group`` (a ``RankGroup``): the ranks that push into each
-        other; its ``all_reduce_sum`` is the device-side barrier.
+        other; its ``all_reduce_sum`` is the device-side barrier. ``rows_after``: writes rows right after the
+        meeting (the float8 cast, 6), ordered before any peer's next gather.
         """
         if self.push_stream is None:
             _zero(accumulators)
             meet()
+            self._rows_after(rows_after, shard_group)
             return
         meet()
+        self._rows_after(rows_after, shard_group)
         with self._after_current(self.push_stream):
             _zero(accumulators)
             if self._flag is not None:  # one-sided pushes: every rank's later pushes wait for every owner
                 shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
+
+    def _rows_after(self, write: Callable[[], object] | None, shard_group) -> None:
+        if write is None:
+            return
+        write()
+        if self.transport.caps.remote_pushes:  # the one-sided transports: peers read this rank's rows themselves
+            if self._row_flag is None:
+                self._row_flag = torch.zeros(1, device=self.device)
+            shard_group.all_reduce_sum(self._row_flag)  # after every owner's cast (queued after it on CUDA)
+        self.rows_published()
 
     def rows_published(self) -> None:
         """Rows written since the last meeting are visible to peers, and to later prefetches (4)."""

@@ -38,6 +38,15 @@ from ..layout import GroupLayout
 from ..mesh import ShardMesh
 
 
+#: float8 dtypes, moved as bytes ([float8-gather] in ``float8.py``): gloo and the row kernels take no float8
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor viewed as ``uint8`` (the same bytes: moving them needs no cast); any other as it is."""
+    return t.view(torch.uint8) if t.dtype in FLOAT8_DTYPES else t
+
+
 @dataclass(frozen=True)
 class TransportCaps:
     """What a transport can do (see [transport]); read by the registry, the step protocol and the HSDP policy.

@@ -11,7 +11,7 @@ import torch
 
 from ..layout import GroupLayout
 from ..collectives import all_gather_tensor, reduce_scatter_tensor
-from .base import Transport, TransportCaps
+from .base import Transport, TransportCaps, as_bytes
 
 
 class CollectiveTransport(Transport):
@@ -37,6 +37,8 @@ class CollectiveTransport(Transport):
             out.copy_(row)  # with N = 1 the layouts coincide
             return
         row = row.to(out.dtype)  # rows wider than the compute dtype (masters) cross the wire already cast
+        # float8 rows cross as bytes: gloo has no float8 dtype, and bytes need no cast ([float8-gather])
+        row, out = as_bytes(row), as_bytes(out)
         staging = torch.empty(lay.unsharded_numel, dtype=row.dtype, device=row.device)
         all_gather_tensor(staging, row, group=self.mesh.group)
         lay.unpack(staging, out=out)

@@ -37,7 +37,7 @@ from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from ..mesh import ShardMesh
 from .heap import SymmetricHeap
-from .base import TransportCaps
+from .base import FLOAT8_DTYPES, TransportCaps, as_bytes
 from .one_sided import OneSidedTransport
 
 HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
@@ -213,7 +213,7 @@ class NvshmemTransport(OneSidedTransport):
                 )
             self.gather_mode = "get"
         if self.gather_mode == "get" and self.gather_dtype is not None and \
-                any(d != self.gather_dtype for d in self.row_dtypes):
+                any(d != self.gather_dtype and d not in FLOAT8_DTYPES for d in self.row_dtypes):  # float8: bytes
             raise RuntimeError(GET_CANNOT_CAST)
         if self.gather_mode != "get":
             self.row_offsets = [
@@ -242,13 +242,15 @@ class NvshmemTransport(OneSidedTransport):
         if self.gather_mode == "copy_engine":
             self._gather_copy_engine(g, out)
             return
+        # float8 rows go through the kernels as bytes ([float8-gather]): one byte an element either way, so the
+        # offsets and chunk tables (in elements) hold as they are
+        row, out = as_bytes(self.rows[g]), as_bytes(out)
         if self.gather_mode == "get":
-            if self.rows[g].dtype != out.dtype:
+            if row.dtype != out.dtype:
                 raise RuntimeError(GET_CANNOT_CAST)
-            gather_rows_get(self.rows[g], out, self.gather_chunks[g], self.world_size, self.rank,
-                            num_warps=self.gather_warps)
+            gather_rows_get(row, out, self.gather_chunks[g], self.world_size, self.rank, num_warps=self.gather_warps)
             return
-        gather_rows(self.rows[g], self.row_offsets[g], out, self.gather_chunks[g], self.world_size,
+        gather_rows(row, self.row_offsets[g], out, self.gather_chunks[g], self.world_size,
                     num_warps=self.gather_warps, rank=self.rank)
 
     def _gather_copy_engine(self, g: int, out: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..mesh import ShardMesh
-from .base import TransportCaps
+from .base import TransportCaps, as_bytes
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport
 
@@ -131,10 +131,10 @@ class ShmTransport(OneSidedTransport):
     def gather(self, g: int, out: torch.Tensor) -> None:
         lay = self.layouts[g]
         dst, src = [], []
-        for seg_view, slot in zip(lay.unsharded_segments(out), lay.slots):
+        for seg_view, slot in zip(lay.unsharded_segments(as_bytes(out)), lay.slots):
             for q in range(self.world_size):
                 dst.append(seg_view[q])
-                src.append(self.peer_rows[q][g][slot.offset : slot.offset + slot.shard])
+                src.append(as_bytes(self.peer_rows[q][g])[slot.offset : slot.offset + slot.shard])
         torch._foreach_copy_(dst, src)
 
     def scatter_accumulate(self, g: int, grad: torch.Tensor) -> None:
