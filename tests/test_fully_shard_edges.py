@@ -88,6 +88,18 @@ def _tied() -> nn.Module:
     return Tied()
 
 
+def _assert_one_step_alike(plain: nn.Module, model: nn.Module) -> None:
+    """One AdamW step of each on the same micro-batch (one process): every parameter of ``model`` equals
+    ``plain``'s after it."""
+    for m in (plain, model):
+        opt, _ = _optimizer(m)
+        x = _micro_batches(0, 0, 1)[0]
+        causal_lm_loss(m(x), x, x.numel()).backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_refused_calls_leave_the_model_as_it_was_and_a_retry_works():
     """One process. A root call refused (a 0-dimensional parameter; a tie across units) changes nothing: the blocks
     keep their engine; once the parameter is fixed, the retry trains like the plain model. Defaults passed explicitly
@@ -108,13 +120,7 @@ def test_refused_calls_leave_the_model_as_it_was_and_a_retry_works():
     assert model.layers[0]._odc_engine is not None and getattr(model.layers[0].mlp.up_proj.weight, "_odc", None)
     model.extra = nn.Parameter(torch.ones(1), **frozen)
     fully_shard(model)
-    for m in (plain, model):
-        opt, _ = _optimizer(m)
-        x = _micro_batches(0, 0, 1)[0]
-        causal_lm_loss(m(x), x, x.numel()).backward()
-        opt.step()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    _assert_one_step_alike(plain, model)
     with pytest.raises(TypeError, match="cannot be deep-copied"):
         copy.deepcopy(model)
     tied = _tied()
@@ -136,13 +142,7 @@ def test_a_meta_model_sharded_per_block_then_loaded_trains_like_the_plain_model(
         fully_shard(layer)
     fully_shard(model)
     model.load_state_dict(plain.state_dict())
-    for m in (plain, model):
-        opt, _ = _optimizer(m)
-        x = _micro_batches(0, 0, 1)[0]
-        causal_lm_loss(m(x), x, x.numel()).backward()
-        opt.step()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    _assert_one_step_alike(plain, model)
 
 
 def test_settings_made_on_blocks_before_the_root_call_are_kept_and_units_cast_their_inputs():

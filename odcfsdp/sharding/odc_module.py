@@ -25,7 +25,6 @@ class UnitSettings:
     mp_policy: Any
     offload_policy: Any
     ignored: set = field(default_factory=set)
-    requires_gradient_sync: bool = True
     reshard_after_backward: bool = True
     divide_factor: float | None = None
     prefetch: dict = field(default_factory=dict)  # backward (bool) -> the modules to gather ahead
@@ -119,8 +118,6 @@ class ODCModule:
         it is produced, with no collective to put off, so a step sees the same sum either way ([fully-shard])."""
         if not isinstance(requires_gradient_sync, bool):
             raise ValueError(f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
-        for m in self._odc_units(recurse):
-            m._odc_settings.requires_gradient_sync = requires_gradient_sync
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradients summed over ranks and micro-batches by ``factor`` (default: the data-parallel
