@@ -56,6 +56,9 @@ def parse(argv=None):
                    help="what parameters are gathered and computed in on CUDA (both methods)")
     p.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     p.add_argument("--cpu", action="store_true", help="a CPU smoke run (tiny sizes)")
+    p.add_argument("--profile", nargs="*", default=[], choices=METHODS,
+                   help="methods that run one more step, not timed, under torch.profiler: the row's ``profile`` "
+                        "holds its device time by kind of kernel, its top kernels and host operators")
     harness.add_common(p, out="results/fp8/local")
     args = p.parse_args(argv)
     args.command = harness.command(__name__, argv)
@@ -135,10 +138,27 @@ def wrap(method: str, model, device: torch.device, param_dtype: torch.dtype = to
     return model, lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def compile_stats() -> dict:
+    """What torch.compile did since ``torch._dynamo.utils.counters`` was last cleared: graphs compiled, graph
+    breaks (and the most frequent reasons) and recompilations. A method whose layers stop compiling (a graph
+    break on a tensor subclass, a guard failing every step) shows here before it shows in its speed."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": [r[:200] for r, _ in breaks.most_common(3)],
+            "recompiles": sum(counters["recompiles"].values())}
+
+
 def train(method: str, args, data: list[torch.Tensor], device: torch.device) -> dict:
-    """Train ``method`` on ``data``: per-step losses (mean per token), the timed steps' seconds, the peak."""
+    """Train ``method`` on ``data``: per-step losses (mean per token), the timed steps' seconds, the peak, what
+    torch.compile did (``compile_stats``) and, for the methods of ``--profile``, one more step's profile."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks.e2e_report import kernel_summary, step_profiler
     from odcfsdp.models import causal_lm_loss
 
+    counters.clear()
     model, after_step = wrap(method, build_model(args, compiled=not args.no_compile and device.type == "cuda"),
                              device, getattr(torch, args.param_dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
@@ -146,9 +166,8 @@ def train(method: str, args, data: list[torch.Tensor], device: torch.device) -> 
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    losses, step_s = [], []
-    for rows in data:
-        t0 = time.perf_counter()
+
+    def step(rows: torch.Tensor) -> float:
         rows = rows.to(device)
         tokens = rows[:, 1:].numel()
         loss = causal_lm_loss(model(rows[:, :-1]), rows[:, 1:], tokens)  # bf16 parameters, no autocast, for both
@@ -157,16 +176,26 @@ def train(method: str, args, data: list[torch.Tensor], device: torch.device) -> 
         opt.step()
         opt.zero_grad()
         after_step()
-        losses.append(loss.item())  # a device sync: the step is done
+        return loss.item()  # a device sync: the step is done
+
+    losses, step_s = [], []
+    for rows in data:
+        t0 = time.perf_counter()
+        losses.append(step(rows))
         step_s.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    out = {"losses": losses, "step_s": step_s, "peak_alloc_gib": peak, "compile": compile_stats()}
+    if method in args.profile:  # after the peak is read: the profiler's own buffers are not the method's
+        with step_profiler() as prof:
+            step(data[-1])
+        out["profile"] = kernel_summary(prof)
     if hasattr(model, "close"):
         model.close()
     del model, opt
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return {"losses": losses, "step_s": step_s, "peak_alloc_gib": peak}
+    return out
 
 
 WINDOW = 10  # steps per window of loss_rel_gap_window_max
@@ -191,7 +220,7 @@ def rows_of(runs: dict, args) -> list[dict]:
         step = sum(timed) / len(timed)
         row = {"method": method, "tokens_per_s": args.batch * args.seq / step, "step_ms": 1e3 * step,
                "peak_alloc_gib": r["peak_alloc_gib"], "final_loss": sum(r["losses"][-tail:]) / tail,
-               "losses": r["losses"]}
+               "losses": r["losses"], "compile": r["compile"], **({"profile": r["profile"]} if "profile" in r else {})}
         if ref is not None:
             want = sum(ref["losses"][-tail:]) / tail
             row["loss_rel_gap"] = abs(row["final_loss"] - want) / want
@@ -209,13 +238,23 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     """The rows as a table, bf16 as the speed reference."""
     base = next((r["tokens_per_s"] for r in rows if r["method"] == "odc_bf16"), None)
     lines = [f"# fp8_bench ({meta['device']}, {meta['commit']}, {meta['date']})", "", f"`{meta['command']}`", "",
-             "| method | tokens/s | vs odc_bf16 | step ms | peak GiB | final loss | loss gap to fsdp2_float8 |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | tokens/s | vs odc_bf16 | step ms | peak GiB | final loss | loss gap to fsdp2_float8 "
+             "| graphs / breaks / recompiles |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         gap = f"{r['loss_rel_gap']:.2%}" if "loss_rel_gap" in r else "-"
+        c = r.get("compile")
+        compiled = f"{c['unique_graphs']} / {c['graph_breaks']} / {c['recompiles']}" if c else "-"
         lines.append(f"| {r['method']} | {r['tokens_per_s']:.0f} | {ratio} | {r['step_ms']:.1f} | "
-                     f"{r['peak_alloc_gib']:.2f} | {r['final_loss']:.4f} | {gap} |")
+                     f"{r['peak_alloc_gib']:.2f} | {r['final_loss']:.4f} | {gap} | {compiled} |")
+    for r in rows:
+        if "profile" in r:
+            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in r["profile"]["device_ms_by_kind"].items())
+            lines += ["", f"{r['method']}, one profiled step: device ms by kind: {kinds}; busy "
+                      f"{r['profile']['busy_ms']:.1f} ms; {r['profile']['kernel_launches']} launches"]
+            lines += [f"- {k['ms']:.2f} ms x{k['calls']}: `{k['name']}`" for k in r["profile"]["top_kernels"][:8]]
+        if r.get("compile", {}).get("graph_break_reasons"):
+            lines += ["", f"{r['method']}: graph breaks: " + "; ".join(f"`{x}`" for x in r["compile"]["graph_break_reasons"])]
     return "\n".join(lines) + "\n"
 
 
