@@ -27,6 +27,9 @@ peak allocated / reserved memory (plus the NVSHMEM heap for ``odc``), step-time
 spread, per-rank compute vs optimizer-step time, and the loss of every step. Rank 0
 writes ``e2e_bench.json``, ``e2e_bench.md`` and ``e2e_bench.png``. ``--memory-breakdown``
 adds one step per method that attributes its peak to categories (``odcfsdp.memory``).
+
+``--isolate`` (``python -m``, not torchrun) runs each (workload, method) in a process group of its own, one combined
+result: nothing carries over (FSDP2 + torchao float8 failed after odc's run in one process on 2 GPUs, passed alone).
 """
 
 from __future__ import annotations
@@ -37,16 +40,16 @@ import functools
 import gc
 import os
 import statistics
+import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks import e2e_baselines, harness
+from benchmarks import e2e_baselines, e2e_isolate, harness
 from benchmarks.e2e_hf import bench_model, decoder_layers, resolve_args
-from benchmarks.e2e_report import baseline, chart, kernel_summary, report, step_profiler
+from benchmarks.e2e_report import baseline, kernel_summary, step_profiler, write_outputs
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
@@ -65,10 +68,11 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload")
 
 
-def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
-             variants: list[str] = ()) -> list[tuple[str, str, str]]:
+def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (), variants: list[str] = (),
+             only: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini. Each ablation
-    or variant adds an ``odc-<name>`` run with odc's first balancer (``offload`` also ``fsdp2-offload``)."""
+    or variant adds an ``odc-<name>`` run with odc's first balancer (``offload`` also ``fsdp2-offload``).
+    ``only`` (``--balancers``): only the runs with one of these balancers."""
     out = []
     for w in workloads:
         for m in methods:
@@ -78,7 +82,7 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (),
             if m == "odc":
                 out += [(w, f"odc-{a}", balancers[0]) for a in (*ablate, *variants)]
             out += [(w, "fsdp2-offload", "lb_micro")] if m == "fsdp2" and "offload" in variants else []
-    return out
+    return [r for r in out if not only or r[2] in only]
 
 
 def wrap(method: str, model: nn.Module, device: torch.device, args):
@@ -284,13 +288,13 @@ def memory_record(wrapped: nn.Module, opt: torch.optim.Optimizer, train, device:
 def main_worker(args) -> list[dict] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.cpu_ranks \
         else torch.device("cpu")
-    results, failed = [], []
+    results, failed, where = [], [], (harness.device_name(device), dist.get_world_size())
     if device.type == "cuda" and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
         # NVSHMEM's heap is sized once per process, by the first model; the variants' fp32 rows need the most
         # (fp32 rows + fp32 accumulators: 8 bytes per parameter / N, plus slack for padding and NVSHMEM's own use).
         per_rank = -(-bench_model(args).params // dist.get_world_size())
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(per_rank * 8 * 1.05) + (256 << 20))
-    for w, m, b in runs_for(args.workloads, args.methods, args.ablate, args.variants):
+    for w, m, b in runs_for(args.workloads, args.methods, args.ablate, args.variants, args.balancers):
         try:
             results.append(run_one(w, m, b, args, device))
         except Exception as e:  # noqa: BLE001 - one method failing must not lose the others' results
@@ -300,23 +304,10 @@ def main_worker(args) -> list[dict] | None:
             print(f"[rank {dist.get_rank()}] {w}/{m}/{b} failed: {failed[-1]['error']}", flush=True)
             dist.barrier()  # the next run_one collects the failed run's memory before it measures
         if dist.get_rank() == 0:
-            write_outputs(results, failed, args, device, final=False)
+            write_outputs(results, failed, args, *where, final=False)
     if dist.get_rank() == 0:
-        write_outputs(results, failed, args, device, final=True)
+        write_outputs(results, failed, args, *where, final=True)
     return results
-
-
-def write_outputs(results: list[dict], failed: list[dict], args, device: torch.device, final: bool) -> None:
-    """JSON + markdown (+ PNG at the end) under ``--out``, rewritten after every run: a cut-off run keeps its part."""
-    bm = bench_model(args)
-    meta = harness.meta(args.commit, args.command, harness.device_name(device), world_size=dist.get_world_size(),
-                        size=args.size, model=bm.label, params=bm.params, steps=args.steps, warmup=args.warmup,
-                        batch=args.batch, args=vars(args), complete=final, failed=failed)
-    out = Path(args.out)
-    harness.write_result(out, "e2e_bench", meta, results, report(results, meta))
-    if final:
-        chart(results, out / "e2e_bench.png")
-        print(report(results, meta))
 
 
 def parse(argv=None):
@@ -368,6 +359,10 @@ def parse(argv=None):
                         "odcfsdp.memory.peak_breakdown), and odc's memory_breakdown before and after the "
                         "optimizer step")
     p.add_argument("--keep-going", action="store_true", help="record a failing run and go on with the others")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="each (workload, method) in a process group of its own, one combined result: nothing carries "
+                        "over (FSDP2 + torchao float8 failed after odc's run in one process on 2 GPUs, passed alone)")
+    p.add_argument("--balancers", nargs="+", default=None, choices=("lb_mini", "lb_micro"), help="only these runs")
     p.add_argument("--alloc-conf", default="",
                    help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set), e.g. expandable_segments:True "
                         "(on 2x H200 at ea1195c it left FSDP2's reserved memory as it was but raised odc's from 13.7 "
@@ -375,9 +370,10 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.compile and "module_hooks" in args.ablate:
         p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
-    if problem := resolve_args(args):  # --model's defaults (vocabulary, methods) and misfits
+    if problem := e2e_isolate.misfit(args) or resolve_args(args):  # --model's defaults (vocabulary, methods), misfits
         p.error(problem)
     args.command = harness.command(__name__, argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # --isolate's children: these, then their own
     return args
 
 
@@ -386,14 +382,16 @@ def main(argv=None) -> None:
     if args.alloc_conf:  # before the first CUDA allocation
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.alloc_conf)
     args.alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if args.cpu_ranks:
+    if args.isolate:  # no process group here: a child per (workload, method)
+        e2e_isolate.run(args, runs_for(args.workloads, args.methods, args.ablate, args.variants, args.balancers))
+    elif args.cpu_ranks:
         spawn(main_worker, args.cpu_ranks, args, timeout=3600)
-        return
-    init_torchrun()
-    try:
-        main_worker(args)
-    finally:
-        dist.destroy_process_group()
+    else:
+        init_torchrun()
+        try:
+            main_worker(args)
+        finally:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

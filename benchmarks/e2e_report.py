@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import harness
+from benchmarks.e2e_hf import bench_model
+
 
 def baseline(method: str) -> str:
     """The method a run's method is, for wrapping and for the tables: ``hf_fsdp2`` / ``hf_ddp`` are FSDP2 and DDP on
@@ -72,7 +75,9 @@ def report(results: list[dict], meta: dict) -> str:
     lines = [
         "# End-to-end training: odcfsdp vs PyTorch FSDP2 vs DDP", "",
         f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
-        f"- command: `{meta['command']}`",
+        f"- command: `{meta['command']}`" + ("; each (workload, method) ran in a process group of its own "
+                                              "(`--isolate`; their own results: `runs/<workload>_<method>/`)"
+                                              if meta.get("isolated") else ""),
         f"- model: {meta.get('model') or 'Llama ' + meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} "
         f"measured steps after "
         f"{meta['warmup']} warm-up; {meta['batch']} samples per minibatch; balanced: "
@@ -248,3 +253,18 @@ def chart(results: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_outputs(results: list[dict], failed: list[dict], args, device: str, world_size: int | None, final: bool,
+                  **extra) -> None:
+    """JSON + markdown (+ PNG at the end) under ``--out``, rewritten after every run: a cut-off run keeps its part.
+    ``device``: its name (``harness.device_name``); ``extra``: more meta (``--isolate``'s children)."""
+    bm = bench_model(args)
+    meta = harness.meta(args.commit, args.command, device, world_size=world_size, size=args.size, model=bm.label,
+                        params=bm.params, steps=args.steps, warmup=args.warmup, batch=args.batch, args=vars(args),
+                        complete=final, failed=failed, isolated=args.isolate, **extra)
+    out = Path(args.out)
+    harness.write_result(out, "e2e_bench", meta, results, report(results, meta))
+    if final:
+        chart(results, out / "e2e_bench.png")
+        print(report(results, meta))

@@ -28,6 +28,7 @@ RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "t
                  "e2e_report.py": "benchmarks/e2e_bench.py",  # e2e_bench's report: run with it
                  "step_sim_fit.py": "benchmarks/step_sim.py", "step_sim_report.py": "benchmarks/step_sim.py",
                  "e2e_hf.py": "tests/test_e2e_hf.py", "e2e_baselines.py": "tests/test_e2e_bench.py",
+                 "e2e_isolate.py": "tests/test_e2e_bench.py",  # e2e_bench --isolate
                  "fp8_bench.py": "tests/test_float8.py",  # needs torchao: skipped with the other float8 tests
                  "timing.py": "benchmarks/optim_bench.py",  # the timers of optim_bench, comm_bench, attention_bench
                  "provenance.py": "tests/test_provenance.py", "step_sim_model.py": "tests/test_step_sim.py",

@@ -4,8 +4,24 @@ thing, and the reports are written."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from benchmarks import e2e_bench
+import pytest
+
+from benchmarks import e2e_bench, e2e_isolate, harness
+
+#: odc and FSDP2 on the balanced workload: the variants' run, and the same in processes of their own (--isolate)
+BALANCED = ["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--batch", "8", "--seq", "64", "--pool", "20000",
+            "--group-bytes", "8192", "--methods", "odc", "fsdp2", "--workloads", "balanced"]
+
+
+@pytest.fixture(scope="module")
+def variants_run(tmp_path_factory) -> dict:
+    """One process: odc and FSDP2 with the lean and offload variants (the runs by method)."""
+    out = tmp_path_factory.mktemp("variants")
+    e2e_bench.main([*BALANCED, "--steps", "2", "--warmup", "1", "--variants", "lean", "offload", "--out", str(out)])
+    return {r["method"]: r for r in json.loads((out / "e2e_bench.json").read_text())["rows"]}
 
 
 def test_all_methods_train_the_same_model(tmp_path):
@@ -51,14 +67,11 @@ def test_compiled_layers_with_recomputation_train_the_same_model(tmp_path):
     assert "decoder layers compiled (every method): aot_eager" in (tmp_path / "e2e_bench.md").read_text()
 
 
-def test_memory_variants_train_the_same_model(tmp_path):
+def test_memory_variants_train_the_same_model(variants_run):
     """``--variants``: odc with the fp32 masters gathered and bf16 gradient accumulators trains what odc trains
     (on CPU the compute is fp32, so only the bf16 sums differ: losses within bf16 rounding); with ``offload`` odc and
     FSDP2 (``fsdp2-offload``, the baseline) step on host masters and train what they train without it."""
-    e2e_bench.main(["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--steps", "2", "--warmup", "1",
-                    "--batch", "8", "--seq", "64", "--pool", "20000", "--group-bytes", "8192", "--methods", "odc",
-                    "fsdp2", "--workloads", "balanced", "--variants", "lean", "offload", "--out", str(tmp_path)])
-    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]}
+    runs = variants_run
     assert set(runs) == {"odc", "odc-lean", "odc-offload", "fsdp2", "fsdp2-offload"}
     for a, b in zip(runs["odc-lean"]["losses"], runs["odc"]["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b)
@@ -86,3 +99,60 @@ def test_fsdp2_nosync_trains_what_fsdp2_trains(tmp_path):
         for s, t in zip(nosync["steps"], ref["steps"]):
             assert abs(s["grad_norm"] - t["grad_norm"]) <= 1e-5 * abs(t["grad_norm"]), workload
     assert "odc lb_mini / fsdp2_nosync lb_micro = " in (tmp_path / "e2e_bench.md").read_text()
+
+
+def test_isolate_runs_each_method_in_a_process_of_its_own(tmp_path, variants_run):
+    """``--isolate``: a child process (its own CPU ranks) per method, one combined result with the children's rows,
+    which are the rows one process gives (the variants' run above: the same model, data and seed)."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_bench", *BALANCED, "--steps", "1", "--warmup", "1",
+                          "--isolate", "--out", str(tmp_path)], env=harness.module_env(), cwd=harness.ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[isolate] 1/2: balanced odc (lb_micro)" in run.stdout and "[isolate] 2/2: balanced fsdp2" in run.stdout
+    data = json.loads((tmp_path / "e2e_bench.json").read_text())
+    assert [r["method"] for r in data["rows"]] == ["odc", "fsdp2"] and data["meta"]["failed"] == []
+    assert data["meta"]["isolated"] is True and data["meta"]["complete"] is True
+    assert data["meta"]["device"] == "cpu" and data["meta"]["world_size"] == 2
+    assert "--isolate" in data["meta"]["command"] and "process group of its own" in (
+        tmp_path / "e2e_bench.md").read_text()
+    for r in data["rows"]:
+        child = json.loads((tmp_path / "runs" / f"balanced_{r['method']}" / "e2e_bench.json").read_text())
+        assert [c["method"] for c in child["rows"]] == [r["method"]] and child["meta"]["isolated"] is False
+        assert r["losses"] == variants_run[r["method"]]["losses"][:2], r["method"]  # same steps, to the bit
+    assert (tmp_path / "e2e_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_isolate_children_run_exactly_the_planned_runs(tmp_path):
+    """Each child runs the runs the parent planned for it, no more (``odc-<variant>`` as a method alone would also run
+    lb_micro on longtail); a child that crashed has its runs without a row recorded as failed, naming its exit code."""
+    planned = e2e_bench.runs_for(["balanced", "longtail"], ["odc", "fsdp2"], ["prefetch0"], ["offload"])
+    groups = e2e_isolate.children(planned)
+    assert groups[("longtail", "odc")] == ["lb_mini", "lb_micro"] and groups[("longtail", "odc-offload")] == ["lb_mini"]
+    again = []
+    for (w, m), balancers in groups.items():
+        argv = e2e_isolate.child_argv(["--isolate", "--ablate", "prefetch0", "--variants", "offload"], w, m, balancers,
+                                      tmp_path / f"{w}_{m}")
+        args = e2e_bench.parse(argv)
+        assert not args.isolate and args.out == str(tmp_path / f"{w}_{m}")
+        again += e2e_bench.runs_for(args.workloads, args.methods, args.ablate, args.variants, args.balancers)
+    assert again == planned
+    ok, crashed = tmp_path / "ok", tmp_path / "crashed"
+    harness.write_result(ok, "e2e_bench", harness.meta("abc", "cmd", "cpu", world_size=2, failed=[]),
+                         [{"workload": "longtail", "method": "odc", "balance": "lb_mini"}])
+    rows, failed, device, world = e2e_isolate.collect([
+        (ok, [("longtail", "odc", "lb_mini"), ("longtail", "odc", "lb_micro")], -9),
+        (crashed, [("longtail", "fsdp2", "lb_micro")], 1)])
+    assert len(rows) == 1 and (device, world) == ("cpu", 2)
+    assert [(f["method"], f["balance"]) for f in failed] == [("odc", "lb_micro"), ("fsdp2", "lb_micro")]
+    assert "exited with code -9 (signal 9)" in failed[0]["error"] and "exited with code 1" in failed[1]["error"]
+
+
+def test_isolate_refuses_torchrun(monkeypatch, capsys):
+    """--isolate starts its own torchrun per method: under torchrun (RANK set) it refuses at once, in one line."""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        e2e_bench.parse(["--isolate"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --isolate starts its own torchrun per method: run it with python -m benchmarks.e2e_bench, not torchrun")
+    assert not e2e_bench.parse([]).isolate  # without --isolate torchrun is the way
