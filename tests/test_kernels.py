@@ -117,3 +117,39 @@ def test_kernel_argument_checks():
     with pytest.raises(ValueError, match="does not fit"):
         scatter_accumulate_rows(rows[0].cpu() if DEVICE == "cuda" else rows[0].to("meta"),
                                 row_offsets(rows[0], rows), out, chunks(16), 2)
+
+
+def _float8_cast_case(device):
+    """A row of four segments (one weight's scale each, 4x to 1000x apart) over values from 1e-6 to 1e3, past the
+    float8 range once scaled; the scale of each element, as a reference expands it."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5000, 1, 12000, 3999]
+    n = sum(lengths)
+    src = (torch.randn(n, generator=gen) * torch.logspace(-6, 3, n)[torch.randperm(n, generator=gen)]).to(device)
+    scales = torch.tensor([9.0, 0.25, 1000.0, 2.0, 40.0], device=device)  # every float8 weight's of the model
+    numbers = torch.tensor([3, 0, 4, 2], device=device)  # the segments' weights
+    ends = torch.tensor(lengths, device=device).cumsum(0)
+    per_element = torch.cat([scales[k].expand(m) for m, k in zip(lengths, numbers.tolist())])
+    return src, ends, numbers, scales, per_element
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_float8_cast_gives_each_segment_its_weights_scale(dtype):
+    """[float8-gather] step 3's kernel: each element of the row takes its own segment's scale, and values past the
+    float8 range saturate at +-448. Into an fp32 row the kernel's scaled, clamped values are exact (on CPU too);
+    into a float8 row they equal torch's cast to the bit, checked on GPUs only (Triton's CPU interpreter emulates
+    float8 rounding its own way, off by more than one float8 step)."""
+    from odcfsdp.kernels.float8_cast import cast_segments_to_float8
+    from odcfsdp.sharding.float8_rows import FLOAT8_MAX, to_float8
+
+    if dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("the interpreter's float8 rounding is not the GPU's; the fp32 case checks the scales here")
+    src, ends, numbers, scales, per_element = _float8_cast_case(DEVICE)
+    out = torch.full((src.numel(),), float("nan"), device=DEVICE).to(dtype)  # a skipped element shows
+    cast_segments_to_float8(src, out, ends, numbers, scales)
+    want = (src * per_element).clamp(-FLOAT8_MAX, FLOAT8_MAX)
+    assert want.abs().max() == FLOAT8_MAX  # the case reaches past the float8 range
+    if dtype == torch.float32:
+        assert torch.equal(out, want)
+    else:
+        assert torch.equal(out.view(torch.uint8), to_float8(src, per_element).view(torch.uint8))

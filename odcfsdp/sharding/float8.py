@@ -81,8 +81,10 @@ of [lifecycle] (``float8_rows.py`` holds the machinery):
 5. the collective transport's all-gather moves the same float8 rows as bytes.
 
 Costs and limits: the owner's cast is one pass over its float8 master rows a step (FSDP2 casts its
-shard at every all-gather instead), a few kernels per group (each element scaled by its weight's
-scale, ``repeat_interleave``d over the segments); on the nvshmem transport the cast
+shard at every all-gather instead), on CUDA one kernel per group that gives each element its segment's
+scale and reads 4 bytes and writes 1 (``kernels/float8_cast.py``; torch's ``repeat_interleave`` of the
+scales to the row's length cost 131 ms a step on one H200 at 4 layers of 8B shape, and an int64 index
+per element); on the nvshmem transport the cast
 adds one device-side all-reduce and one ``quiesce`` per step. With ``gather_masters`` the other groups'
 rows are their masters, the float8 groups keep their float8 row. ``ODCShard.unsharded()`` shows a
 float8 weight in its float8 form (``full_state_dict`` and checkpoints read the fp32 masters).
