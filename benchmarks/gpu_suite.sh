@@ -21,7 +21,8 @@
 # tests, the float8 gather's among them), fp8_1gpu (issue 35: benchmarks/fp8_bench.py, 8B-shaped layers on one
 # GPU: bf16, float8 tensorwise and rowwise, tensorwise with float8_gather, torchao + FSDP2 float8), fp8_8b_balanced
 # (issue 35: the 8B model, odc float8 gathering float8 rows, --float8-gather, against
-# FSDP2 with torchao's float8 all-gather, in one call, with memory; 2+ GPUs). Results go to
+# FSDP2 with torchao's float8 all-gather, in one call, with memory, each method in its own processes; 2+ GPUs),
+# fp8_8b_balanced_lean (the same for odc with gather_masters: no bf16 rows). Results go to
 # OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
@@ -47,7 +48,7 @@ declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [comm]=2
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
                   [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570 [sim_heldout_8b]=570
-                  [tests_float8]=570 [fp8_1gpu]=540 [fp8_8b_balanced]=540)
+                  [tests_float8]=570 [fp8_1gpu]=540 [fp8_8b_balanced]=570 [fp8_8b_balanced_lean]=400)
 
 per_test_bound() {  # pytest-timeout's option, where the plugin is installed (carry its wheel); spawn bounds either way
   if python3 -c 'import pytest_timeout' 2>/dev/null; then echo "--timeout $1"; else echo "-p no:timeout"; fi
@@ -145,13 +146,15 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     fp8_1gpu)  # 4 layers of dim 4096 / ffn 14336, 2 x 4096 tokens per step, compiled; one GPU whatever the lane has
       echo "python3 -m benchmarks.fp8_bench --layers 4 --steps 12 --warmup 4 --out $dir --commit $COMMIT $extra" ;;
-    fp8_8b_balanced)  # e2e_balanced_8b's workload, both methods with torchao float8 gathered in float8 (odc:
-      # float8_gather, [float8-gather]; FSDP2: float8 all-gather and
-      # the scales precomputed after each step, torchtitan's settings); bf16 figures: e2e_balanced_8b in the same call
-      echo "$run -m benchmarks.e2e_bench --size 8b --workloads balanced --batch $((2 * n)) --steps 4 --warmup 2" \
-           "--activation-checkpointing --compile --float8 tensorwise --float8-gather --methods odc fsdp2" \
-           "--memory-breakdown" \
-           "--keep-going --out $dir --commit $COMMIT $extra" ;;
+    fp8_8b_balanced|fp8_8b_balanced_lean)  # e2e_balanced_8b's workload, both methods with torchao float8 gathered
+      # in float8 (odc: float8_gather, [float8-gather]; FSDP2: float8 all-gather and the scales precomputed after each
+      # step, torchtitan's settings), each method in a process group of its own (--isolate: FSDP2's float8 run failed
+      # after odc's in one process); bf16 figures: e2e_balanced_8b in the same call. _lean: odc with its masters
+      # gathered for the bf16 groups (gather_masters: no bf16 rows; the float8 groups keep their float8 rows)
+      local methods="odc fsdp2"; [ "$s" = fp8_8b_balanced_lean ] && methods="odc-gather_masters"
+      echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads balanced --batch $((2 * n)) --steps 4" \
+           "--warmup 2 --activation-checkpointing --compile --float8 tensorwise --float8-gather --methods $methods" \
+           "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac
 }
