@@ -308,13 +308,18 @@ def test_rowwise_layers_and_the_switch_off_gather_param_dtype_in_one_process():
     with mock.patch.object(float8, "float8_problem", return_value=None):
         rowwise = ODCShard(_float8_llama(None), float8="rowwise", comm="shm", float8_gather=True)
         off = ODCShard(_float8_llama(None), float8="tensorwise", comm="shm")
-        on = ODCShard(_float8_llama(None), float8="tensorwise", comm="shm", float8_gather=True)
+        llama = _float8_llama(None)
+        weights = {n: p for n, p in llama.named_parameters() if n.endswith("proj.weight")}  # a user's references
+        on = ODCShard(llama, float8="tensorwise", comm="shm", float8_gather=True)
         model = _float8_llama(None)
         with pytest.raises(TypeError, match=r"^float8_gather must be True or False, got 'yes'$"):
             ODCShard(model, float8="tensorwise", float8_gather="yes")
     assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
     assert not any(lay.float8 for lay in rowwise.layouts) and not any(lay.float8 for lay in off.layouts)
     assert sum(len(lay.slots) for lay in on.layouts if lay.float8) == FLOAT8_WEIGHTS
+    # the float8 weights' original parameters no longer hold their full values (the masters do): at 8B on 2 GPUs
+    # they were 26 GiB a rank, kept alive by the sharded parameter's reference
+    assert len(weights) == FLOAT8_WEIGHTS and all(p.untyped_storage().nbytes() == 0 for p in weights.values())
     batches = [[torch.cat(step)] for step in _batches(2)]  # both ranks' micro-batches as one
     assert _train(on, batches, TOKENS) == _train(_float8_llama("tensorwise"), batches, TOKENS)
     for m in (rowwise, off, on):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.launch import spawn
@@ -102,6 +103,25 @@ def test_categories_add_up_on_the_shm_transport():
     for dtype in ("float32", "bfloat16"):
         for r in spawn(_breakdowns, 2, dtype):
             _check(r)
+
+
+def test_wrapper_subclasses_count_by_their_inner_tensors():
+    """FSDP2's float8 parameters are DTensors over torchao's weight wrapper, neither of which has a storage of its
+    own (its data pointer raises): the tensors counted are the inner plain ones, here the wrapped fp32 tensor."""
+    pytest.importorskip("torchao")
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from odcfsdp.memory.live import plain_tensors, span
+
+    inner = torch.randn(16, 32)
+    mm_config = Float8Linear.from_float(nn.Linear(32, 16), Float8LinearConfig()).linear_mm_config
+    weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(inner, mm_config, torch.float32))
+    with pytest.raises(RuntimeError, match="invalid python storage"):  # what the breakdown met on 2 GPUs
+        weight.untyped_storage().data_ptr()
+    assert [t.data_ptr() for t in plain_tensors([weight, None])] == [inner.data_ptr()]
+    assert span(weight) == (inner.data_ptr(), inner.data_ptr() + inner.numel() * 4)
 
 
 def test_claims_count_each_byte_once():

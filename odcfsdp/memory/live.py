@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..sharding import ODCShard
 
@@ -57,9 +58,24 @@ class _Claims:
         return hi - lo - covered
 
 
-def _local(t):
-    """A DTensor's local tensor (no autograd op), any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a tensor's bytes: a wrapper subclass's inner tensors, recursively (a DTensor's
+    local tensor, torchao's float8 weight wrapper's ``_tensor``, a ``Float8TrainingTensor``'s data and scale),
+    any other tensor itself. A wrapper has no storage of its own: asking for its data pointer raises."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()  # names; not all are tensors (torch 2.13's DTensor lists its mesh)
+        return [x for a in attrs if isinstance(inner := getattr(t, a), torch.Tensor) for x in _plain(inner)]
+    return [t]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding most of a tensor's bytes (``_plain``'s largest; the tensor itself when plain)."""
+    return max(_plain(t), key=lambda x: x.numel() * x.element_size())
+
+
+def plain_tensors(ts) -> list[torch.Tensor]:
+    """``ts`` (None entries skipped) as the plain tensors holding their bytes (``_plain``)."""
+    return [x for t in ts if t is not None for x in _plain(t)]
 
 
 def span(t: torch.Tensor | None) -> tuple[int, int] | None:
@@ -82,7 +98,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     """Every tensor in ``optimizer.state`` (DTensors: their local tensors)."""
     if optimizer is None:
         return []
-    return [_local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return plain_tensors(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def odc_tensors(model: ODCShard, optimizer=None) -> dict[str, list[torch.Tensor]]:
@@ -104,7 +120,8 @@ def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = 
     if not isinstance(model, ODCShard):
         raise TypeError(f"memory_breakdown takes an ODCShard model, got {type(model).__name__}")
     claims, tensors = _Claims(), odc_tensors(model, optimizer)
-    counted = {cat: sum(claims.claim(*s) for t in ts if (s := span(t)) is not None) for cat, ts in tensors.items()}
+    counted = {cat: sum(claims.claim(*s) for t in plain_tensors(ts) if (s := span(t)) is not None)
+               for cat, ts in tensors.items()}
     heap = int(getattr(model.transport, "heap_bytes", 0) or 0)
     outside = ("rows", "accumulators", "heap_other") if heap else ()
     out = MemoryBreakdown(**counted, heap=heap, heap_other=heap - counted["rows"] - counted["accumulators"] if heap
@@ -125,8 +142,8 @@ def known_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if isinstance(model, ODCShard):
         return odc_tensors(model, optimizer)
     params = list(model.parameters())
-    return {"masters": [_local(p) for p in params],
-            "gradients": [_local(p.grad) for p in params if p.grad is not None],
+    return {"masters": plain_tensors(params),
+            "gradients": plain_tensors(p.grad for p in params),
             "optimizer_state": optimizer_tensors(optimizer)}
 
 

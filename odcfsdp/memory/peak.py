@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from .live import _local, span
+from .live import plain_tensors, span
 
 _MARKER = "_probe_marker"  # the function whose allocation marks a probe in the trace
 
@@ -162,8 +162,8 @@ def _probe_marker(device: torch.device) -> None:
 
 
 def _spans(known: Mapping[str, Iterable[torch.Tensor]], device: torch.device) -> dict[str, list[tuple[int, int]]]:
-    return {cat: [(s[0], s[1] - s[0]) for t in ts if t is not None and _local(t).device == device
-                  and (s := span(t)) is not None] for cat, ts in known.items()}
+    return {cat: [(s[0], s[1] - s[0]) for t in plain_tensors(ts) if t.device == device and (s := span(t)) is not None]
+            for cat, ts in known.items()}
 
 
 def peak_breakdown(fn: Callable[[], object], known: Callable[[], Mapping] | Mapping | None = None, *,
