@@ -64,8 +64,8 @@ NO_DECAY = ("*norm*",)
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
 # odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
 # accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
-# FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload")
+# FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has), or one push in flight ([streams] 2).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "bounded_pushes")
 
 
 def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (), variants: list[str] = (),
@@ -112,6 +112,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
                            float8=args.float8, float8_gather=args.float8_gather)
+        if ablation == "bounded_pushes":  # [streams] 2: one push in flight, as FSDP2's reduce-scatters
+            sharded.comm.pushes_in_flight = 1
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
@@ -323,7 +325,7 @@ def parse(argv=None):
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
     p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,
-                   help="extra odc runs with memory levers on: gather_masters, bf16_reduce, lean (both), offload")
+                   help="extra odc runs with memory levers on (VARIANTS): " + ", ".join(VARIANTS))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")

@@ -7,6 +7,7 @@ node (NVLink peers). Measured errors are appended as JSON lines to the file name
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -80,6 +81,19 @@ def test_bf16_parity_two_gpus(comm, reshard, prefetch):
     results = spawn(sharded_run, 2, run, torch.float32, 4096, reshard, comm, "cuda", prefetch, backend="nccl")
     compare(f"bf16_parity[{comm},reshard={reshard},prefetch={prefetch}]", run, results,
             mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
+@two_gpus
+@pytest.mark.parametrize("comm", ["nvshmem", "collective"])
+def test_bounded_pushes_train_what_unbounded_ones_do(comm):
+    """[streams] 2 with one push in flight: the current stream waits for each push's predecessor and only then drops
+    its gradient buffer (no record_stream), so the buffers are reused in stream order. A buffer freed too early
+    would be overwritten by the next layer's gradients before its push read it; the parity reference shows that.
+    Uneven micro-batch counts (3 and 1), so that one rank's pushes run while the other is in its step."""
+    run = Run(2, micro_batches=[3, 1])
+    bounded = functools.partial(sharded_run, pushes_in_flight=1)
+    results = spawn(bounded, 2, run, torch.float32, 4096, True, comm, "cuda", 1, backend="nccl")
+    compare(f"bounded_pushes[{comm}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 
 @pytest.mark.parametrize("world, micro_batches", [(1, [2]), pytest.param(2, [2, 1], marks=two_gpus)])

@@ -14,16 +14,19 @@ done*:
    wait for it before ``out`` is used or freed. Without a side stream (CPU, or
    ``prefetch=0``) the gather runs in place and there is no event.
 2. ``push(g, grad)`` queues the scatter-accumulate on the push stream after the
-   current stream's work (which wrote ``grad``). ``grad`` is held until the current
-   stream has waited for its push, then dropped: its block goes back to the current
-   stream's pool, reused in stream order. At each push the current stream waits for
-   the push before it (``PUSHES_IN_FLIGHT``), as FSDP2 waits for its previous
-   reduce-scatter: at most two gradient buffers are alive, the one pushed and the one
-   backward is filling. Unbounded (``record_stream`` alone: the allocator reuses a
-   block only once the host sees its push done, and the host runs layers ahead), the
-   buffers piled up wherever backward outran the pushes: 3.7 GiB of them at the peak of
-   8B float8 on 2 H200s, 9 layers' worth. Waiting costs nothing where pushes keep up,
-   and where they do not, the step waits for the same pushes at ``pushes_done``.
+   current stream's work (which wrote ``grad``); ``grad`` is freed only once the push
+   has read it (``record_stream``). The allocator reuses such a block only once the
+   host sees that push done, and the host runs layers ahead, so where backward outruns
+   the pushes their buffers pile up: 3.7 GiB of them (9 layers' worth) at the peak of 8B
+   float8 on 2 H200s (``results/e2e/n2_8b_balanced_fp8_gather_d987601``). With
+   ``pushes_in_flight = 1`` (``PUSHES_IN_FLIGHT``) pushes are bounded as FSDP2 bounds its
+   reduce-scatters: at each push the current stream waits for the push before it, and
+   only then is that buffer dropped (no ``record_stream``: its block goes back to the
+   current stream's pool and is reused in stream order), so at most two buffers live,
+   the one pushed and the one backward is filling. Where pushes keep up the wait costs
+   nothing; where they do not, the step waits for the same pushes at ``pushes_done``.
+   Unbounded stays the default until a GPU run has measured the bound (the e2e bench's
+   ``bounded_pushes`` variant sets ``model.comm.pushes_in_flight = 1``).
 3. ``pushes_done()`` (before a meeting): the current stream waits for the pushes,
    and the transport makes them complete and visible to their owners.
 4. ``rows_published()`` (after a finish or a change): the transport makes the new
@@ -63,8 +66,9 @@ import torch
 
 from .transport import Transport
 
-#: pushes the current stream runs ahead of ([streams] 2): 1, FSDP2's one reduce-scatter in flight
-PUSHES_IN_FLIGHT = 1
+#: pushes the current stream may run ahead of ([streams] 2): None unbounded (``record_stream``); 1 is FSDP2's one
+#: reduce-scatter in flight, not the default until measured on GPUs
+PUSHES_IN_FLIGHT: int | None = None
 
 
 def _zero(tensors: list[torch.Tensor]) -> None:
@@ -97,6 +101,7 @@ class CommStreams:
         self._flag = torch.zeros(1, device=device) if barrier else None
         self.written_aside([self._flag] if self._flag is not None else [])
         self._row_flag: torch.Tensor | None = None  # the float8 cast's barrier (6), made on first use
+        self.pushes_in_flight = PUSHES_IN_FLIGHT  # (2) settable per model: model.comm.pushes_in_flight
         # pushes the current stream has not waited for yet, with the buffers they read (2)
         self._pushing: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = collections.deque()
 
@@ -130,10 +135,13 @@ class CommStreams:
             self.transport.scatter_accumulate(g, grad)
         if self.push_stream is None:
             return
+        if self.pushes_in_flight is None:
+            grad.record_stream(self.push_stream)  # freed only once the push has read it
+            return
         event = torch.cuda.Event()
         event.record(self.push_stream)
         self._pushing.append((event, grad))
-        while len(self._pushing) > PUSHES_IN_FLIGHT:
+        while len(self._pushing) > self.pushes_in_flight:
             earlier, buffer = self._pushing.popleft()
             _current(self.push_stream).wait_event(earlier)
             del buffer  # after the wait is queued: a later allocation reusing the block runs after the push
