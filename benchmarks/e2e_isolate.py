@@ -2,10 +2,10 @@
 one combined result.
 
 Why: in one e2e_bench process the runs share compile caches, torchao's state, storages the previous run freed and
-the NVSHMEM heap (sized once per process, by the first model). On 2 GPUs the FSDP2 + torchao float8 baseline failed
-with "RuntimeError: Attempted to access the data pointer on an invalid python storage" when it ran after odc's run
-in the same process, and passed alone (``results/e2e/n2_8b_balanced_fp8_5b19202``). With ``--isolate`` nothing can
-carry over from one method to the next.
+the NVSHMEM heap (sized once per process, by the first model). With ``--isolate`` nothing can carry over from one
+method to the next. (It was built when FSDP2 + torchao float8 failed after odc's run in one process,
+``results/e2e/n2_8b_balanced_fp8_5b19202``; the cause turned out to be the memory breakdown reading a wrapper
+subclass's storage, fixed in ``odcfsdp/memory/live.py``, and the failure came back in a process of its own.)
 
 How: this process (the parent) starts no process group; it refuses to run under torchrun. It plans the runs as
 e2e_bench does (``runs_for``) and starts one child per (workload, method), one after another, their output streamed

@@ -151,7 +151,8 @@ section_cmd() {  # section, gpus in lane, port, dir
       # step, torchtitan's settings), each method in a process group of its own (--isolate: FSDP2's float8 run failed
       # after odc's in one process); bf16 figures: e2e_balanced_8b in the same call. _lean: odc with its masters
       # gathered for the bf16 groups (gather_masters: no bf16 rows; the float8 groups keep their float8 rows)
-      local methods="odc fsdp2"; [ "$s" = fp8_8b_balanced_lean ] && methods="odc-gather_masters"
+      # bounded_pushes: odc with one push in flight ([streams] 2), the gradient buffers that piled up at its peak
+      local methods="odc fsdp2 --variants bounded_pushes"; [ "$s" = fp8_8b_balanced_lean ] && methods="odc-gather_masters"
       echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads balanced --batch $((2 * n)) --steps 4" \
            "--warmup 2 --activation-checkpointing --compile --float8 tensorwise --float8-gather --methods $methods" \
            "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;

@@ -307,10 +307,10 @@ def test_rowwise_layers_and_the_switch_off_gather_param_dtype_in_one_process():
 
     with mock.patch.object(float8, "float8_problem", return_value=None):
         rowwise = ODCShard(_float8_llama(None), float8="rowwise", comm="shm", float8_gather=True)
-        off = ODCShard(_float8_llama(None), float8="tensorwise", comm="shm")
+        off = ODCShard(_float8_llama(None), float8="tensorwise", comm="shm", float8_gather=False)
         llama = _float8_llama(None)
         weights = {n: p for n, p in llama.named_parameters() if n.endswith("proj.weight")}  # a user's references
-        on = ODCShard(llama, float8="tensorwise", comm="shm", float8_gather=True)
+        on = ODCShard(llama, float8="tensorwise", comm="shm")  # the default: float8_gather=True
         model = _float8_llama(None)
         with pytest.raises(TypeError, match=r"^float8_gather must be True or False, got 'yes'$"):
             ODCShard(model, float8="tensorwise", float8_gather="yes")

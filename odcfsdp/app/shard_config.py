@@ -200,11 +200,11 @@ class ShardConfig:
     """``"tensorwise"`` or ``"rowwise"``: convert the model's linears to torchao's float8 training first (not the
     output head, nor a linear whose dims are not multiples of 16); needs torchao (``pip install odcfsdp[fp8]``) and a
     GPU of compute capability 8.9+ ([float8] in ``float8.py``). (tensorwise | rowwise; none: no float8)"""
-    float8_gather: bool = False
+    float8_gather: bool = True
     """gather the weights of tensorwise ``Float8Linear`` layers (``float8="tensorwise"``'s, or ones converted before
     wrapping) in float8: their owners cast them once per step, with scales from amaxes the step's meeting carries;
     half of bf16's bytes ([float8-gather] in ``float8.py``). False gathers them in ``param_dtype``; rowwise layers
-    always are. Off by default until its GPU checks have run."""
+    always are. On by default, as ``ODCShard``'s."""
     replicas: Optional[int] = None
     """HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch; 1: full
     sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1. Becomes

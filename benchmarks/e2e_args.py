@@ -1,0 +1,89 @@
+"""``benchmarks/e2e_bench.py``'s command line: its flags, the ablations and memory variants of odc it can add, and
+the checks that refuse a misfit in one line before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks import e2e_isolate, harness
+from benchmarks.e2e_hf import resolve_args
+from odcfsdp.models.attention import ATTENTION_BACKENDS
+from odcfsdp.sharding.float8 import FLOAT8_GATHER_DEFAULT
+
+DESCRIPTION = "End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs."
+ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
+# odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
+# accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
+# FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has), or one push in flight ([streams] 2).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "bounded_pushes")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """e2e_bench's arguments, checked: a misfit (flags that cannot go together, an unknown model) exits in one line
+    before any rank starts."""
+    p = argparse.ArgumentParser(description=DESCRIPTION)
+    p.add_argument("--size", default="1b", help="our Llama's size (--model llama)")
+    p.add_argument("--model", default="llama", help="llama (ours) or hf:<name>; --model-path: a local HF config")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--vocab", type=int, default=None, help="the data's vocabulary (default: an HF model's, else 32000)")
+    p.add_argument("--workloads", nargs="+", default=["balanced", "longtail"])
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="default: odc odc_collective fsdp2 ddp (also: fsdp2_nosync); HF: odc hf_fsdp2 "
+                   "(also: hf_fsdp2_nosync, hf_ddp)")
+    p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
+                   help="extra odc runs with one speed feature off (before/after measurements)")
+    p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,
+                   help="extra odc runs with memory levers on (VARIANTS): " + ", ".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")
+    p.add_argument("--seq", type=int, default=4096, help="balanced workload: tokens per sample")
+    p.add_argument("--cap", type=int, default=65536, help="longtail workload: tokens per packed micro-batch")
+    p.add_argument("--balanced-micro-samples", type=int, default=1,
+                   help="balanced workload: samples packed into one micro-batch (one row, attention per sample)")
+    p.add_argument("--pool", type=int, default=1 << 20, help="synthetic token pool (samples are windows of it)")
+    p.add_argument("--group-bytes", type=int, default=32 << 20)
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", nargs="?", const="inductor", default="",
+                   help="torch.compile every method's decoder layers (dense parts; attention stays eager) with this "
+                        "backend (inductor when given without one); the warm-up steps absorb compilation")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention kernels for every method (auto: cuDNN on Hopper, documents padded to buckets)")
+    p.add_argument("--no-warm-attention", dest="warm_attention", action="store_false",
+                   help="do not build cuDNN attention plans before the runs (the first method meeting a length pays)")
+    p.add_argument("--attention-cost-factor", type=float, default=1.0,
+                   help="the balancers' weight of an attention FLOP against a matmul FLOP (1.8 fitted on 2x H200 "
+                        "with cuDNN attention from n2_longtail_cudnn_compiled_d89966a); MFU always counts plain FLOPs")
+    p.add_argument("--float8", default=None, choices=("tensorwise", "rowwise"),
+                   help="odc and fsdp2 methods: torchao's float8 linears (fsdp2: float8 all-gather when tensorwise)")
+    p.add_argument("--float8-gather", action=argparse.BooleanOptionalAction, default=FLOAT8_GATHER_DEFAULT,
+                   help="odc: gather tensorwise float8 weights in float8 (ODCShard's default)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    harness.add_common(p, out="results/e2e", cpu_ranks=True)
+    p.add_argument("--profile", nargs="*", default=[],
+                   help="methods that run one more step under torch.profiler, after the measured ones "
+                        "(kernel time by kind)")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="one more step per method, not counted: on CUDA its peak by category (every method; "
+                        "odcfsdp.memory.peak_breakdown), and odc's memory_breakdown before and after the "
+                        "optimizer step")
+    p.add_argument("--keep-going", action="store_true", help="record a failing run and go on with the others")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="each (workload, method) in a process group of its own, one combined result: no compile "
+                        "cache, torchao state or NVSHMEM heap size carries over from one method to the next")
+    p.add_argument("--balancers", nargs="+", default=None, choices=("lb_mini", "lb_micro"), help="only these runs")
+    p.add_argument("--alloc-conf", default="",
+                   help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set), e.g. expandable_segments:True "
+                        "(on 2x H200 at ea1195c it left FSDP2's reserved memory as it was but raised odc's from 13.7 "
+                        "to 17.2 GiB: the prefetch stream grows a segment of its own)")
+    args = p.parse_args(argv)
+    if args.compile and "module_hooks" in args.ablate:
+        p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
+    if problem := e2e_isolate.misfit(args) or resolve_args(args):  # --model's defaults (vocabulary, methods), misfits
+        p.error(problem)
+    args.command = harness.command("benchmarks.e2e_bench", argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # --isolate's children: these, then their own
+    return args
