@@ -92,6 +92,10 @@ def report(results: list[dict], meta: dict) -> str:
         f"decoder layers compiled (every method): {meta['args'].get('compile') or 'no'}; activation checkpointing "
         f"(every method): {'yes' if meta['args'].get('activation_checkpointing') else 'no'}; odc hooks whole decoder "
         "layers (`units`) unless the run is `odc-module_hooks`",
+        *([f"- float8 (odc and FSDP2): torchao {meta['args']['float8']}; odc gathers tensorwise weights in "
+           f"{'float8' if meta['args'].get('float8_gather') else 'bf16'} (float8_gather; the flag's default changed "
+           "to on at 28e8f72: runs before it without --float8-gather gathered bf16)"]
+          if meta['args'].get('float8') else []),
         "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
         "the mean, over the measured steps (1.00 = perfectly balanced); compute s per rank: forward/backward time "
         "summed over the measured steps; host-issue s: the part of it until the host had queued the last kernel "

@@ -86,9 +86,10 @@ def test_bf16_parity_two_gpus(comm, reshard, prefetch):
 @two_gpus
 @pytest.mark.parametrize("comm", ["nvshmem", "collective"])
 def test_bounded_pushes_train_what_unbounded_ones_do(comm):
-    """[streams] 2 with one push in flight: the current stream waits for each push's predecessor and only then drops
-    its gradient buffer (no record_stream), so the buffers are reused in stream order. A buffer freed too early
-    would be overwritten by the next layer's gradients before its push read it; the parity reference shows that.
+    """[streams] 2 with one site's pushes in flight: once a site is pushed the current stream waits for the previous
+    site's pushes and only then drops their gradient buffers (no record_stream), so the blocks are reused in stream
+    order. A buffer freed too early would be overwritten by the next site's gradients before its push read it; the
+    parity reference shows that.
     Uneven micro-batch counts (3 and 1), so that one rank's pushes run while the other is in its step."""
     run = Run(2, micro_batches=[3, 1])
     bounded = functools.partial(sharded_run, pushes_in_flight=1)

@@ -337,3 +337,19 @@ def test_each_lifecycle_step_is_a_profiler_range():
                       "odc::push": counts.get("odc::push", 0), "odc::flush": 2, "odc::sync": 1, "odc::finish": 1}, counts
     assert counts["odc::push"] >= 2  # the last Linear's inputs need a gradient; the first one's (data) do not
     model.close()
+
+
+def test_pushes_in_flight_takes_none_or_a_count():
+    """[streams] 2: ``model.comm.pushes_in_flight`` is None (unbounded, the default) or a number of sites >= 0;
+    anything else is refused in one line. (The bound itself acts on CUDA's push stream:
+    tests/test_gpu.py::test_bounded_pushes_train_what_unbounded_ones_do.)"""
+    model = ODCShard(ParityModel(torch.float32), 1 << 12, comm="shm")
+    try:
+        assert model.comm.pushes_in_flight is None
+        model.comm.pushes_in_flight = 1
+        assert model.comm.pushes_in_flight == 1
+        for bad in (-1, 1.5, True, "1"):
+            with pytest.raises(ValueError, match=r"^pushes_in_flight must be None \(unbounded\) or an int >= 0"):
+                model.comm.pushes_in_flight = bad
+    finally:
+        model.close()

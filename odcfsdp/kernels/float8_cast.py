@@ -12,7 +12,8 @@ three more passes. On one H200 at 4 layers of 8B shape that took 131 ms a step i
 kernel alone (``results/fp8/``), more than the step's matmuls.
 
 The arithmetic is torchao's ``hp_tensor_and_scale_to_float8``: fp32 multiply, clamp to +-448, round to nearest
-even; the bytes equal ``to_float8`` in ``sharding/float8_rows.py`` (tested on a GPU: ``tests/test_float8_gpu.py``).
+even; the bytes equal ``to_float8`` in ``sharding/float8_rows.py`` (tested on a GPU, to the bit:
+``tests/test_kernels.py::test_float8_cast_gives_each_segment_its_weights_scale``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def _cast_segments_kernel(
         seg += (offs >= tl.load(ends + s)).to(tl.int32)
     scale = tl.load(scales + tl.load(numbers + seg, mask=mask, other=0), mask=mask, other=1.0)
     x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    x = tl.minimum(tl.maximum(x, -FLOAT8_MAX), FLOAT8_MAX)
+    # NaN stays NaN, as torch's clamp keeps it (tl.minimum/maximum would turn it into +-448)
+    x = tl.minimum(tl.maximum(x, -FLOAT8_MAX, propagate_nan=tl.PropagateNan.ALL), FLOAT8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
     tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=mask)
 
 

@@ -70,7 +70,7 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding most of a tensor's bytes (``_plain``'s largest; the tensor itself when plain)."""
-    return max(_plain(t), key=lambda x: x.numel() * x.element_size())
+    return max(_plain(t), key=lambda x: x.numel() * x.element_size(), default=t)
 
 
 def plain_tensors(ts) -> list[torch.Tensor]:

@@ -13,13 +13,17 @@ yourself. What is converted, as torchtitan's float8 converter chooses:
 * but not the output head: a linear whose name (last component) is ``output`` or ``lm_head``
   (``FLOAT8_SKIP``), whose logits feed the loss and are kept in the compute dtype.
 
-A ``Float8Linear``'s weight is an ordinary parameter, so it is sharded, gathered, pushed and
-stepped like any other: the fp32 master is what the optimizer updates, the ``param_dtype`` (bf16)
-row is what peers gather, and the layer casts the gathered weight to float8 in its forward
-(tensorwise: one scale per tensor from the whole weight's amax; rowwise: one per row), its
-input and output gradient in the matmuls of backward. So float8 speeds up the linears'
-matmuls, and the gather moves bf16, as it does without float8; with ``float8_gather=True``
-(tensorwise) the owners cast instead and peers gather float8 bytes ([float8-gather]).
+A ``Float8Linear``'s weight is an ordinary parameter, so it is sharded, pushed and stepped like
+any other: the fp32 master is what the optimizer updates. With ``float8_gather`` (the default;
+tensorwise layers, [float8-gather] below) the owners cast their rows to float8 once per step and
+peers gather float8 bytes, which each layer takes as already cast. Otherwise (rowwise layers, or
+``float8_gather=False``) the ``param_dtype`` (bf16) row is what peers gather, and the layer casts
+the gathered weight to float8 in its forward (tensorwise: one scale per tensor from the whole
+weight's amax; rowwise: one per row). Either way the layer casts its input and output gradient in
+the matmuls of backward, so float8 speeds up the linears' matmuls. A model converted with torchao
+by hand before wrapping is gathered in float8 too wherever its layers cast tensorwise (the scales
+then come from the fp32 masters' amaxes, as torchao's FSDP2 float8 all-gather takes them from its
+fp32 shards); ``float8_gather=False`` keeps the bf16 gather.
 
 Float8 needs a GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell) and torchao
 (``pip install odcfsdp[fp8]``); ``float8_problem`` says, in one line, what is missing, and
@@ -89,8 +93,10 @@ adds one device-side all-reduce and one ``quiesce`` per step. With ``gather_mast
 rows are their masters, the float8 groups keep their float8 row. ``ODCShard.unsharded()`` shows a
 float8 weight in its float8 form (``full_state_dict`` and checkpoints read the fp32 masters).
 ``float8_gather`` is on by default since its GPU checks ran (``results/fp8/``, ``results/e2e/``: on one H200
-1.25x bf16's tokens/s and torchao + FSDP2 float8's loss within 1% over 200 steps; 8B on 2 H200s 1.30x FSDP2 float8
-in one call). ``float8_gather=False`` gathers the float8 layers' weights in ``param_dtype``.
+1.20x bf16's tokens/s and torchao + FSDP2 float8's losses equal at every one of 200 steps; 8B on 2 H200s 1.30x
+FSDP2 float8 in one call). ``float8_gather=False`` gathers the float8 layers' weights in ``param_dtype``. A
+float8-gathered weight's original parameter object keeps its identity (an optimizer over it is still refused) but
+not its values, which live in the master: it reads as an empty tensor.
 
 Rowwise scaling gathers bf16 and lets torchao cast locally, on purpose: a rowwise weight needs one
 scale per row of the weight for the forward matmul *and* one per column for the backward's

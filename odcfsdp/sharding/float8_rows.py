@@ -130,7 +130,8 @@ class Float8Rows:
         with torch.no_grad():
             self.scales.copy_(scales_from_amaxes(table.to(self.scales.device)))
             for gi, g in self.groups.items():
-                master = g.master.to(g.row.device)  # a host master (offload) comes over once
+                # a host master (offload) comes over once, from pinned memory without a host sync where it is pinned
+                master = g.master.to(g.row.device, non_blocking=True)
                 if g.row.device.type == "cuda":
                     from ..kernels.float8_cast import cast_segments_to_float8
 

@@ -194,6 +194,7 @@ class StepLifecycle:
                     self.push(g)
                     if g.reshard_after_backward:
                         g.to_sharded()
+            self.comm.site_pushed()  # bounded pushes ([streams] 2): wait for an earlier site's
 
     def finalize_backward(self) -> None:
         """Step 7: autograd's end of backward: push everything still pending, late gradients too
@@ -207,6 +208,7 @@ class StepLifecycle:
             late = [g for g in self.groups if g.collect_late_grads()]
             for g in late:
                 self.push(g)
+            self.comm.backward_done()
         self.phase = TrainingPhase.IDLE
         self.protocol.after_backward()
 

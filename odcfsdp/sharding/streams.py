@@ -19,12 +19,16 @@ done*:
    host sees that push done, and the host runs layers ahead, so where backward outruns
    the pushes their buffers pile up: 3.7 GiB of them (9 layers' worth) at the peak of 8B
    float8 on 2 H200s (``results/e2e/n2_8b_balanced_fp8_gather_d987601``). With
-   ``pushes_in_flight = 1`` (``PUSHES_IN_FLIGHT``) pushes are bounded as FSDP2 bounds its
-   reduce-scatters: at each push the current stream waits for the push before it, and
-   only then is that buffer dropped (no ``record_stream``: its block goes back to the
-   current stream's pool and is reused in stream order), so at most two buffers live,
-   the one pushed and the one backward is filling. Where pushes keep up the wait costs
-   nothing; where they do not, the step waits for the same pushes at ``pushes_done``.
+   ``pushes_in_flight = 1`` (``PUSHES_IN_FLIGHT``) pushes are bounded per site, as FSDP2
+   bounds its reduce-scatters per unit: once a site's groups are pushed
+   (``site_pushed``, step 6 of [lifecycle]) the current stream waits for the previous
+   site's pushes, and only then are that site's buffers dropped (no ``record_stream``:
+   their blocks go back to the current stream's pool and are reused in stream order).
+   So two sites' buffers live at most, the ones being pushed and the ones backward
+   fills next. The wait stalls compute only where the pushes fall behind, and then the
+   step would have waited for the same pushes at ``pushes_done``. At the end of a
+   backward (``backward_done``) and when the streams are dropped, the buffers still
+   held go back to ``record_stream``: none is kept into the next micro-batch's forward.
    Unbounded stays the default until a GPU run has measured the bound (the e2e bench's
    ``bounded_pushes`` variant sets ``model.comm.pushes_in_flight = 1``).
 3. ``pushes_done()`` (before a meeting): the current stream waits for the pushes,
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -74,6 +79,17 @@ PUSHES_IN_FLIGHT: int | None = None
 def _zero(tensors: list[torch.Tensor]) -> None:
     if tensors:  # one launch for all (torch's foreach ops refuse an empty list)
         torch._foreach_zero_(tensors)
+
+
+def _hand_over(held: collections.deque, site: list, stream: torch.cuda.Stream) -> None:
+    """Buffers held for bounded pushes (2) are freed like unbounded ones: once ``stream``'s work so far is done."""
+    for _, buffers in held:
+        for b in buffers:
+            b.record_stream(stream)
+    for b in site:
+        b.record_stream(stream)
+    held.clear()
+    site.clear()
 
 
 def _current(stream: torch.cuda.Stream) -> torch.cuda.Stream:
@@ -102,8 +118,12 @@ class CommStreams:
         self.written_aside([self._flag] if self._flag is not None else [])
         self._row_flag: torch.Tensor | None = None  # the float8 cast's barrier (6), made on first use
         self.pushes_in_flight = PUSHES_IN_FLIGHT  # (2) settable per model: model.comm.pushes_in_flight
-        # pushes the current stream has not waited for yet, with the buffers they read (2)
-        self._pushing: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = collections.deque()
+        # bounded pushes (2): the sites whose pushes the current stream has not waited for, each with the event after
+        # its last push and the buffers they read, and the buffers of the site being pushed
+        self._held: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
+        self._site: list[torch.Tensor] = []
+        if self.push_stream is not None:  # a model dropped without close(): its held buffers wait for their pushes
+            weakref.finalize(self, _hand_over, self._held, self._site, self.push_stream).atexit = False
 
     @staticmethod
     def _after_current(stream: torch.cuda.Stream | None):
@@ -129,32 +149,54 @@ class CommStreams:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    @property
+    def pushes_in_flight(self) -> int | None:
+        """Sites whose pushes the current stream may run ahead of (2): None unbounded, else an int >= 0."""
+        return self._pushes_in_flight
+
+    @pushes_in_flight.setter
+    def pushes_in_flight(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"pushes_in_flight must be None (unbounded) or an int >= 0, got {value!r}")
+        self._pushes_in_flight = value
+
     def push(self, g: int, grad: torch.Tensor) -> None:
         """Add ``grad`` into the owners' accumulator rows of group ``g``, on the push stream if there is one (2)."""
         with self._after_current(self.push_stream):
             self.transport.scatter_accumulate(g, grad)
         if self.push_stream is None:
             return
-        if self.pushes_in_flight is None:
+        if self._pushes_in_flight is None:
             grad.record_stream(self.push_stream)  # freed only once the push has read it
+        else:
+            self._site.append(grad)  # held until the current stream has waited for this site's pushes
+
+    def site_pushed(self) -> None:
+        """A site's groups are pushed (step 6): with bounded pushes, the current stream waits for the pushes of the
+        site ``pushes_in_flight`` sites back, and their buffers go (2)."""
+        if self.push_stream is None or self._pushes_in_flight is None or not self._site:
             return
         event = torch.cuda.Event()
         event.record(self.push_stream)
-        self._pushing.append((event, grad))
-        while len(self._pushing) > self.pushes_in_flight:
-            earlier, buffer = self._pushing.popleft()
+        self._held.append((event, list(self._site)))
+        self._site.clear()
+        while len(self._held) > self._pushes_in_flight:
+            earlier, buffers = self._held.popleft()
             _current(self.push_stream).wait_event(earlier)
-            del buffer  # after the wait is queued: a later allocation reusing the block runs after the push
+            del buffers  # after the wait is queued: a later allocation reusing a block runs after the push
 
-    def _pushes_waited(self) -> None:
-        """The current stream has waited for every push: their buffers may go."""
-        self._pushing.clear()
+    def backward_done(self) -> None:
+        """The end of a backward (step 7): buffers still held for bounded pushes are freed once their pushes are
+        done, as unbounded ones are, instead of living into the next micro-batch (2)."""
+        if self.push_stream is not None:
+            _hand_over(self._held, self._site, self.push_stream)
 
     def pushes_done(self) -> None:
         """This rank's pushes are complete and visible to their owners (3)."""
         if self.push_stream is not None:
             _current(self.push_stream).wait_stream(self.push_stream)
-            self._pushes_waited()
+            self._held.clear()  # every push waited for: their buffers may go in stream order
+            self._site.clear()
         self.transport.quiesce()
 
     def written_aside(self, tensors: list[torch.Tensor]) -> None:
