@@ -13,7 +13,7 @@ to its own: ``torchrun --standalone --nproc-per-node gpu -m benchmarks.e2e_bench
 decides the count; run as ``python -m torch.distributed.run``, torchrun's module, with this interpreter), or
 ``python -m benchmarks.e2e_bench`` with ``--cpu-ranks`` (the child spawns its CPU ranks). A child gets the parent's
 arguments with overrides appended (argparse keeps the last): ``--no-isolate --workloads W --methods M --ablate
---variants --balancers B.. --out OUT/runs/W_M``. Ablations and variants are methods of their own there (``odc-<name>``,
+--variants --balancers B.. --out OUT/isolated/W_M``. Ablations and variants are methods of their own there (``odc-<name>``,
 ``fsdp2-offload``); ``--balancers`` are the ones the parent planned for the child (``--methods odc-<name>`` alone
 would also run lb_micro on longtail, where the variant of ``odc`` runs lb_mini only).
 
@@ -35,6 +35,9 @@ from pathlib import Path
 
 from benchmarks import harness
 from benchmarks.e2e_report import write_outputs
+
+#: the children's folder under --out ("runs/" is what .gitignore keeps training runs out of git by)
+CHILDREN = "isolated"
 
 RESULT = "e2e_bench.json"
 
@@ -100,7 +103,7 @@ def run(args, runs: list[tuple[str, str, str]]) -> None:
     """Each (workload, method) of ``runs`` in a child process (group) of its own, one after another; one result."""
     out, groups, done = Path(args.out), children(runs), []
     for i, ((w, m), balancers) in enumerate(groups.items(), 1):
-        folder = out / "runs" / f"{w}_{m}"
+        folder = out / CHILDREN / f"{w}_{m}"
         (folder / RESULT).unlink(missing_ok=True)  # an earlier call's result is not this child's
         cmd = child_command(args, child_argv(args.argv, w, m, balancers, folder))
         print(f"[isolate] {i}/{len(groups)}: {w} {m} ({' '.join(balancers)}): {shlex.join(cmd)}", flush=True)

@@ -76,7 +76,7 @@ def report(results: list[dict], meta: dict) -> str:
         "# End-to-end training: odcfsdp vs PyTorch FSDP2 vs DDP", "",
         f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
         f"- command: `{meta['command']}`" + ("; each (workload, method) ran in a process group of its own "
-                                              "(`--isolate`; their own results: `runs/<workload>_<method>/`)"
+                                              "(`--isolate`; each one's own results: `isolated/<workload>_<method>/`)"
                                               if meta.get("isolated") else ""),
         f"- model: {meta.get('model') or 'Llama ' + meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} "
         f"measured steps after "

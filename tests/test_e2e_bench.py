@@ -116,7 +116,7 @@ def test_isolate_runs_each_method_in_a_process_of_its_own(tmp_path, variants_run
     assert "--isolate" in data["meta"]["command"] and "process group of its own" in (
         tmp_path / "e2e_bench.md").read_text()
     for r in data["rows"]:
-        child = json.loads((tmp_path / "runs" / f"balanced_{r['method']}" / "e2e_bench.json").read_text())
+        child = json.loads((tmp_path / "isolated" / f"balanced_{r['method']}" / "e2e_bench.json").read_text())
         assert [c["method"] for c in child["rows"]] == [r["method"]] and child["meta"]["isolated"] is False
         assert r["losses"] == variants_run[r["method"]]["losses"][:2], r["method"]  # same steps, to the bit
     assert (tmp_path / "e2e_bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -395,3 +395,17 @@ def test_hsdp_replicas_cast_alike_and_train_like_one_process():
     assert [checked for _, checked in results] == [FLOAT8_WEIGHTS] * 4
     sharded = [sum(step) for step in zip(*(losses for losses, _ in results))]
     assert max(abs(a - b) / b for a, b in zip(sharded, reference)) < 1e-6, (sharded, reference)
+
+
+def test_a_model_without_float8_never_imports_torchao():
+    """The float8 gather is on by default, yet a model with no ``Float8Linear`` must not pay torchao's import (slow,
+    and its warnings land on every run's stderr): checked in a fresh interpreter, where nothing imported it yet."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from odcfsdp import ODCShard; "
+            "m = ODCShard(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)), comm='shm'); "
+            "m.close(); print(sorted(k for k in sys.modules if k.startswith('torchao')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]" and "torchao" not in out.stderr, (out.stdout, out.stderr[-2000:])

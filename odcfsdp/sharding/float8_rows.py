@@ -4,6 +4,7 @@ torchao's ``Float8Linear`` takes as already cast."""
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -31,10 +32,8 @@ def float8_gathered(root: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) 
     converted them, or the caller did, with ``convert_float8_linears``). Rowwise gathers ``param_dtype``
     ([float8-gather] says why), and a weight registered anywhere else too (tied) stays in ``param_dtype``: its other
     users want plain values."""
-    from .float8 import torchao_installed
-
-    if not torchao_installed():
-        return {}
+    if "torchao.float8.float8_linear" not in sys.modules:  # no model holds a Float8Linear before torchao made it:
+        return {}  # a model without float8 (the default on) never imports torchao, slow and loud to import
     from torchao.float8.float8_linear import Float8Linear
 
     uses: dict[int, int] = {}
