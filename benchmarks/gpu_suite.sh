@@ -141,7 +141,8 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--e2e $dir/e2e/e2e_bench.json --out $dir --commit $COMMIT $extra" ;;
     tests_float8)  # one GPU is enough: the 200-step numerics and the CPU-side float8 tests, with torchao
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
-           "tests/test_float8_gpu.py tests/test_float8.py tests/test_float8_gather.py -q -p no:cacheprovider" \
+           "tests/test_float8_gpu.py tests/test_float8.py tests/test_float8_gather.py tests/test_float8_gather_edges.py" \
+           "-q -p no:cacheprovider" \
            "$(per_test_bound 360)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     fp8_1gpu)  # 4 layers of dim 4096 / ffn 14336, 2 x 4096 tokens per step, compiled; one GPU whatever the lane has
