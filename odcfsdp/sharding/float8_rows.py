@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..kernels.float8_cast import cast_segments_to_float8
 from .layout import FLOAT8_DTYPE, GroupLayout
 
 #: torchao's ``float8_utils.EPS``: the least amax a scale is computed from (a zero weight gets a finite scale)
@@ -132,13 +133,11 @@ class Float8Rows:
                 # a host master (offload) comes over once, from pinned memory without a host sync where it is pinned
                 master = g.master.to(g.row.device, non_blocking=True)
                 if g.row.device.type == "cuda":
-                    from ..kernels.float8_cast import cast_segments_to_float8
-
                     cast_segments_to_float8(master, g.row, self._ends[gi], self._numbers[gi], self.scales)
                     continue
-                for i, slot in enumerate(g.layout.slots):
-                    k = self._number[(gi, i)]
-                    part = slice(slot.offset, slot.offset + slot.seg)
-                    g.row[part].copy_(to_float8(master[part], self.scales[k]))
+                for i in range(len(g.layout.slots)):
+                    scale = self.scales[self._number[(gi, i)]]
+                    g.layout.segment(g.row, i).copy_(to_float8(g.layout.segment(master, i), scale))
+
 
 __all__ = ["EPS", "Float8Rows", "float8_gathered", "scales_from_amaxes", "to_float8"]
