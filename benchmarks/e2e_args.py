@@ -15,8 +15,10 @@ DESCRIPTION = "End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, 
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
 # odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
 # accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
-# FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has), or one push in flight ([streams] 2).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "bounded_pushes")
+# FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has); or with one lever off: pushes unbounded
+# (each gradient buffer freed with record_stream, not one site in flight, [streams] 2); or one group per decoder
+# layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -74,7 +76,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
                    help="each (workload, method) in a process group of its own, one combined result: no compile "
                         "cache, torchao state or NVSHMEM heap size carries over from one method to the next")
-    p.add_argument("--balancers", nargs="+", default=None, choices=("lb_mini", "lb_micro"), help="only these runs")
+    p.add_argument("--balancers", nargs="+", default=None, choices=("lb_mini", "lb_micro"),
+                   help="odc's runs with only these balancers (collective methods always run lb_micro)")
     p.add_argument("--alloc-conf", default="",
                    help="PYTORCH_CUDA_ALLOC_CONF for every method (unless already set), e.g. expandable_segments:True "
                         "(on 2x H200 at ea1195c it left FSDP2's reserved memory as it was but raised odc's from 13.7 "

@@ -61,13 +61,14 @@ from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.models.attention import warm_attention
 
 NO_DECAY = ("*norm*",)
+UNIT_GROUP_BYTES = 1 << 40  # the unit_groups variant: no byte budget, so each decoder layer is one group
 
 
 def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (), variants: list[str] = (),
              only: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(workload, method, balancer) triples: collective methods need lb_micro; odc also runs lb_mini. Each ablation
     or variant adds an ``odc-<name>`` run with odc's first balancer (``offload`` also ``fsdp2-offload``).
-    ``only`` (``--balancers``): only the runs with one of these balancers."""
+    ``only`` (``--balancers``): the one-sided methods' balancers (collective methods keep lb_micro, their only one)."""
     out = []
     for w in workloads:
         for m in methods:
@@ -77,7 +78,7 @@ def runs_for(workloads: list[str], methods: list[str], ablate: list[str] = (), v
             if m == "odc":
                 out += [(w, f"odc-{a}", balancers[0]) for a in (*ablate, *variants)]
             out += [(w, "fsdp2-offload", "lb_micro")] if m == "fsdp2" and "offload" in variants else []
-    return [r for r in out if not only or r[2] in only]
+    return [r for r in out if not only or r[2] in only or not (r[1] == "odc" or r[1].startswith("odc-"))]
 
 
 def wrap(method: str, model: nn.Module, device: torch.device, args):
@@ -98,7 +99,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
         ablation = method.partition("-")[2]  # an ablation or a variant
         compute = torch.bfloat16 if cuda else torch.float32
         bf16_reduce = ablation in ("bf16_reduce", "lean")
-        sharded = ODCShard(model, args.group_bytes, comm="collective" if method == "odc_collective" else "auto",
+        group_bytes = UNIT_GROUP_BYTES if ablation == "unit_groups" else args.group_bytes
+        sharded = ODCShard(model, group_bytes, comm="collective" if method == "odc_collective" else "auto",
                            param_dtype=None if bf16_reduce else compute,
                            prefetch=0 if ablation == "prefetch0" else args.prefetch,
                            overlap_push=ablation != "no_overlap",
@@ -107,8 +109,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
                            float8=args.float8, float8_gather=args.float8_gather)
-        if ablation == "bounded_pushes":  # [streams] 2: one push in flight, as FSDP2's reduce-scatters
-            sharded.comm.pushes_in_flight = 1
+        if ablation == "unbounded_pushes":  # [streams] 2: buffers freed with record_stream, not one site in flight
+            sharded.comm.pushes_in_flight = None
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import torch
@@ -101,24 +102,34 @@ def report(results: list[dict], meta: dict) -> str:
         "summed over the measured steps; host-issue s: the part of it until the host had queued the last kernel "
         "(close to compute s: the host, not the GPU, sets the pace); optimizer-step s: the step including the wait "
         "for the other ranks",
-        "", "| workload | method | balance | tokens/s | vs fsdp2 | MFU | peak alloc / reserved GiB (+heap) | "
+        "- vs fsdp2: tokens/s over FSDP2's (+ lb_micro) over all measured steps; per step: every method trains the "
+        "same minibatch at a given step, so FSDP2's step time over the method's, step by step: the median of those "
+        "ratios (their mean, min-max)",
+        "", "| workload | method | balance | tokens/s | vs fsdp2 | per step vs fsdp2: median (mean, min-max) | MFU | "
+        "peak alloc / reserved GiB (+heap) | "
         "step s (min-max) | rank cost max/mean | compute s per rank | host-issue s per rank | "
         "optimizer-step s per rank | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["workload"]: r["tokens_per_s"] for r in results if baseline(r["method"]) == "fsdp2"}
+    bases = {}
+    for r in results:
+        if baseline(r["method"]) == "fsdp2":
+            bases.setdefault(r["workload"], r)
+    base = {w: r["tokens_per_s"] for w, r in bases.items()}
     for r in results:
         ratio = f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base else "-"
+        per_step = step_ratio_text(step_ratios(r, bases.get(r["workload"]), meta["warmup"]))
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = "-" if r["peak_alloc_gib"] is None else (f"{r['peak_alloc_gib']:.1f} / {r['peak_reserved_gib']:.1f} "
                                                         f"(+{r['nvshmem_heap_gib']:.1f})")
         lines.append(
-            f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {mem} | "
+            f"| {r['workload']} | {r['method']} | {r['balance']} | {r['tokens_per_s']:.0f} | {ratio} | {per_step} | "
+            f"{mfu} | {mem} | "
             f"{r['step_s_mean']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | {r['rank_cost_max_over_mean']:.3f} | "
             f"{', '.join(f'{x:.1f}' for x in r['rank_compute_s'])} | "
             f"{', '.join(f'{x:.1f}' for x in r.get('rank_host_s', []))} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
             f"{r['losses'][-1]:.4f} |")
-    lines += balance_bound(results)
+    lines += balance_bound(results, meta["warmup"])
     for f in meta.get("failed", []):
         lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
     profiled = [r for r in results if (r.get("profile") or {}).get("device_ms_by_kind")]  # GPU kernels only
@@ -139,9 +150,27 @@ def report(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def balance_bound(results: list[dict]) -> list[str]:
-    """Per workload, odc + lb_mini's speed-up over FSDP2 + lb_micro against the most balancing can win at this
-    world size: FSDP2's busiest-rank cost over the mean cost (its ``rank cost max/mean``)."""
+def step_ratios(run: dict, base: dict | None, warmup: int) -> list[float]:
+    """``base``'s measured step times over ``run``'s, step by step (the same minibatch at the same step number):
+    above 1 where ``run`` was faster. Empty without a base or per-step times."""
+    if base is None or not run.get("steps") or not base.get("steps"):
+        return []
+    theirs = {s["step"]: s["step_s"] for s in base["steps"][warmup:]}
+    return [theirs[s["step"]] / s["step_s"] for s in run["steps"][warmup:] if s["step"] in theirs and s["step_s"] > 0]
+
+
+def step_ratio_text(ratios: list[float]) -> str:
+    """``1.20x (1.18x, 1.01-1.35x)``: the median of per-step ratios (mean, min-max); ``-`` for none."""
+    if not ratios:
+        return "-"
+    return (f"{statistics.median(ratios):.2f}x ({statistics.fmean(ratios):.2f}x, "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x)")
+
+
+def balance_bound(results: list[dict], warmup: int = 0) -> list[str]:
+    """Per workload, odc + lb_mini's speed-up over FSDP2 + lb_micro (over all measured steps, and the median of the
+    per-step ratios) against the most balancing can win at this world size: FSDP2's busiest-rank cost over the mean
+    cost (its ``rank cost max/mean``)."""
     out = []
     for w in dict.fromkeys(r["workload"] for r in results):
         runs = {(baseline(r["method"]), r["balance"]): r for r in results if r["workload"] == w}
@@ -149,7 +178,9 @@ def balance_bound(results: list[dict]) -> list[str]:
         odc = runs.get(("odc", "lb_mini"))
         if base and odc:
             speedup, bound = odc["tokens_per_s"] / base["tokens_per_s"], base["rank_cost_max_over_mean"]
-            out.append(f"\n- {w}: odc lb_mini / {base['method']} lb_micro = {speedup:.3f}x; balance bound "
+            per_step = step_ratio_text(step_ratios(odc, base, warmup))
+            out.append(f"\n- {w}: odc lb_mini / {base['method']} lb_micro = {speedup:.3f}x (per step: {per_step}); "
+                       "balance bound "
                        f"({base['method']}'s rank cost max/mean) {bound:.3f}x: {speedup / bound:.1%} of it")
         nosync = runs.get(("fsdp2_nosync", "lb_micro"))
         if nosync and odc:  # the ZeRO-2-memory baseline: its speed and the memory it costs, side by side

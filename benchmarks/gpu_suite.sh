@@ -22,7 +22,8 @@
 # GPU: bf16, float8 tensorwise and rowwise, tensorwise with float8_gather, torchao + FSDP2 float8), fp8_8b_balanced
 # (issue 35: the 8B model, odc float8 gathering float8 rows, --float8-gather, against
 # FSDP2 with torchao's float8 all-gather, in one call, with memory, each method in its own processes; 2+ GPUs),
-# fp8_8b_balanced_lean (the same for odc with gather_masters: no bf16 rows). Results go to
+# fp8_8b_balanced_lean (the same for odc with gather_masters: no bf16 rows), levers_8b_balanced, levers_8b_longtail
+# (issue 41: FSDP2, odc's default and odc with each memory lever, isolated, with the peak by category). Results go to
 # OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
@@ -48,7 +49,8 @@ declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [comm]=2
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
                   [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570 [sim_heldout_8b]=570
-                  [tests_float8]=570 [fp8_1gpu]=540 [fp8_8b_balanced]=570 [fp8_8b_balanced_lean]=400)
+                  [tests_float8]=570 [fp8_1gpu]=540 [fp8_8b_balanced]=570 [fp8_8b_balanced_lean]=400
+                  [levers_8b_balanced]=560 [levers_8b_longtail]=570)
 
 per_test_bound() {  # pytest-timeout's option, where the plugin is installed (carry its wheel); spawn bounds either way
   if python3 -c 'import pytest_timeout' 2>/dev/null; then echo "--timeout $1"; else echo "-p no:timeout"; fi
@@ -152,11 +154,21 @@ section_cmd() {  # section, gpus in lane, port, dir
       # step, torchtitan's settings), each method in a process group of its own (--isolate: FSDP2's float8 run failed
       # after odc's in one process); bf16 figures: e2e_balanced_8b in the same call. _lean: odc with its masters
       # gathered for the bf16 groups (gather_masters: no bf16 rows; the float8 groups keep their float8 rows)
-      # bounded_pushes: odc with one push in flight ([streams] 2), the gradient buffers that piled up at its peak
-      local methods="odc fsdp2 --variants bounded_pushes"; [ "$s" = fp8_8b_balanced_lean ] && methods="odc-gather_masters"
+      # unbounded_pushes: odc with its gradient buffers freed by record_stream, as before one push in flight became
+      # the default ([streams] 2): what the bound buys
+      local methods="fsdp2 odc --variants unbounded_pushes"; [ "$s" = fp8_8b_balanced_lean ] && methods="odc-gather_masters"
       echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads balanced --batch $((2 * n)) --steps 4" \
            "--warmup 2 --activation-checkpointing --compile --float8 tensorwise --float8-gather --methods $methods" \
            "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
+    levers_8b_balanced|levers_8b_longtail)  # issue 41: odc's memory levers, each on top of the default, against
+      # FSDP2 (first, so no order favours odc), every method in processes of its own, peak by category; balanced:
+      # 2 x 4K per GPU; longtail: 4 samples of 8K-64K per GPU, odc with LB-Mini only (FSDP2 with LB-Micro)
+      local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="unbounded_pushes unit_groups gather_masters"
+      [ "$s" = levers_8b_longtail ] && w=longtail b=$((4 * n)) st="--steps 3 --warmup 1 --balancers lb_mini" \
+        v="gather_masters"
+      echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads $w --batch $b $st" \
+           "--activation-checkpointing --compile --methods fsdp2 odc --variants $v --memory-breakdown --keep-going" \
+           "--out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac
 }

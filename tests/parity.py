@@ -169,7 +169,7 @@ def sharded_run(
     gather_masters: bool = False,
     offload_policy=None,
     overlap_push: bool = True,
-    pushes_in_flight: int | None = None,
+    pushes_in_flight: int | None | str = "default",
 ) -> dict:
     """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
@@ -185,7 +185,7 @@ def sharded_run(
         prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas), mp_policy=mp_policy,
         gather_masters=gather_masters, offload_policy=offload_policy, overlap_push=overlap_push,
     )
-    if pushes_in_flight is not None:  # [streams] 2's bound (CUDA's push stream only)
+    if pushes_in_flight != "default":  # [streams] 2's bound (CUDA's push stream only); None: unbounded
         model.comm.pushes_in_flight = pushes_in_flight
     model.set_gradient_divide_factor(1.0)  # sum: the reference sums over ranks (losses / the global token count)
     host_masters = {str(g.master.device.type) + ("/pinned" if g.master.is_pinned() else "") for g in model.groups}

@@ -124,3 +124,20 @@ def test_the_recorded_command_names_the_module_run_with_dash_m(monkeypatch):
     monkeypatch.setitem(sys.modules, "__main__", main)
     assert harness.command("__main__", ["--size", "1b"]) == "python -m benchmarks.e2e_bench --size 1b"
     assert harness.command("benchmarks.best_fit", []) == "python -m benchmarks.best_fit"
+
+
+def test_per_step_ratio_is_the_median_of_step_by_step_ratios():
+    """Issue 41's honest figure: every method trains the same minibatch at a given step, so the report gives FSDP2's
+    step time over the method's, step by step, and their median next to the mean; warm-up steps are left out, and
+    the tokens/s ratio (time-weighted) can differ from both. Closed form: steps 3-5 of fsdp2 take 2, 4, 6 s; odc's
+    1, 4, 2 s: ratios 2, 1, 3 (median 2, mean 2); all tokens over all time: 12 / 7 = 1.714x."""
+    def run(method, balance, times):
+        steps = [{"step": k + 1, "step_s": t} for k, t in enumerate(times)]
+        return {"workload": "longtail", "method": method, "balance": balance, "steps": steps,
+                "tokens_per_s": 3 * 100 / sum(times[2:]), "rank_cost_max_over_mean": 1.5}
+    fsdp2, odc = run("fsdp2", "lb_micro", [9, 9, 2, 4, 6]), run("odc", "lb_mini", [1, 1, 1, 4, 2])
+    assert e2e_report.step_ratios(odc, fsdp2, warmup=2) == [2.0, 1.0, 3.0]
+    assert e2e_report.step_ratio_text(e2e_report.step_ratios(odc, fsdp2, 2)) == "2.00x (2.00x, 1.00-3.00x)"
+    assert e2e_report.step_ratio_text([]) == "-" and e2e_report.step_ratios(odc, None, 2) == []
+    line = e2e_report.balance_bound([fsdp2, odc], warmup=2)[0]
+    assert "= 1.714x (per step: 2.00x (2.00x, 1.00-3.00x))" in line, line

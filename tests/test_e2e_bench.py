@@ -156,3 +156,11 @@ def test_isolate_refuses_torchrun(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         "error: --isolate starts its own torchrun per method: run it with python -m benchmarks.e2e_bench, not torchrun")
     assert not e2e_bench.parse([]).isolate  # without --isolate torchrun is the way
+
+
+def test_balancers_filter_odc_runs_and_keep_the_baseline():
+    """``--balancers lb_mini``: odc's runs (and its variants') with LB-Mini only; FSDP2 keeps LB-Micro, its only
+    balancer, so the comparison the run exists for is still made (it used to drop FSDP2 altogether)."""
+    assert e2e_bench.runs_for(["longtail"], ["fsdp2", "odc"], variants=["gather_masters"], only=["lb_mini"]) == [
+        ("longtail", "fsdp2", "lb_micro"), ("longtail", "odc", "lb_mini"), ("longtail", "odc-gather_masters", "lb_mini")]
+    assert ("longtail", "odc", "lb_micro") in e2e_bench.runs_for(["longtail"], ["odc"])

@@ -340,14 +340,15 @@ def test_each_lifecycle_step_is_a_profiler_range():
 
 
 def test_pushes_in_flight_takes_none_or_a_count():
-    """[streams] 2: ``model.comm.pushes_in_flight`` is None (unbounded, the default) or a number of sites >= 0;
+    """[streams] 2: ``model.comm.pushes_in_flight`` is a number of sites >= 0 (1, FSDP2's bound, the default) or None
+    (unbounded);
     anything else is refused in one line. (The bound itself acts on CUDA's push stream:
     tests/test_gpu.py::test_bounded_pushes_train_what_unbounded_ones_do.)"""
     model = ODCShard(ParityModel(torch.float32), 1 << 12, comm="shm")
     try:
-        assert model.comm.pushes_in_flight is None
-        model.comm.pushes_in_flight = 1
         assert model.comm.pushes_in_flight == 1
+        model.comm.pushes_in_flight = None
+        assert model.comm.pushes_in_flight is None
         for bad in (-1, 1.5, True, "1"):
             with pytest.raises(ValueError, match=r"^pushes_in_flight must be None \(unbounded\) or an int >= 0"):
                 model.comm.pushes_in_flight = bad

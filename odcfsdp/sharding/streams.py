@@ -14,13 +14,13 @@ done*:
    wait for it before ``out`` is used or freed. Without a side stream (CPU, or
    ``prefetch=0``) the gather runs in place and there is no event.
 2. ``push(g, grad)`` queues the scatter-accumulate on the push stream after the
-   current stream's work (which wrote ``grad``); ``grad`` is freed only once the push
-   has read it (``record_stream``). The allocator reuses such a block only once the
+   current stream's work (which wrote ``grad``), which must not be reused before the push
+   has read it. Freed with ``record_stream``, the allocator reuses such a block only once the
    host sees that push done, and the host runs layers ahead, so where backward outruns
    the pushes their buffers pile up: 3.7 GiB of them (9 layers' worth) at the peak of 8B
-   float8 on 2 H200s (``results/e2e/n2_8b_balanced_fp8_gather_d987601``). With
-   ``pushes_in_flight = 1`` (``PUSHES_IN_FLIGHT``) pushes are bounded per site, as FSDP2
-   bounds its reduce-scatters per unit: once a site's groups are pushed
+   float8 on 2 H200s (``results/e2e/n2_8b_balanced_fp8_gather_d987601``), 5.7 GiB at 8B bf16 balanced
+   (``n2_8b_balanced_memory_949626a``). So pushes are bounded per site by default (``pushes_in_flight = 1``,
+   ``PUSHES_IN_FLIGHT``), as FSDP2 bounds its reduce-scatters per unit: once a site's groups are pushed
    (``site_pushed``, step 6 of [lifecycle]) the current stream waits for the previous
    site's pushes, and only then are that site's buffers dropped (no ``record_stream``:
    their blocks go back to the current stream's pool and are reused in stream order).
@@ -29,8 +29,10 @@ done*:
    step would have waited for the same pushes at ``pushes_done``. At the end of a
    backward (``backward_done``) and when the streams are dropped, the buffers still
    held go back to ``record_stream``: none is kept into the next micro-batch's forward.
-   Unbounded stays the default until a GPU run has measured the bound (the e2e bench's
-   ``bounded_pushes`` variant sets ``model.comm.pushes_in_flight = 1``).
+   ``pushes_in_flight = None`` (``model.comm.pushes_in_flight``; the e2e bench's ``unbounded_pushes`` variant)
+   frees each buffer with ``record_stream`` instead. With the collective transport a push is a
+   reduce-scatter, so the wait is for a collective every rank issues in the same order: ranks must run
+   equal micro-batch counts there anyway.
 3. ``pushes_done()`` (before a meeting): the current stream waits for the pushes,
    and the transport makes them complete and visible to their owners.
 4. ``rows_published()`` (after a finish or a change): the transport makes the new
@@ -71,9 +73,9 @@ import torch
 
 from .transport import Transport
 
-#: pushes the current stream may run ahead of ([streams] 2): None unbounded (``record_stream``); 1 is FSDP2's one
-#: reduce-scatter in flight, not the default until measured on GPUs
-PUSHES_IN_FLIGHT: int | None = None
+#: sites whose pushes the current stream may run ahead of ([streams] 2): 1 is FSDP2's one reduce-scatter in flight;
+#: None unbounded (``record_stream``)
+PUSHES_IN_FLIGHT: int | None = 1
 
 
 def _zero(tensors: list[torch.Tensor]) -> None:
