@@ -21,6 +21,14 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups")
 
 
+def variant(text: str) -> str:
+    """A ``--variants`` entry: one of VARIANTS, or several joined by '+' (argparse's error names the bad one)."""
+    bad = [v for v in text.split("+") if v not in VARIANTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
+    return text
+
+
 def parse(argv=None) -> argparse.Namespace:
     """e2e_bench's arguments, checked: a misfit (flags that cannot go together, an unknown model) exits in one line
     before any rank starts."""
@@ -35,8 +43,9 @@ def parse(argv=None) -> argparse.Namespace:
                    "(also: hf_fsdp2_nosync, hf_ddp)")
     p.add_argument("--ablate", nargs="*", default=[], choices=ABLATIONS,
                    help="extra odc runs with one speed feature off (before/after measurements)")
-    p.add_argument("--variants", nargs="*", default=[], choices=VARIANTS,
-                   help="extra odc runs with memory levers on (VARIANTS): " + ", ".join(VARIANTS))
+    p.add_argument("--variants", nargs="*", default=[], type=variant,
+                   help="extra odc runs with memory levers on (VARIANTS), several in one run joined by '+' "
+                        "(gather_masters+unit_groups): " + ", ".join(VARIANTS))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="samples per global minibatch")

@@ -96,20 +96,20 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     if method.startswith("odc"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        ablation = method.partition("-")[2]  # an ablation or a variant
+        levers = set(method.partition("-")[2].split("+"))  # an ablation, or variants joined by "+"
         compute = torch.bfloat16 if cuda else torch.float32
-        bf16_reduce = ablation in ("bf16_reduce", "lean")
-        group_bytes = UNIT_GROUP_BYTES if ablation == "unit_groups" else args.group_bytes
+        bf16_reduce = bool(levers & {"bf16_reduce", "lean"})
+        group_bytes = UNIT_GROUP_BYTES if "unit_groups" in levers else args.group_bytes
         sharded = ODCShard(model, group_bytes, comm="collective" if method == "odc_collective" else "auto",
                            param_dtype=None if bf16_reduce else compute,
-                           prefetch=0 if ablation == "prefetch0" else args.prefetch,
-                           overlap_push=ablation != "no_overlap",
-                           units=() if ablation == "module_hooks" else bench_model(args).units,
-                           gather_masters=ablation in ("gather_masters", "lean"),
-                           offload_policy=CPUOffloadPolicy(pin_memory=cuda) if ablation == "offload" else None,
+                           prefetch=0 if "prefetch0" in levers else args.prefetch,
+                           overlap_push="no_overlap" not in levers,
+                           units=() if "module_hooks" in levers else bench_model(args).units,
+                           gather_masters=bool(levers & {"gather_masters", "lean"}),
+                           offload_policy=CPUOffloadPolicy(pin_memory=cuda) if "offload" in levers else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
                            float8=args.float8, float8_gather=args.float8_gather)
-        if ablation == "unbounded_pushes":  # [streams] 2: buffers freed with record_stream, not one site in flight
+        if "unbounded_pushes" in levers:  # [streams] 2: buffers freed with record_stream, not one site in flight
             sharded.comm.pushes_in_flight = None
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None

@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
 from .engine import ShardEngine
+from .hooks import unit_of
 from .mesh import ShardMesh
 from .odc_module import ODCModule, UnitSettings, UnshardHandle, apply_prefetch, odc_class
 from .precision import policy_param_dtype, resolve_precision
@@ -189,16 +190,7 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
     wanted = policy_param_dtype(settings.mp_policy, None)
     param_dtype = compute_dtype(named, device, wanted or named[0][1].dtype)
     units = set(below)
-    prefixes = {prefix: m for prefix, m in module.named_modules() if m in units}
-
-    def owner_of(name: str) -> nn.Module:
-        parts = name.split(".")
-        for k in range(len(parts) - 1, 0, -1):
-            m = prefixes.get(".".join(parts[:k]))
-            if m is not None:
-                return m
-        return module
-
+    owner_of = unit_of(module, lambda m: m in units)
     mesh = ShardMesh(device, None, settings.mesh) if settings.mesh is not None else ShardMesh(device)
     precision = resolve_precision(settings.mp_policy, param_dtype)
     engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype, precision=precision,

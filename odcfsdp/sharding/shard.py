@@ -18,6 +18,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
                         shard_device)
 from .engine import ShardEngine
+from .hooks import unit_of
 from .float8 import FLOAT8_GATHER_DEFAULT, prepare_float8
 from .float8_rows import float8_gathered
 from .lifecycle import TrainingPhase
@@ -156,7 +157,7 @@ class ODCShard(nn.Module):
             param_dtype=param_dtype, precision=self.precision, group_bytes=group_bytes, comm=comm,
             reshard_after_forward=reshard_after_forward, prefetch=prefetch, overlap_push=overlap_push,
             gather_masters=gather_masters, offload_policy=offload_policy, is_unit=lambda m: isinstance(m, units),
-            float8=float8_weights)
+            owner_of=unit_of(module, lambda m: isinstance(m, units)) if units else None, float8=float8_weights)
         # The engine's parts under the names the checkpoint, optimizer and application code read.
         for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
                      "groups", "lifecycle", "shard_state"):
