@@ -77,7 +77,7 @@ def report(results: list[dict], meta: dict) -> str:
         "# End-to-end training: odcfsdp vs PyTorch FSDP2 vs DDP", "",
         f"- device: {meta['device']} x {meta['world_size']}; date {meta['date']}; commit {meta['commit']}",
         f"- command: `{meta['command']}`" + ("; each (workload, method) ran in a process group of its own "
-                                              "(`--isolate`; each one's own results: `isolated/<workload>_<method>/`)"
+                                              "(`--isolate`; each one's own results: `isolated/<workload>_<method>/`, `runs/` before 9f344f4)"
                                               if meta.get("isolated") else ""),
         f"- model: {meta.get('model') or 'Llama ' + meta['size']} ({meta['params'] / 1e9:.2f}B); {meta['steps']} "
         f"measured steps after "
@@ -303,3 +303,21 @@ def write_outputs(results: list[dict], failed: list[dict], args, device: str, wo
     if final:
         chart(results, out / "e2e_bench.png")
         print(report(results, meta))
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.e2e_report RESULT.json ...``: rewrite each result's ``e2e_bench.md`` from its JSON (the
+    committed figures, this version's tables: e.g. the per-step ratios added after a run was made)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+", type=Path)
+    for path in p.parse_args(argv).results:
+        data = harness.load_result(path)
+        path.with_suffix(".md").write_text(report(data["rows"], data["meta"]))
+        print(f"rewrote {path.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -141,3 +141,20 @@ def test_per_step_ratio_is_the_median_of_step_by_step_ratios():
     assert e2e_report.step_ratio_text([]) == "-" and e2e_report.step_ratios(odc, None, 2) == []
     line = e2e_report.balance_bound([fsdp2, odc], warmup=2)[0]
     assert "= 1.714x (per step: 2.00x (2.00x, 1.00-3.00x))" in line, line
+
+
+def test_e2e_report_rewrites_a_committed_result_from_its_json(tmp_path):
+    """``python -m benchmarks.e2e_report RESULT.json``: the markdown is rebuilt from the JSON alone (a committed run
+    gains the per-step ratios without anything typed in by hand); here the figures of a 2-step closed form."""
+    steps = lambda times: [{"step": k + 1, "step_s": t} for k, t in enumerate(times)]  # noqa: E731
+    row = {"workload": "balanced", "balance": "lb_micro", "mfu": None, "peak_alloc_gib": None, "losses": [1.0],
+           "rank_cost_max_over_mean": 1.0, "rank_compute_s": [1.0], "rank_step_s": [0.1], "step_s_min": 1.0,
+           "step_s_max": 2.0}
+    rows = [{**row, "method": "fsdp2", "steps": steps([5.0, 2.0, 4.0]), "tokens_per_s": 100.0, "step_s_mean": 3.0},
+            {**row, "method": "odc", "steps": steps([5.0, 1.0, 4.0]), "tokens_per_s": 120.0, "step_s_mean": 2.5}]
+    meta = harness.meta("abc", "c", "cpu", world_size=2, size="tiny", params=1e9, steps=2, warmup=1, batch=2,
+                        args={"seq": 64})
+    harness.write_result(tmp_path, "e2e_bench", meta, rows, "stale")
+    assert e2e_report.main([str(tmp_path / "e2e_bench.json")]) == 0
+    text = (tmp_path / "e2e_bench.md").read_text()
+    assert "| balanced | odc | lb_micro | 120 | 1.20x | 1.50x (1.50x, 1.00-2.00x) |" in text, text

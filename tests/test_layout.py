@@ -104,6 +104,43 @@ def test_plan_respects_budget_order_and_kind():
         assert nbytes <= 1024 or len(lay.slots) == 1
 
 
+def test_a_unit_is_one_group_and_the_budget_holds_outside_units():
+    """[layout]: inside a unit (``owner_of`` not None) no byte budget, so a unit is one group per dtype and flag (one
+    gather and one push launch per site, FSDP2's one param group per fully_shard module); groups never span two
+    units; outside units ``group_bytes`` holds as before."""
+    def param(n, trained=True):
+        return torch.zeros(n, requires_grad=trained)
+
+    named = [("embed", param(600)), ("head", param(600)),  # outside units: 2 x 4 x 600 bytes > 1024 each
+             ("u0.a", param(600)), ("u0.b", param(600)), ("u0.frozen", param(8, trained=False)), ("u0.c", param(8)),
+             ("u1.a", param(600)), ("u1.b", param(600)), ("norm", param(8)), ("out", param(8))]
+    unit = {"u0": "unit0", "u1": "unit1"}
+    layouts = plan_groups(named, 2, group_bytes=1024, owner_of=lambda n: unit.get(n.split(".")[0]))
+    assert [[s.name for s in lay.slots] for lay in layouts] == [
+        ["embed"], ["head"], ["u0.a", "u0.b"], ["u0.frozen"], ["u0.c"], ["u1.a", "u1.b"], ["norm", "out"]]
+    assert [[s.name for s in lay.slots] for lay in plan_groups(named, 2, group_bytes=1024)][2:4] == [["u0.a"], ["u0.b"]]
+
+
+def test_odcshard_units_are_whole_groups():
+    """``ODCShard(units=...)``: each decoder layer is one group whatever ``group_bytes`` (at this budget it was 9, one
+    per parameter, and at a larger one a group could span two layers); the embedding and the head keep the budget."""
+    from odcfsdp import ODCShard
+    from odcfsdp.models import Llama
+    from odcfsdp.models.llama import DecoderLayer, llama_config
+
+    cfg = llama_config("tiny", 256)
+    model = ODCShard(Llama(cfg), 1 << 12, units=(DecoderLayer,), comm="shm")
+    try:
+        layer_groups = [g for g in model.groups if g.layout.slots[0].name.startswith("layers.")]
+        assert len(layer_groups) == cfg.n_layers
+        assert all(len({s.name.split(".")[1] for s in g.layout.slots}) == 1 for g in layer_groups)
+        assert all(len(g.layout.slots) == 9 for g in layer_groups)  # every parameter of the layer
+        outside = [g for g in model.groups if g not in layer_groups]
+        assert all(g.layout.unsharded_numel * 4 <= 1 << 12 or len(g.layout.slots) == 1 for g in outside)
+    finally:
+        model.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "32M", True, None])
 def test_plan_rejects_bad_group_bytes(bad):
     with pytest.raises(ValueError, match="group_bytes"):

@@ -161,7 +161,8 @@ class ShardConfig:
     """Arguments of ``ODCShard`` as config keys, each passed as the argument of the same name (see [shard-config])."""
 
     group_bytes: int = 32 << 20
-    """byte budget of one group, counted in unsharded ``param_dtype`` bytes. A larger parameter forms its own group."""
+    """byte budget of one group outside ``units``, counted in unsharded ``param_dtype`` bytes. A larger parameter forms
+    its own group. A unit's parameters are one group (per dtype and ``requires_grad`` flag) whatever the budget."""
     comm: str = "auto"
     """transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``, ``"nvshmem"`` (one-sided: ranks meet
     only between the minibatch's last backward and the next forward, where the loop reads and consumes the gradients,

@@ -41,8 +41,9 @@ resident sum            18P/N              18P/N               16P/N (12P/N befo
 
 Transient, per group (odcfsdp, ``group_bytes`` of bf16 each) or per layer (FSDP2), G elements: odcfsdp
 holds 2G unsharded bf16 per gathered group (the hook site's groups plus ``prefetch`` sites ahead) and a
-2G bf16 gradient buffer per group in backward, until its push has read it (the push stream may hold it
-a little longer); the one-sided gather and scatter-accumulate need no staging; ``collective`` adds an
+2G bf16 gradient buffer per group in backward, until its push has read it (at most two sites' buffers: the
+site being pushed and the one backward fills, [streams] 2); the one-sided gather and scatter-accumulate need no
+staging; ``collective`` adds an
 all-gather staging buffer (2G) and a reduce-scatter input (4G, fp32) plus output (4G/N). FSDP2 holds the
 bf16 cast of its shard (2G/N, the all-gather input), the all-gather output (2G) and the unsharded
 parameters copied out of it (2G; both briefly), the bf16 unsharded gradients (2G, autograd's), the fp32
@@ -57,6 +58,8 @@ Activations follow each rank's largest micro-batch, which LB-Mini keeps small by
 ([even-packing] in ``odcfsdp/data/balance.py``). With one-sided transports 6P/N of it (rows, accumulators) is the
 heap, which torch's peak statistics do not see: compare torch's peak *plus* the heap with FSDP2's peak. NVSHMEM
 reserves 64 MiB beyond the heap (``HEAP_HEADROOM``) for its own use, and NCCL's buffers are outside torch as well.
+Where each of these stood at the measured 8B peaks, row by row against FSDP2's: docs/design.md, "Where every byte
+goes at the peak".
 """
 
 from .live import MemoryBreakdown, known_tensors, memory_breakdown, odc_tensors, optimizer_tensors, span

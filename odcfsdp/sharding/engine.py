@@ -53,8 +53,9 @@ class ShardEngine:
 
     Args:
         is_unit: whether a module is hooked as a whole ([hooks]).
-        owner_of: a parameter name's unit, where groups must not span units (``fully_shard``); None: groups
-            follow only ``group_bytes``.
+        owner_of: a parameter name's unit (None outside units, [layout]'s ``plan_groups``): groups never span
+            units, a unit's parameters form one group per dtype and flag, ``group_bytes`` applies outside units;
+            None: groups follow only ``group_bytes``.
         float8: the weights gathered in float8 with their ``Float8Linear`` (``float8_gathered``, [float8-gather]
             in ``float8.py``): groups of their own, whose rows are float8.
     """

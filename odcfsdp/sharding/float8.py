@@ -92,9 +92,8 @@ per element); on the nvshmem transport the cast
 adds one device-side all-reduce and one ``quiesce`` per step. With ``gather_masters`` the other groups'
 rows are their masters, the float8 groups keep their float8 row. ``ODCShard.unsharded()`` shows a
 float8 weight in its float8 form (``full_state_dict`` and checkpoints read the fp32 masters).
-``float8_gather`` is on by default since its GPU checks ran (``results/fp8/``, ``results/e2e/``: on one H200
-1.20x bf16's tokens/s and torchao + FSDP2 float8's losses equal at every one of 200 steps; 8B on 2 H200s 1.30x
-FSDP2 float8 in one call). ``float8_gather=False`` gathers the float8 layers' weights in ``param_dtype``. A
+``float8_gather`` is on by default (its GPU checks: ``results/fp8/``, ``results/e2e/``, listed in
+``results/README.md``). ``float8_gather=False`` gathers the float8 layers' weights in ``param_dtype``. A
 float8-gathered weight's original parameter object keeps its identity (an optimizer over it is still refused) but
 not its values, which live in the master: it reads as an empty tensor.
 

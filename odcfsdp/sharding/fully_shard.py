@@ -200,7 +200,7 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
     engine.register_casts(below)  # FSDP2 casts at every fully_shard module's forward
     settings.built_on_meta = on_meta
     for g in engine.groups:
-        g.owner = owner_of(g.layout.slots[0].name)
+        g.owner = owner_of(g.layout.slots[0].name) or module  # outside every unit: the root's
         unit = g.owner._odc_settings
         g.reshard_after_forward = (unit.reshard_after_forward if unit.reshard_after_forward is not None
                                    else g.owner is not module)

@@ -82,19 +82,20 @@ def hook_sites(root: nn.Module, is_unit: Callable[[nn.Module], bool]
     return sites
 
 
-def unit_of(root: nn.Module, is_unit: Callable[[nn.Module], bool]) -> Callable[[str], nn.Module]:
-    """A parameter name's unit: the innermost unit module on its path (``root`` for one outside every unit), the site
-    that gathers it (``hook_sites``); groups never span two ([layout]'s ``owner_of``), as FSDP2's param groups never
-    span two ``fully_shard`` modules, so a site gathers only its own groups."""
+def unit_of(root: nn.Module, is_unit: Callable[[nn.Module], bool]) -> Callable[[str], nn.Module | None]:
+    """A parameter name's unit: the innermost unit module on its path, the site that gathers it (``hook_sites``);
+    None outside every unit (its module is its own site). Groups never span two units and a unit's parameters
+    form one group per dtype and ``requires_grad`` flag ([layout]'s ``owner_of``), as FSDP2's one param group per
+    ``fully_shard`` module: a site gathers its own groups, one launch each."""
     prefixes = {prefix: m for prefix, m in root.named_modules() if prefix and is_unit(m)}
 
-    def owner(name: str) -> nn.Module:
+    def owner(name: str) -> nn.Module | None:
         parts = name.split(".")
         for k in range(len(parts) - 1, 0, -1):
             m = prefixes.get(".".join(parts[:k]))
             if m is not None:
                 return m
-        return root
+        return None
 
     return owner
 

@@ -2,9 +2,11 @@
 
 Design note [layout]
 --------------------
-A *group* holds consecutive parameters p_1..p_k that share a dtype and a
-``requires_grad`` flag, up to ``group_bytes`` of unsharded communication bytes (a
-single larger parameter forms its own group). Parameters are sharded on dim 0, as
+A *group* holds consecutive parameters p_1..p_k that share a dtype, a
+``requires_grad`` flag and a unit (a ``units`` or ``fully_shard`` module): all of a
+unit's (one group per unit, FSDP2's one param group per ``fully_shard`` module), and
+outside units up to ``group_bytes`` of unsharded communication bytes (a single larger
+parameter forms its own group). Parameters are sharded on dim 0, as
 FSDP2 shards them, so that a rank's piece of a parameter is a tensor of the
 parameter's own shape with fewer rows (its ``Shard(0)`` DTensor shard). With N ranks
 and parameter i of shape ``(d_i, ...)`` with ``w_i`` elements per dim-0 row:
@@ -230,18 +232,21 @@ def plan_groups(
 ) -> list[GroupLayout]:
     """Plan flat groups over parameters in order.
 
-    A group closes when adding the next parameter would pass ``group_bytes``
-    (counted as unsharded bytes in ``comm_dtype``, padding included) or when the
-    next parameter has another dtype or ``requires_grad`` flag. A parameter larger
-    than ``group_bytes`` forms its own group. 0-dimensional parameters are refused.
+    A group closes when the next parameter has another dtype or ``requires_grad`` flag, or another unit
+    (``owner_of``), or, outside units, when adding it would pass ``group_bytes`` (counted as unsharded bytes
+    in ``comm_dtype``, padding included; a parameter larger than ``group_bytes`` forms its own group). Inside a
+    unit there is no byte budget: the unit's site gathers all of it at once anyway, so one group per unit (and
+    dtype and flag) is one gather and one push launch per site, as FSDP2's one all-gather per ``fully_shard``
+    module. 0-dimensional parameters are refused.
 
     Args:
         named_params: (name, tensor) pairs, each parameter once, in order.
         world_size: number of ranks N (>= 1).
         group_bytes: byte budget per group (> 0).
         comm_dtype: dtype moved between ranks; defaults to each parameter's dtype.
-        owner_of: a parameter's unit (``fully_shard``'s module); a group also closes where the owner changes,
-            so no group spans two units and each unit gathers only its own groups.
+        owner_of: a parameter's unit (a ``units`` module or a ``fully_shard`` one; None outside units); a group
+            also closes where the unit changes, so no group spans two units and each unit gathers only its own
+            groups, and ``group_bytes`` applies only outside units.
         float8: names of the weights gathered in float8 ([float8-gather]): groups of their own, counted at one
             byte a parameter.
     """
@@ -280,8 +285,9 @@ def plan_groups(
         if pending:
             head = pending[0][1]
             other_owner = owner_of is not None and owner_of(pending[0][0]) != owner_of(name)
-            if (head.dtype != p.dtype or head.requires_grad != p.requires_grad or used + nbytes > group_bytes
-                    or other_owner or (pending[0][0] in float8) != (name in float8)):
+            in_unit = owner_of is not None and owner_of(name) is not None
+            if (head.dtype != p.dtype or head.requires_grad != p.requires_grad or other_owner
+                    or (used + nbytes > group_bytes and not in_unit) or (pending[0][0] in float8) != (name in float8)):
                 close()
                 used = 0
         pending.append((name, p))

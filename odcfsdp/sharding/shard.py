@@ -32,8 +32,8 @@ __all__ = ["ODCShard", "TrainingPhase"]
 class ODCShard(nn.Module):
     """Shard ``module``'s parameters over the ranks of a process group, in flat groups.
 
-    Parameters are packed in order into groups of up to ``group_bytes`` and sharded
-    on dim 0 (see [layout]); rank r keeps row r of every group plus an fp32 master
+    Parameters are packed in order into groups, one per ``units`` module and of up to
+    ``group_bytes`` outside units, and sharded on dim 0 (see [layout]); rank r keeps row r of every group plus an fp32 master
     copy of it. Outside forward and backward every parameter of the model is this
     rank's shard, a DTensor (``Shard(0)``) over the master row, and its ``.grad`` the
     rank's fully reduced fp32 gradient shard, so the standard PyTorch loop (any
@@ -55,8 +55,9 @@ class ODCShard(nn.Module):
 
     Args:
         module: the model; every rank must hold the same initial values.
-        group_bytes: byte budget of one group, counted in unsharded ``param_dtype``
-            bytes. A larger parameter forms its own group.
+        group_bytes: byte budget of one group outside ``units``, counted in unsharded
+            ``param_dtype`` bytes. A larger parameter forms its own group. A unit's parameters
+            are one group (per dtype and ``requires_grad`` flag) whatever the budget.
         comm: transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``,
             ``"nvshmem"`` (one-sided: ranks meet only between the minibatch's last
             backward and the next forward, where the loop reads and consumes the
