@@ -87,13 +87,9 @@ def test_bf16_parity_two_gpus(comm, reshard, prefetch):
 @pytest.mark.parametrize("comm, micro_batches", [("nvshmem", [3, 1]), ("collective", [2, 2])])
 @pytest.mark.parametrize("in_flight", [1, None])
 def test_bounded_pushes_train_what_unbounded_ones_do(comm, micro_batches, in_flight):
-    """[streams] 2 with one site's pushes in flight (the default): once a site is pushed the current stream waits for
-    the previous site's pushes and only then drops their gradient buffers (no record_stream), so the blocks are reused
-    in stream order. A buffer freed too early would be overwritten by the next site's gradients before its push read
-    it; the parity reference shows that. None: unbounded, each buffer freed with record_stream.
-    nvshmem: uneven micro-batch counts (3 and 1), so that one rank's pushes run while the other is in its step. The
-    collective transport needs equal counts (its pushes are reduce-scatters every rank issues; [3, 1] hung there at
-    e8d0094, as any uneven count does with collectives)."""
+    """[streams] 2, one site's pushes in flight (the default): a buffer freed before its push read it would be
+    overwritten by the next site's gradients, which the parity reference shows. None: unbounded (record_stream).
+    nvshmem: counts 3 and 1, so one rank pushes while the other steps; collective needs equal counts."""
     run = Run(2, micro_batches=micro_batches)
     bounded = functools.partial(sharded_run, pushes_in_flight=in_flight)
     results = spawn(bounded, 2, run, torch.float32, 4096, True, comm, "cuda", 1, backend="nccl")
