@@ -35,8 +35,8 @@ class ODCShard(nn.Module):
     Parameters are packed in order into groups, one per ``units`` module and of up to
     ``group_bytes`` outside units, and sharded on dim 0 (see [layout]); rank r keeps
     row r of every group plus an fp32 master copy of it. Outside forward and backward
-    every parameter of the model is this rank's shard, a DTensor (``Shard(0)``) over the master row, and its ``.grad`` the
-    rank's fully reduced fp32 gradient shard, so the standard PyTorch loop (any
+    every parameter of the model is this rank's shard, a DTensor (``Shard(0)``) over
+    the master row, and its ``.grad`` the rank's fully reduced fp32 gradient shard, so the standard PyTorch loop (any
     element-wise ``torch.optim`` optimizer, ``clip_grad_norm_``, LR schedulers,
     ``torch.distributed.checkpoint``) works unchanged (see [params],
     [step-protocol]). Groups are gathered right before a module needs them and
