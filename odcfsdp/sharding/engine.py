@@ -141,6 +141,24 @@ class ShardEngine:
         """Free every group's unsharded buffer (modules hold their shards again)."""
         self.lifecycle.reshard_all()
 
+    def reset_iter_state(self) -> None:
+        """FSDP2's ``reset_iter_state``: after an exception mid-pass, idle again ([lifecycle]'s ``reset``)."""
+        self.check_open()
+        self.lifecycle.reset()
+
+    def to_empty(self, device: torch.device | str) -> None:
+        """``to_empty(device=...)`` after a meta-device build ([meta-init]): the shards already live on the engine's
+        device, so nothing moves; meta buffers become real ones; the values the model's own initialisation writes
+        into the shards next are published at the next forward, around one meeting."""
+        self.check_open()
+        want = torch.device(device)
+        have = self.mesh.device
+        if want.type != have.type or (want.index is not None and want.index != have.index):
+            raise ValueError(f"to_empty(device={str(want)!r}): this model's shards live on {have}, where "
+                             "fully_shard placed them (the mesh's device): pass that device")
+        materialize_buffers(self.root, have)
+        self.protocol.publish_at_next_forward = True
+
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
         """Context in which every parameter holds its full value (collective: all ranks enter)."""

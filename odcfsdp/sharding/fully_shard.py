@@ -31,6 +31,13 @@ own every unit. A call:
    call on a whole model (no blocks) thus runs on NCCL collectives, with equal micro-batch counts
    (``ODCShard(model)`` is the one-sided way to shard a model in one call).
 
+A list of modules (FSDP2's list form) is one unit over all of them: they share one ``UnitSettings``,
+which owns their groups (a weight tied across them is one parameter, gathered at the first of their
+forwards and freed after the last), and until a later call absorbs it their engine's root is a
+``ModuleList`` of them. Each module becomes ``ODC<Class>``, an ``FSDPModule`` ([fsdp-surface] in
+``fsdp_surface.py``), and ``to_empty`` after a meta-device build works as FSDP2's ([meta-init] in
+``materialize.py``).
+
 After a torchtitan script's calls, one engine owns the model: a minibatch costs the same two
 meetings as ``ODCShard``'s, micro-batch counts may differ per rank, and the standard loop, DCP and
 ``clip_grad_norm_`` work as with FSDP2. ``ODCModule``'s methods are FSDP2's ``FSDPModule`` methods that
@@ -65,8 +72,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     ranks meet once per minibatch and may run different numbers of micro-batches.
 
     Args:
-        module: the module to shard (a block, then the whole model). One module: FSDP2's list of modules (one unit
-            over several) is refused.
+        module: the module to shard (a block, then the whole model), or FSDP2's list of modules: one unit over
+            all of them (weights tied across modules: the embedding and the output head), whose list is returned.
         mesh: a 1-D ``DeviceMesh`` to shard over, or 2-D ``("replicate", "shard")`` for HSDP; the default
             process group when None. Every call of one model uses the same.
         reshard_after_forward: free this unit's parameters after forward (True) or keep them for backward
@@ -78,11 +85,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         ignored_params: parameters left alone: not sharded, not reduced (as FSDP2's).
         dp_mesh_dims: must be None.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes one nn.Module, got {type(module).__name__} (FSDP2's list of modules, "
-                        "one unit over several, is not supported: call it on their parent, or on each)")
-    if isinstance(module, ODCModule):
-        raise ValueError(f"fully_shard was called on this {type(module).__name__} already: call it once per module")
+    modules = _unit_modules(module)
     if shard_placement_fn is not None:
         raise ValueError("shard_placement_fn is not supported: odcfsdp packs parameters into flat groups sharded "
                          "row by row (padding, no divisibility rules), so there is no per-parameter placement")
@@ -91,28 +94,48 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     if reshard_after_forward is not None:
         check_reshard_after_forward(reshard_after_forward)
     settings = UnitSettings(mesh, reshard_after_forward, mp_policy, offload_policy, set(ignored_params or ()))
-    below = [m for m in module.modules() if m is not module and isinstance(m, ODCModule)]
+    # FSDP2's list form: one unit over several modules (weights tied across them), under a container that is the
+    # engine's root until a later call absorbs it
+    root = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    below = [m for m in root.modules() if m not in modules and m is not root and isinstance(m, ODCModule)]
     ignored_all = set().union(settings.ignored, *(m._odc_settings.ignored for m in below))
-    _check_before_absorbing(module, below, settings, ignored_all)
+    _check_before_absorbing(root, below, settings, ignored_all)
     absorbed = [r for r in dict.fromkeys(m._odc_settings.engine_root for m in below)
                 if r is not None and "_odc_engine_owned" in r.__dict__]
-    for root in absorbed:
-        _absorb(root)
-    named = [(n, p) for n, p in module.named_parameters() if p not in ignored_all]
+    for engine_root in absorbed:
+        _absorb(engine_root)
+    named = [(n, p) for n, p in root.named_parameters() if p not in ignored_all]
     check_params(named)
-    module._odc_settings = settings
+    for m in {root, *modules}:
+        m._odc_settings = settings
     try:
-        engine = _build(module, named, settings, below, bool(absorbed))
+        engine = _build(root, named, settings, below if root in modules else [*below, *modules], bool(absorbed))
     except BaseException:
-        del module._odc_settings  # the module stays plain; the units below keep plain values for the next try
+        for m in {root, *modules}:  # the modules stay plain; the units below keep plain values for the next try
+            del m._odc_settings
         for m in below:
             m._odc_settings.engine_root = None
         raise
-    module.__class__ = odc_class(type(module))
-    module.__dict__["_odc_engine_owned"] = engine
-    for m in [*below, module]:
-        m._odc_settings.engine_root = module
+    for m in modules:
+        m.__class__ = odc_class(type(m))
+    root.__dict__["_odc_engine_owned"] = engine
+    for m in [*below, *modules]:
+        m._odc_settings.engine_root = root
     return module
+
+
+def _unit_modules(module) -> list[nn.Module]:
+    """The modules of one call: ``module`` itself, or FSDP2's list of modules (one unit over all of them)."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError("fully_shard takes an nn.Module or a non-empty list of them (one unit over several), got "
+                        f"{type(module).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard's list of modules holds one module twice: list each once")
+    for m in modules:
+        if isinstance(m, ODCModule):
+            raise ValueError(f"fully_shard was called on this {type(m).__name__} already: call it once per module")
+    return modules
 
 
 def _check_before_absorbing(module: nn.Module, below: list, settings: UnitSettings, ignored: set) -> None:
@@ -190,7 +213,12 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
     wanted = policy_param_dtype(settings.mp_policy, None)
     param_dtype = compute_dtype(named, device, wanted or named[0][1].dtype)
     units = set(below)
-    owner_of = unit_of(module, lambda m: m in units)
+    unit = unit_of(module, lambda m: m in units)
+
+    def owner_of(name: str) -> UnitSettings | None:  # a list's modules share one unit: their settings
+        found = unit(name)
+        return None if found is None else found._odc_settings
+
     mesh = ShardMesh(device, None, settings.mesh) if settings.mesh is not None else ShardMesh(device)
     precision = resolve_precision(settings.mp_policy, param_dtype)
     engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype, precision=precision,
@@ -200,12 +228,11 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
     engine.register_casts(below)  # FSDP2 casts at every fully_shard module's forward
     settings.built_on_meta = on_meta
     for g in engine.groups:
-        g.owner = owner_of(g.layout.slots[0].name) or module  # outside every unit: the root's
-        unit = g.owner._odc_settings
-        g.reshard_after_forward = (unit.reshard_after_forward if unit.reshard_after_forward is not None
-                                   else g.owner is not module)
-        g.reshard_after_backward = unit.reshard_after_backward
-    for m in [*below, module]:  # settings made on the units since their calls
+        g.owner = owner_of(g.layout.slots[0].name) or settings  # outside every unit: the call's own
+        g.reshard_after_forward = (g.owner.reshard_after_forward if g.owner.reshard_after_forward is not None
+                                   else g.owner is not settings)
+        g.reshard_after_backward = g.owner.reshard_after_backward
+    for m in dict.fromkeys([*below, module]):  # settings made on the units since their calls
         if m._odc_settings.divide_factor is not None:
             engine.lifecycle.set_divide_factor(m._odc_settings.divide_factor)
         for backward, targets in m._odc_settings.prefetch.items():

@@ -168,7 +168,7 @@ class FlatGroup:
         # use (else keep it for backward) and after backward (else keep it until the step's finish)
         self.reshard_after_forward = True
         self.reshard_after_backward = True
-        self.owner = None  # the fully_shard module whose unit this group belongs to ([fully-shard])
+        self.owner = None  # the settings of the fully_shard unit this group belongs to ([fully-shard])
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
@@ -321,6 +321,12 @@ class FlatGroup:
         for sp in self._trained:
             sp.unsharded.grad = None
         return True
+
+    def drop_grad_buffer(self) -> None:
+        """Forget the gradient buffer of an aborted backward without pushing it ([lifecycle]'s ``reset``)."""
+        self.grad_buffer = None
+        for sp in self._trained:
+            sp.unsharded.grad = None
 
     # -- the step protocol's per-group work ----------------------------------------------------
     def attach_grads(self) -> None:

@@ -77,6 +77,11 @@ class TrainingPhase(enum.Enum):
     """Between the first pre-backward hook and the end-of-backward callback."""
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (torch's graph task id; -1 outside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def phase_range(name: str):
     """A ``record_function`` range ``odc::<name>`` while a profiler records, else nothing (no cost per hook)."""
     if torch.autograd.profiler._is_profiler_enabled:
@@ -126,8 +131,12 @@ class StepLifecycle:
     # -- 1-4: forward ---------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """Step 1: the root forward starts: checks, the protocol's forward event, every site still to run."""
-        if self.phase is TrainingPhase.BACKWARD:  # the whole model recomputed in backward: nothing to reset
-            return
+        if self.phase is TrainingPhase.BACKWARD:
+            if _in_backward():  # the whole model recomputed in backward: nothing to reset
+                return
+            raise RuntimeError("a backward pass raised before it ended, so gradients are half pushed and parameters "
+                               "may be gathered: call model.reset_iter_state() and then opt.zero_grad(), as FSDP2's "
+                               "recovery does, before the next forward")
         self.checks()
         self.protocol.before_forward()
         for g in self.groups:
@@ -220,6 +229,16 @@ class StepLifecycle:
         """Free every group's unsharded buffer (the modules hold shards)."""
         for g in self.groups:
             g.to_sharded()
+
+    def reset(self) -> None:
+        """After an exception aborted a forward or a backward (FSDP2's ``reset_iter_state``): the pass's gradient
+        buffers not pushed yet are dropped (a failed backward never reached step 7), every group is resharded, and
+        the wrapper is idle: the next forward starts a pass. What was pushed stays in the accumulators."""
+        for g in self.groups:
+            g.drop_grad_buffer()
+        self.comm.backward_done()
+        self.reshard_all()
+        self.phase = TrainingPhase.IDLE
 
     # -- 8-10: the minibatch's meetings ----------------------------------------------------------------
     def sync(self) -> int:

@@ -17,6 +17,24 @@ Buffers come in two kinds, and a load restores only one of them:
    rotary embedding), a fresh instance ``type(module)(module.config)`` on the device,
    whose buffers replace the meta ones. A computed buffer that neither way rebuilds is
    an error naming it: zeros there would give wrong outputs without any error.
+
+Design note [meta-init]
+-----------------------
+FSDP2's way to build a model too large for one device, which torchtitan, accelerate and verl follow:
+
+1. ``with torch.device("meta"): model = build()``: shapes, no values;
+2. ``fully_shard(block)`` per block, then ``fully_shard(model)``: the plan needs shapes only, so the
+   rows and masters are allocated on the mesh's device (zeros) and no rank ever holds a full block;
+   buffers are made real here ([meta-buffers]);
+3. ``model.to_empty(device=...)``: the shards already live there, so nothing moves (another device is
+   refused in one line); a buffer still on meta becomes real;
+4. ``model.init_weights()`` (or any in-place initialisation of the parameters): it writes this rank's
+   shards (DTensors over the masters), as it writes FSDP2's, so each rank initialises its own rows;
+5. the first forward after ``to_empty`` publishes every master to its row around one meeting (the
+   step protocol's ``rows_changing``) before anything is gathered, so every rank must run that forward
+   (a rank with no micro-batch in the first minibatch meets the others at a different point, and every
+   rank raises the same error). A load instead of an initialisation (``load_state_dict``,
+   ``set_model_state_dict``, ``load_hf``, a DCP checkpoint) publishes at once, and nothing is left to do.
 """
 
 from __future__ import annotations

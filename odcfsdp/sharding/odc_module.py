@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .arguments import check_reshard_after_forward
 from .engine import ShardEngine
+from .fsdp_surface import FSDPModule, FSDPSurface
 
 
 @dataclass
@@ -44,15 +45,23 @@ class UnshardHandle:
             g.wait_ready()
 
 
-class ODCModule:
+class ODCModule(FSDPSurface):
     """The methods ``fully_shard`` adds to a module's class: FSDP2's ``FSDPModule`` methods that have an ODC
-    meaning. Each acts on this module's own unit (``recurse``: and every unit below it)."""
+    meaning (the others: ``FSDPSurface``, [fsdp-surface]). Each acts on this module's own unit (``recurse``: and
+    every unit below it). A ``fully_shard`` module is an ``FSDPModule``, as FSDP2's are."""
 
     def __new__(cls, *args, **kwargs):
         # As FSDP2's FSDPModule: constructing ODC<Class> directly builds a plain Class.
-        orig_cls = cls.__mro__[2]
+        orig_cls = cls.__mro__[cls._orig_cls_mro_index]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
+        return self
+
+    def to_empty(self, *, device, recurse: bool = True):  # type: ignore[override]
+        """After a meta-device build ([meta-init] in ``materialize.py``): the shards already live on ``device``
+        (another device is refused), meta buffers become real, and what the model's initialisation writes into the
+        shards next is published at the next forward. Returns the module, as ``nn.Module.to_empty``."""
+        self._odc_engine.to_empty(device)
         return self
 
     def __deepcopy__(self, memo):
@@ -73,7 +82,7 @@ class ODCModule:
         return [m for m in self.modules() if isinstance(m, ODCModule)] if recurse else [self]
 
     def _odc_groups(self, recurse: bool = False) -> list:
-        owners = {id(m) for m in self._odc_units(recurse)}
+        owners = {id(m._odc_settings) for m in self._odc_units(recurse)}  # a list's modules share theirs
         return [g for g in self._odc_engine.groups if id(g.owner) in owners]
 
     # -- FSDPModule's methods ----------------------------------------------------------------------------
@@ -176,9 +185,12 @@ _CLASSES: dict[type, type] = {}
 
 
 def odc_class(cls: type) -> type:
-    """``ODC<cls>``: ``ODCModule``'s methods over ``cls``'s (made once per class)."""
+    """``ODC<cls>``: ``ODCModule``'s methods over ``cls``'s (made once per class); an ``FSDPModule``, whose original
+    class sits at ``_orig_cls_mro_index`` in its MRO, as in FSDP2's ``FSDP<cls>``."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ODC{cls.__name__}", (ODCModule, cls), {})
+        made = type(f"ODC{cls.__name__}", (ODCModule, cls), {})
+        made._orig_cls_mro_index = made.__mro__.index(FSDPModule) + 1
+        _CLASSES[cls] = made
     return _CLASSES[cls]
 
 

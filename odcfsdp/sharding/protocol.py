@@ -221,6 +221,7 @@ class StepProtocol:
         self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
         self._trained_params: list[ShardedParam] = []
+        self.publish_at_next_forward = False  # to_empty() ran: publish whatever the model's init writes ([meta-init])
 
     def attach(self, groups: Sequence[FlatGroup], lifecycle: StepLifecycle) -> None:
         """Take the model's groups and the steps its transitions run; optimizers' steps reach it through the
@@ -299,6 +300,7 @@ class StepProtocol:
         self.lifecycle.begin_change()
         yield
         self.lifecycle.finish(self.groups, Meeting.CHANGE)
+        self.publish_at_next_forward = False  # every row was published
         self._new_minibatch()
 
     # -- transitions that meet nobody ----------------------------------------------------------------
@@ -332,6 +334,9 @@ class StepProtocol:
                 f"trained parameters got gradients that no optimizer step consumed and no zero_grad() cleared "
                 f"({left[:3]}{' ...' if len(left) > 3 else ''}): put every trained parameter in an optimizer, "
                 "or freeze it (requires_grad=False) before wrapping; gradients cannot accumulate over steps")
+        if self.publish_at_next_forward:  # [meta-init]: the values written since to_empty() reach the rows
+            with self.rows_changing():
+                pass
         changed = [g for g in self.groups if g.master_changed]
         if changed:
             names = [sp.name for sp in changed[0].params]

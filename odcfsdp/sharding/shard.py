@@ -318,6 +318,13 @@ class ODCShard(nn.Module):
         self._check_open()
         return _IncompatibleKeys(*self.shard_state.load_state_dict(self.module, state_dict, strict))
 
+    def to_empty(self, *, device, recurse: bool = True):  # type: ignore[override]
+        """After building the model on the meta device and wrapping it with ``device=``: the shards already live
+        there (another device is refused), meta buffers become real, and the model's in-place initialisation that
+        follows is published at the next forward ([meta-init] in ``materialize.py``). Returns the wrapper."""
+        self.engine.to_empty(device)
+        return self
+
     def _apply(self, fn, recurse=True):
         raise RuntimeError(MOVE_ERROR)
 

@@ -1,0 +1,140 @@
+"""[fsdp-surface]: a ``fully_shard`` module is torch's ``FSDPModule``, and each of ``FSDPModule``'s methods in the
+installed torch behaves as FSDP2's (by ODC's means), is accepted where its setting is moot, or is refused in one line
+before anything changes. One process; the 2-rank behaviours are in tests/test_fully_shard*.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from odcfsdp import fully_shard
+from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
+from odcfsdp.sharding.fsdp_surface import FSDP_METHODS, FSDPSurface
+from odcfsdp.sharding.odc_module import ODCModule
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+def _sharded() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _methods() -> list[str]:
+    return [n for n, f in vars(FSDPModule).items() if callable(f) and not n.startswith("__")]
+
+
+def test_a_fully_shard_module_is_an_fsdp_module_and_answers_every_method_itself():
+    """isinstance holds (what accelerate and trainers test), and no FSDPModule method of this torch runs FSDP2's own
+    code on our modules: each is defined by ODCModule or FSDPSurface and listed, with its kind, in FSDP_METHODS (a
+    torch that adds a method fails here until it is answered)."""
+    model = _sharded()
+    try:
+        assert isinstance(model, FSDPModule) and isinstance(model.layers[0], FSDPModule)
+        assert type(model).__mro__[type(model)._orig_cls_mro_index] is Llama
+        for name in _methods():
+            owner = next(c for c in type(model).__mro__ if name in vars(c))
+            assert owner in (ODCModule, FSDPSurface), f"{name} would run FSDPModule's own code"
+            assert FSDP_METHODS[name][0] in ("same", "moot", "refused"), name
+        assert set(FSDP_METHODS) >= set(_methods())
+    finally:
+        model._odc_engine.close()
+
+
+def test_refused_methods_say_why_in_one_line_and_change_nothing():
+    model = _sharded()
+    try:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        calls = {"set_custom_all_gather": (None,), "set_custom_reduce_scatter": (None,),
+                 "set_all_reduce_hook": (lambda t: None,), "set_unshard_in_backward": (False,),
+                 "_get_fsdp_state": ()}
+        assert set(calls) | {"_apply"} == {n for n, (k, _) in FSDP_METHODS.items() if k == "refused"}
+        for name, args in calls.items():
+            with pytest.raises(NotImplementedError, match=rf"^{name} is not supported by odcfsdp: [^\n]+$"):
+                getattr(model, name)(*args)
+        with pytest.raises(RuntimeError, match="move or cast the model before"):
+            model.float()
+        model.set_unshard_in_backward(True)  # the default is accepted
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[n]), n
+    finally:
+        model._odc_engine.close()
+
+
+def test_moot_settings_are_accepted_and_checked():
+    model = _sharded()
+    try:
+        moot = [n for n, (k, _) in FSDP_METHODS.items() if k == "moot" and n != "set_symm_mem_for_comm"]
+        for name in moot:
+            getattr(model, name)(True)
+            getattr(model, name)(False)
+            with pytest.raises(ValueError, match="True or False"):
+                getattr(model, name)(1)
+        model.set_symm_mem_for_comm()
+        with pytest.raises(ValueError, match="backend='NCCL'"):
+            model.set_symm_mem_for_comm("GLOO")
+    finally:
+        model._odc_engine.close()
+
+
+def test_same_methods_act_as_fsdp2s():
+    """The divide factor's old name, the bound on buffers in flight ([streams] 2), the post-optimizer event."""
+    model = _sharded()
+    try:
+        model.set_reduce_scatter_divide_factor(4.0)
+        assert model._odc_engine.lifecycle.divide_factor == 4.0
+        model.set_reduce_scatter_max_input_buffers(3)
+        assert model._odc_engine.comm.pushes_in_flight == 3
+        for bad in (0, True, 1.5):
+            with pytest.raises(ValueError, match="max_input_buffers"):
+                model.set_reduce_scatter_max_input_buffers(bad)
+        model.set_post_optim_event(torch.Event("cpu") if hasattr(torch, "Event") else None)  # CPU: nothing to order
+    finally:
+        model._odc_engine.close()
+
+
+def _grads_after(model, fail_first: bool) -> dict[str, torch.Tensor]:
+    x = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    if fail_first:  # backward raises in the middle: the first layer's gradient hook throws once
+        handle = model.layers[0].register_full_backward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("x")))
+        with pytest.raises(ValueError):
+            causal_lm_loss(model(x), x).backward()
+        handle.remove()
+        model.reset_iter_state()
+        torch.optim.SGD(model.parameters(), lr=0.0).zero_grad()  # FSDP2's recovery: drops what the pass pushed
+    causal_lm_loss(model(x), x).backward()
+    return {n: getattr(p.grad, "full_tensor", p.grad.clone)().clone() for n, p in model.named_parameters()}
+
+
+def test_reset_iter_state_after_a_failed_backward_trains_as_if_it_had_not_happened():
+    """An exception mid-backward leaves a pass half pushed; reset_iter_state and zero_grad, then the next backward
+    gives the gradients a fresh model gives. Without the reset the next forward says so in one line (the wrapper
+    stayed in backward, and that forward crashed the process)."""
+    want = _grads_after(_sharded(), fail_first=False)
+    model = _sharded()
+    x = torch.randint(0, CFG.vocab_size, (2, 8))
+    handle = model.layers[0].register_full_backward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("x")))
+    with pytest.raises(ValueError):
+        causal_lm_loss(model(x), x).backward()
+    handle.remove()
+    with pytest.raises(RuntimeError, match=r"call model.reset_iter_state\(\) and then opt.zero_grad\(\)"):
+        model(x)  # without the reset: one line that names it (it used to crash the process)
+    model._odc_engine.close()
+    model = _sharded()
+    got = _grads_after(model, fail_first=True)
+    assert model._odc_engine.lifecycle.phase.name == "IDLE"
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=0, atol=0, msg=n)
+
+
+def test_design_table_of_fsdp_methods_is_the_generated_one():
+    """docs/design.md's table is ``fsdp_methods_table()`` verbatim (regenerate it when FSDP_METHODS changes)."""
+    from pathlib import Path
+
+    from odcfsdp.sharding.fsdp_surface import fsdp_methods_table
+
+    assert fsdp_methods_table() in (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()

@@ -1,0 +1,127 @@
+"""[meta-init]: FSDP2's meta-device initialisation through ``from odcfsdp import fully_shard``, on 2 CPU ranks, against
+torch's ``fully_shard`` running the same script:
+
+    with torch.device("meta"): model = build()
+    fully_shard(each block); fully_shard(model)
+    model.to_empty(device=...); model.init_weights()
+
+and the other way torchtitan and accelerate fill a meta model: rank 0's full state dict broadcast by
+``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from odcfsdp.launch import spawn
+from test_fully_shard import CFG, _close, _micro_batches, _model, _optimizer, _reference, _step
+
+STEPS = 3
+
+
+def _meta_sharded(impl: str, mesh):
+    from odcfsdp.models import Llama
+
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from odcfsdp import fully_shard
+    with torch.device("meta"):
+        model = Llama(CFG)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(model, counts: list[int]) -> list[tuple[float, float]]:
+    opt, sched = _optimizer(model)
+    rank = dist.get_rank()
+    return [_step(model, opt, sched, _micro_batches(step, rank, counts[rank]), True) for step in range(STEPS)]
+
+
+def _init_script(impl: str, how: str) -> dict:
+    """``how``: "init": to_empty, then the model's own initialisation on every rank (its shards); "broadcast": rank
+    0's full state dict of the plain model, broadcast into the shards. Then STEPS steps of the standard loop."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _meta_sharded(impl, mesh)
+    model.to_empty(device="cpu")
+    for m in model.modules():  # computed buffers (rotary frequencies): what a model's init_weights rebuilds
+        if hasattr(m, "init_buffers"):
+            m.init_buffers()
+    if how == "init":
+        torch.manual_seed(1)  # every rank the same stream; each draws its own shards' values, as FSDP2's do
+        with torch.no_grad():
+            model.reset_parameters()
+    else:
+        full = _model().state_dict() if dist.get_rank() == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return {"steps": _train(model, [2, 2]), "device": sorted({str(p.device) for p in model.parameters()})}
+
+
+@pytest.mark.parametrize("how", ["init", "broadcast"])
+def test_meta_device_init_trains_as_fsdp2s(how):
+    """Per-step loss and gradient norm equal torch's fully_shard's to 1e-5 (fp32), from the same meta-device script;
+    the broadcast one also equals one plain process started from rank 0's values."""
+    ours = spawn(_init_script, 2, "odc", how)
+    theirs = spawn(_init_script, 2, "torch", how)
+    for rank in range(2):
+        _close(ours[rank]["steps"], theirs[rank]["steps"])
+        assert ours[rank]["device"] == ["cpu"]
+    if how == "broadcast":
+        want = _reference([2, 2])[:STEPS]
+        for rank in range(2):
+            _close(ours[rank]["steps"], [(losses[rank], norm) for losses, norm in want])
+    assert ours[0]["steps"][-1][0] < ours[0]["steps"][0][0]  # it trains
+
+
+def _wrong_device() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _meta_sharded("odc", init_device_mesh("cpu", (dist.get_world_size(),)))
+    try:
+        model.to_empty(device="meta")
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_to_empty_on_another_device_is_refused_in_one_line():
+    out = spawn(_wrong_device, 2)
+    assert all(o.startswith("to_empty(device='meta'): this model's shards live on cpu") and "\n" not in o for o in out)
+
+
+def _tied_script(impl: str) -> dict:
+    """Embedding and output head tied across two modules: FSDP2's list form makes them one unit (the fix torch's own
+    error names), before the blocks and the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from odcfsdp.models import Llama, LlamaConfig
+
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from odcfsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**{**vars(CFG), "tie_embeddings": True}))
+    out = fully_shard([model.embed_tokens, model.lm_head], mesh=mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tied = model.embed_tokens.weight is model.lm_head.weight
+    return {"steps": _train(model, [2, 2]), "returned_list": isinstance(out, list), "tied": tied,
+            "fsdp": all(type(m).__name__.startswith(("FSDP", "ODC")) for m in (model.embed_tokens, model.lm_head))}
+
+
+def test_the_list_form_shards_weights_tied_across_modules_as_fsdp2_does():
+    ours = spawn(_tied_script, 2, "odc")
+    theirs = spawn(_tied_script, 2, "torch")
+    for rank in range(2):
+        _close(ours[rank]["steps"], theirs[rank]["steps"])
+        assert ours[rank]["returned_list"] and ours[rank]["tied"] and ours[rank]["fsdp"]
+    assert ours[0]["steps"][-1][0] < ours[0]["steps"][0][0]
