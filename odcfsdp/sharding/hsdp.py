@@ -32,6 +32,11 @@ import os
 import torch.distributed as dist
 
 
+class MeshError(ValueError, AssertionError):
+    """A mesh ODC cannot shard over. Also an ``AssertionError``, the type FSDP2 raises for a 2-D mesh without
+    dimension names, so code written against FSDP2's contract catches it alike."""
+
+
 def mesh_groups(device_mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """The shard group and the replicate group (None for a 1-D mesh: full sharding) of ``device_mesh``.
 
@@ -40,6 +45,9 @@ def mesh_groups(device_mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | Non
     if device_mesh.ndim == 1:
         return device_mesh.get_group(), None
     if device_mesh.ndim == 2:
+        if device_mesh.mesh_dim_names is None:  # FSDP2 asserts the same (its error type too: see MeshError)
+            raise MeshError("a 2-D mesh (HSDP) needs mesh_dim_names, as FSDP2's: init_device_mesh(device, (replicas, "
+                            "shards), mesh_dim_names=('replicate', 'shard'))")
         world = dist.get_world_size()
         if device_mesh.mesh.flatten().tolist() != list(range(world)):
             raise ValueError(f"a 2-D mesh must be (replicate, shard) over ranks 0..{world - 1} in order "
