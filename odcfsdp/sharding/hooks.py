@@ -35,9 +35,13 @@ last, even when forward raises; they sit on the wrapped model, not in
 ``ODCShard.forward``, so that methods of the model that call its forward
 themselves (Hugging Face ``generate``) take the same path.
 
-Every hook is opaque to ``torch.compile`` (``torch.compiler.disable``): a compiled
-module or model breaks its graph at them and runs them eagerly, which keeps
-gathers, frees and pushes out of traced code.
+Every hook is opaque to ``torch.compile``: each registered hook is itself
+``torch.compiler.disable``'d, so a compiled block (``block.compile()``, or
+``torch.compile(block)`` before or after ``fully_shard``) runs it eagerly with no graph
+break, as FSDP2's hooks (one graph, no break, no recompile: tests/test_fully_shard_contract.py);
+gathers, frees and pushes stay out of traced code. A hook that were a lambda calling a
+disabled method would be inlined and break the graph at the call (two breaks a block). A
+whole model compiled as one still breaks once, where FSDP2's does not.
 
 Limitation: a parameter is available only while its site runs (or while its group
 stays resident); code that reads ``child.weight`` from a parent's forward without
@@ -100,6 +104,11 @@ def unit_of(root: nn.Module, is_unit: Callable[[nn.Module], bool]) -> Callable[[
     return owner
 
 
+def _opaque(hook: Callable) -> Callable:
+    """``hook`` as torch.compile sees it: not traced, run eagerly ([hooks]: opaque to ``torch.compile``)."""
+    return torch.compiler.disable(hook)
+
+
 class HookDriver:
     """Registers the hooks of a model; each hook calls one step of the lifecycle (see [hooks], [lifecycle]).
 
@@ -115,7 +124,11 @@ class HookDriver:
         self.lifecycle = lifecycle
         # The hooks hold this object; tensor hooks live in C++, where Python's garbage collector
         # cannot see the cycle, so remove() drops them for the wrapper to be freed.
-        self.handles: list = [root.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward(), prepend=True)]
+        # Every registered hook is itself torch.compiler.disable'd (not a lambda calling a disabled method): a
+        # compiled module's call (``module.compile()``) then runs it eagerly with no graph break, where a lambda
+        # around it was inlined and broke the graph at the call (2 breaks a block).
+        self.handles: list = [root.register_forward_pre_hook(_opaque(lambda _m, _a: self._root_pre_forward()),
+                                                             prepend=True)]
         self.site_of: dict[nn.Module, Site] = {}  # each hooked module's site (``fully_shard``'s methods use them)
         for mod, params in hook_sites(root, is_unit):
             site = tuple(dict.fromkeys(group_of[p] for p in params if p in group_of))  # not ignored_params
@@ -125,9 +138,11 @@ class HookDriver:
             for g in site:
                 g.sites += 1
             self.handles.append(mod.register_forward_pre_hook(
-                lambda _m, args, kwargs, s=site: self._pre_forward(s, args, kwargs), with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(lambda _m, _a, out, s=site: self._post_forward(s, out)))
-        self.handles.append(root.register_forward_hook(lambda _m, _a, _o: self._root_post_forward(), always_call=True))
+                _opaque(lambda _m, args, kwargs, s=site: self._pre_forward(s, args, kwargs)), with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(
+                _opaque(lambda _m, _a, out, s=site: self._post_forward(s, out))))
+        self.handles.append(root.register_forward_hook(_opaque(lambda _m, _a, _o: self._root_post_forward()),
+                                                       always_call=True))
         self.sites = (len(self.handles) - 2) // 2
 
     def remove(self) -> None:

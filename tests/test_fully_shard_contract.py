@@ -1,6 +1,7 @@
-"""FSDP2's error contract ([fully-shard] 1): the same misuse raises the exception type torch's ``fully_shard`` raises
-(on 2 CPU ranks, each case through both), in one line; what FSDP2 refuses only for want of support and ODC does
-right (a non-contiguous parameter) trains as the plain model does."""
+"""FSDP2's contract where torch's ``fully_shard`` runs the same script beside ours on 2 CPU ranks: the same misuse
+raises FSDP2's exception type, in one line ([fully-shard] 1); what FSDP2 refuses only for want of support and ODC
+does right (a non-contiguous parameter) trains as the plain model does; compiled blocks give the graphs, graph breaks
+and recompiles FSDP2's give ([hooks])."""
 
 from __future__ import annotations
 
@@ -95,3 +96,44 @@ def test_a_non_contiguous_parameter_trains_as_the_plain_model():
     want = _transposed("plain")
     for got in spawn(_transposed, 2, "odc"):
         assert got == pytest.approx(want, rel=1e-6), (got, want)
+
+
+def _compile_counts(impl: str, how: str) -> dict:
+    """Graphs, graph breaks and recompiles of two training steps, each block compiled (inductor's front end only:
+    backend "eager") the three ways torchtitan-style scripts do: ``block.compile()`` after ``fully_shard``, or
+    ``torch.compile(block)`` put in the block's place before or after it."""
+    from torch._dynamo.utils import counters
+
+    from odcfsdp.models import Llama, LlamaConfig
+
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from odcfsdp import fully_shard
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    for i, layer in enumerate(model.layers):
+        if how == "wrapped_before":
+            model.layers[i] = layer = torch.compile(layer, backend="eager", fullgraph=True)
+        fully_shard(layer)
+        if how == "module_compile":
+            layer.compile(backend="eager")
+        elif how == "wrapped_after":
+            model.layers[i] = torch.compile(layer, backend="eager")
+    fully_shard(model)
+    x = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        model(x).float().sum().backward()
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(v for k, v in counters["recompiles"].items())}
+
+
+@pytest.mark.parametrize("how", ["module_compile", "wrapped_before", "wrapped_after"])
+def test_compiled_blocks_break_no_graph_at_our_hooks(how):
+    """As FSDP2's: one graph, no break, no recompile (ours broke it at each block's two hooks: a lambda around a
+    disabled method was inlined, [hooks])."""
+    ours = spawn(_compile_counts, 2, "odc", how)
+    theirs = spawn(_compile_counts, 2, "torch", how)
+    assert ours == theirs and ours[0]["breaks"] == 0, (ours, theirs)
