@@ -7,8 +7,8 @@ parameter names (mapped to Hugging Face names for our Llama) and dtypes, and a
 rank 0 holds at most one output shard and one group at a time.
 
 ``export_pretrained`` adds what ``from_pretrained`` needs besides (generation config,
-tokenizer files). ``load_hf`` fills an ``ODCShard`` (built on the meta device if the model is large)
-from such files: each rank reads only the slices of each tensor that its rows need.
+tokenizer files). ``load_hf`` fills an ``ODCShard`` or a ``fully_shard`` model (built on the meta device if the
+model is large) from such files: each rank reads only the slices of each tensor that its rows need.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.llama import Llama, LlamaConfig
-from ..sharding.shard import ODCShard
+from ..sharding.sharded_model import ShardedModel, sharded
 from .manifest import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -57,11 +57,12 @@ def peft_to_base_name(name: str) -> str | None:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def default_name_map(model: ODCShard) -> Callable[[str], str | None]:
+def default_name_map(model: nn.Module) -> Callable[[str], str | None]:
     """How parameter names become file names: HF names for our Llama and for wrapped HF and PEFT models.
 
     None means the parameter has no place in the base model's files (LoRA adapters).
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     from ..models.hf import HFCausalLM
 
     if isinstance(model.module, Llama):
@@ -71,8 +72,9 @@ def default_name_map(model: ODCShard) -> Callable[[str], str | None]:
     return peft_to_base_name
 
 
-def transformers_model(model: ODCShard):
+def transformers_model(model: nn.Module):
     """The ``transformers`` model inside ``model`` (an ``HFCausalLM``'s, or the wrapped module itself), or None."""
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     from ..models.hf import HFCausalLM
 
     inner = model.module.model if isinstance(model.module, HFCausalLM) else model.module
@@ -82,7 +84,7 @@ def transformers_model(model: ODCShard):
     return inner if callable(getattr(config, "to_dict", None)) else None
 
 
-def _config_json(model: ODCShard, dtype: torch.dtype) -> dict | None:
+def _config_json(model: ShardedModel, dtype: torch.dtype) -> dict | None:
     name = str(dtype).removeprefix("torch.")
     if isinstance(model.module, Llama):
         return {**hf_llama_config(model.module.config), "torch_dtype": name}
@@ -94,18 +96,18 @@ def _config_json(model: ODCShard, dtype: torch.dtype) -> dict | None:
     return config
 
 
-def _lora_layers(model: ODCShard) -> list[tuple[str, nn.Module]]:
+def _lora_layers(model: ShardedModel) -> list[tuple[str, nn.Module]]:
     """(name prefix, module) of every PEFT LoRA layer of ``model`` (names as ``model``'s parameters have them)."""
     return [(name, mod) for name, mod in model.module.named_modules()
             if hasattr(mod, "lora_A") and hasattr(mod, "base_layer") and hasattr(mod, "scaling")]
 
 
-def _adapters_full(model: ODCShard) -> dict[str, torch.Tensor]:
+def _adapters_full(model: ShardedModel) -> dict[str, torch.Tensor]:
     """Full values of the trained parameters (the adapters, for a LoRA model): small; collective."""
     return model.shard_state.full_state_dict(trained_only=True)
 
 
-def _adapter_merges(model: ODCShard) -> dict[str, torch.Tensor]:
+def _adapter_merges(model: ShardedModel) -> dict[str, torch.Tensor]:
     """{base weight name: scale * B @ A} of every LoRA layer (collective: gathers the adapters)."""
     layers = _lora_layers(model)
     if not layers:
@@ -121,11 +123,12 @@ def _adapter_merges(model: ODCShard) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_lora_adapter(model: ODCShard, out_dir: str | Path) -> Path:
+def export_lora_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     """Write the LoRA adapters alone as PEFT does (``adapter_model.safetensors`` + ``adapter_config.json``).
 
     ``PeftModel.from_pretrained(base_model, out_dir)`` loads them. Collective; rank 0 writes.
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     from peft import get_peft_model_state_dict
 
     from ..models.hf import HFCausalLM
@@ -144,12 +147,12 @@ def export_lora_adapter(model: ODCShard, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _writes(model: ODCShard) -> bool:
+def _writes(model: ShardedModel) -> bool:
     """Whether this rank writes whole-model files: rank 0 of all ranks (with HSDP, of replica 0's shard group)."""
     return model.mesh.everyone.rank == 0
 
 
-def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 << 30,
+def export_hf(model: nn.Module, out_dir: str | Path, *, max_shard_bytes: int = 5 << 30,
               dtype: torch.dtype | None = None, name_map: Callable[[str], str | None] | None = None,
               merge_adapters: bool = True) -> list[Path]:
     """Write consolidated weights of ``model`` under ``out_dir`` (rank 0 writes; collective).
@@ -161,6 +164,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
     ``merge_adapters=False`` (the base weights as they are; see ``export_lora_adapter``).
     Returns the files written.
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     name_map = name_map or default_name_map(model)
     out_dir = Path(out_dir)
     writer = _writes(model)
@@ -220,7 +224,7 @@ def export_hf(model: ODCShard, out_dir: str | Path, *, max_shard_bytes: int = 5 
     return written
 
 
-def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: str | None = None,
+def export_pretrained(model: nn.Module, out_dir: str | Path, *, tokenizer_path: str | None = None,
                       dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30,
                       lora: str = "merged") -> Path:
     """A complete Hugging Face directory of ``model`` that ``from_pretrained`` loads (collective).
@@ -232,6 +236,7 @@ def export_pretrained(model: ODCShard, out_dir: str | Path, *, tokenizer_path: s
     (``lora="adapter"``: PEFT's files, for ``PeftModel.from_pretrained`` on the base
     model). Returns ``out_dir``.
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     out_dir = Path(out_dir)
     if lora == "adapter" and _lora_layers(model):
         export_lora_adapter(model, out_dir)
@@ -287,12 +292,13 @@ def _weight_map(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path} holds neither {SINGLE} nor {INDEX}")
 
 
-def load_hf(model: ODCShard, path: str | Path, *, name_map: Callable[[str], str] | None = None) -> None:
+def load_hf(model: nn.Module, path: str | Path, *, name_map: Callable[[str], str] | None = None) -> None:
     """Set ``model``'s parameters from Hugging Face style files; each rank reads only its slices (collective).
 
     Persistent buffers the files hold are read too (whole, on every rank); computed ones
     are rebuilt when a meta-built model is wrapped (see [meta-buffers]).
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     name_map = name_map or default_name_map(model)
     path = Path(path)
     check_weight_files(path)

@@ -43,12 +43,13 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
-from ..sharding.shard import ODCShard
+from ..sharding.sharded_model import ShardedModel, sharded
 from .files import crc32_of, fsync_path, write_json_durably
 from .nonfinite import NonFiniteStateError, first_nonfinite
 from .manifest import (
@@ -60,14 +61,14 @@ _COMPLETE = re.compile(r"^step_(\d{8})$")
 _ASIDE = re.compile(r"^step_(\d{8})\.old-[0-9a-f]+$")  # the previous copy of a step saved twice
 
 
-def _plan(model: ODCShard) -> list[dict]:
+def _plan(model: ShardedModel) -> list[dict]:
     """The manifest's ``params``: each parameter and where it sat in the writer's plan (the same on every rank)."""
     return [{"name": s.name, "shape": list(s.shape), "dtype": str(lay.dtype).removeprefix("torch."),
              "requires_grad": lay.requires_grad, "group": lay.index, "offset": s.offset, "seg": s.shard}
             for lay in model.layouts for s in lay.slots]
 
 
-def _model_slots(model: ODCShard) -> dict:
+def _model_slots(model: ShardedModel) -> dict:
     return {s.name: (s.shape, str(lay.dtype).removeprefix("torch."), lay.requires_grad)
             for lay in model.layouts for s in lay.slots}
 
@@ -84,7 +85,7 @@ def _jsonable(value):
     return None
 
 
-def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
+def _optimizer_params(model: ShardedModel, optimizer) -> list[list]:
     """The optimizer's parameter groups as lists of the model's ``ShardedParam``s (every parameter must be the
     model's)."""
     groups = []
@@ -100,7 +101,7 @@ def _optimizer_params(model: ODCShard, optimizer) -> list[list]:
     return groups
 
 
-def _optimizer_tensors(model: ODCShard, optimizer, copy: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+def _optimizer_tensors(model: ShardedModel, optimizer, copy: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest entry, {file key: this rank's shard}) of the optimizer's state (no shards without ``copy``).
 
     Per-parameter states are scalars or tensors of the parameter's shape (element-wise
@@ -175,7 +176,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 def save_checkpoint(
     directory: str | Path,
-    model: ODCShard,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     step: int,
@@ -191,6 +192,7 @@ def save_checkpoint(
     goes into the manifest). ``config`` and ``extra`` (e.g. the data position) are
     stored in the manifest. Returns the checkpoint's path.
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     mesh, everyone = model.mesh, model.mesh.everyone  # HSDP: replica 0 writes the shards, every rank its RNG
     # Every rank checks the optimizer's state (a refusal comes alike everywhere); replica 0 copies it.
     opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer,
@@ -293,7 +295,7 @@ class _Files:
         return f.get_slice(key)[lo:hi]
 
 
-def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Optimizer | None = None, *,
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     scheduler=None, verify: bool = True) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``, ``scheduler``), resharding as needed; collective.
 
@@ -303,6 +305,7 @@ def load_checkpoint(path: str | Path, model: ODCShard, optimizer: torch.optim.Op
     checkpoint, as ``load_state_dict`` does. RNG states are restored when the shard
     group size and the number of HSDP replicas are unchanged. Returns the manifest.
     """
+    model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     path = Path(path)
     manifest = read_manifest(path)
     check_params(manifest, _model_slots(model), path)
@@ -348,7 +351,7 @@ def _read_slices(files: "_Files", old_world: int, seg: int, numel: int, key: str
         out[a - lo : b - lo].copy_(files.read(q, key, a - qlo, b - qlo))
 
 
-def _load_optimizer(path: Path, manifest: dict, files: "_Files", model: ODCShard, optimizer, old_world: int,
+def _load_optimizer(path: Path, manifest: dict, files: "_Files", model: ShardedModel, optimizer, old_world: int,
                     old_seg: dict[str, int]) -> None:
     """Rebuild this rank's optimizer state from the checkpoint and hand it to ``optimizer.load_state_dict``."""
     saved = manifest["optimizer"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..sharding import ODCShard
+from ..sharding.sharded_model import ShardedModel, is_sharded, sharded
 
 
 @dataclass
@@ -101,8 +101,10 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     return plain_tensors(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def odc_tensors(model: ODCShard, optimizer=None) -> dict[str, list[torch.Tensor]]:
-    """An ``ODCShard`` model's tensors by category, in the order they are counted (see ``memory_breakdown``)."""
+def odc_tensors(model: nn.Module, optimizer=None) -> dict[str, list[torch.Tensor]]:
+    """A sharded model's tensors by category (an ``ODCShard`` or a ``fully_shard`` model), in the order they are
+    counted (see ``memory_breakdown``)."""
+    model = sharded(model)
     groups = [g for g in model.groups if g.row is not None]
     device = groups[0].row.device if groups else None
     return {
@@ -115,10 +117,13 @@ def odc_tensors(model: ODCShard, optimizer=None) -> dict[str, list[torch.Tensor]
     }
 
 
-def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
-    """Bytes per category of an ``ODCShard`` model on this rank now (see the module's docstring); no communication."""
-    if not isinstance(model, ODCShard):
-        raise TypeError(f"memory_breakdown takes an ODCShard model, got {type(model).__name__}")
+def memory_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
+    """Bytes per category of a sharded model (an ``ODCShard`` or a ``fully_shard`` model) on this rank now (see the
+    module's docstring); no communication."""
+    if not is_sharded(model):
+        raise TypeError(f"memory_breakdown takes a model sharded by odcfsdp (ODCShard or fully_shard), got "
+                        f"{type(model).__name__}")
+    model = sharded(model)
     claims, tensors = _Claims(), odc_tensors(model, optimizer)
     counted = {cat: sum(claims.claim(*s) for t in plain_tensors(ts) if (s := span(t)) is not None)
                for cat, ts in tensors.items()}
@@ -139,7 +144,7 @@ def memory_breakdown(model: ODCShard, optimizer: torch.optim.Optimizer | None = 
 def known_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[torch.Tensor]]:
     """Tensors ``peak_breakdown`` recognises by address: an ``ODCShard`` model's categories, or any other model's
     parameters (``masters``: FSDP2's sharded fp32 parameters, DDP's full ones), gradients and optimizer state."""
-    if isinstance(model, ODCShard):
+    if is_sharded(model):
         return odc_tensors(model, optimizer)
     params = list(model.parameters())
     return {"masters": plain_tensors(params),
