@@ -1,6 +1,7 @@
 """odcfsdp: fully sharded data parallel training with on-demand one-sided communication.
 
-``ODCShard``, ``fully_shard``, ``ODCModule``, ``optim`` and ``param_groups`` are imported when first used
+``ODCShard``, ``fully_shard``, ``EngineSettings``, ``ODCModule``, ``sharded``, ``optim`` and ``param_groups`` are
+imported when first used
 (PEP 562), so that ``python -m odcfsdp.bundle`` runs where torch is not installed (the machine that downloads).
 """
 
@@ -9,10 +10,12 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ODCModule", "ODCShard", "fully_shard", "optim", "param_groups", "__version__"]
+__all__ = ["EngineSettings", "ODCModule", "ODCShard", "fully_shard", "optim", "param_groups", "sharded",
+           "__version__"]
 
 _LAZY = {"ODCShard": ("sharding", "ODCShard"), "fully_shard": ("sharding", "fully_shard"),
-         "ODCModule": ("sharding", "ODCModule"), "param_groups": ("optim", "param_groups"), "optim": ("optim", None)}
+         "ODCModule": ("sharding", "ODCModule"), "param_groups": ("optim", "param_groups"), "optim": ("optim", None),
+         "EngineSettings": ("sharding", "EngineSettings"), "sharded": ("sharding", "sharded")}
 
 
 def __getattr__(name: str):

@@ -138,3 +138,32 @@ def test_design_table_of_fsdp_methods_is_the_generated_one():
     from odcfsdp.sharding.fsdp_surface import fsdp_methods_table
 
     assert fsdp_methods_table() in (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+
+
+def test_fully_shard_takes_the_engines_settings_in_one_object():
+    """``fully_shard(..., settings=EngineSettings(...))``: ODCShard's own arguments reach the one engine; every call of
+    a model passes equal ones (refused in one line otherwise, before anything changes), and bad values are refused
+    where the object is made."""
+    from odcfsdp import EngineSettings, sharded
+
+    ours = EngineSettings(group_bytes=1 << 12, prefetch=2, timeout=30.0, overlap_push=False)
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    for layer in model.layers:
+        fully_shard(layer, settings=ours)
+    with pytest.raises(ValueError, match="must share engine"):
+        fully_shard(model)  # the default settings differ from the blocks'
+    fully_shard(model, settings=ours)
+    engine = sharded(model).engine
+    try:
+        assert engine.lifecycle.prefetch.depth == 2 and engine.mesh.timeout_s == 30.0
+        assert engine.comm.push_stream is None  # overlap_push=False
+        outside = [g for g in engine.groups if not g.layout.slots[0].name.startswith("layers.")]
+        assert [len(g.layout.slots) for g in outside] == [1, 1, 1]  # 4 KiB: embedding, norm, head apart
+    finally:
+        engine.close()
+    for bad in (dict(group_bytes=0), dict(prefetch=-1), dict(timeout=0), dict(gather_masters=1)):
+        with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+            EngineSettings(**bad)
+    with pytest.raises(TypeError, match="settings must be an odcfsdp.EngineSettings"):
+        fully_shard(Llama(CFG), settings={"prefetch": 2})

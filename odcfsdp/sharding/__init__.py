@@ -1,6 +1,7 @@
 """Flat-group sharding: layout, transports, groups, the engine, the ``ODCShard`` wrapper and ``fully_shard``."""
 
 from .engine import ShardEngine
+from .engine_settings import EngineSettings
 from .fully_shard import ODCModule, fully_shard
 from .group import FlatGroup, GroupState
 from .lifecycle import StepLifecycle, TrainingPhase
@@ -10,9 +11,10 @@ from .param import ODCLocalParameter, ODCParameter, ShardedParam
 from .protocol import GradState, StepEvent, StepProtocol
 from .shard import ODCShard
 from .shard_state import ShardState
+from .sharded_model import FullyShardedView, is_sharded, sharded
 
 __all__ = [
-    "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCModule", "ODCParameter", "ODCShard",
+    "EngineSettings", "FullyShardedView", "is_sharded", "sharded", "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCModule", "ODCParameter", "ODCShard",
     "ParamSlot", "ShardEngine", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepLifecycle", "StepProtocol",
     "TrainingPhase", "fully_shard", "plan_groups",
 ]

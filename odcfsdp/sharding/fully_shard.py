@@ -53,17 +53,17 @@ import torch.nn as nn
 
 from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
 from .engine import ShardEngine
+from .engine_settings import EngineSettings
+from .float8_rows import float8_gathered
 from .hooks import unit_of
 from .mesh import ShardMesh
 from .odc_module import ODCModule, UnitSettings, UnshardHandle, apply_prefetch, odc_class
 from .precision import policy_param_dtype, resolve_precision
 
-GROUP_BYTES = 32 << 20  # ODCShard's default group budget
-
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,
                 shard_placement_fn=None, mp_policy=None, offload_policy=None, ignored_params=None,
-                dp_mesh_dims=None) -> nn.Module:
+                dp_mesh_dims=None, settings: EngineSettings | None = None) -> nn.Module:
     """Shard ``module``'s parameters in place, as FSDP2's ``fully_shard``, on ODC's engine ([fully-shard]).
 
     Call it on each block, then on the root. After each call the module's parameters are this rank's shards
@@ -84,6 +84,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         offload_policy: FSDP2's ``OffloadPolicy`` / ``CPUOffloadPolicy``.
         ignored_params: parameters left alone: not sharded, not reduced (as FSDP2's).
         dp_mesh_dims: must be None.
+        settings: the engine's own settings beyond FSDP2's arguments (``EngineSettings``: group bytes, prefetch,
+            gather_masters, the float8 gather, the meeting timeout, overlapped pushes); None: their defaults, those
+            of ``ODCShard``. Every call of one model passes equal ones.
     """
     modules = _unit_modules(module)
     if shard_placement_fn is not None:
@@ -93,7 +96,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         raise ValueError("dp_mesh_dims is not supported: pass a 1-D mesh, or a 2-D (replicate, shard) mesh for HSDP")
     if reshard_after_forward is not None:
         check_reshard_after_forward(reshard_after_forward)
-    settings = UnitSettings(mesh, reshard_after_forward, mp_policy, offload_policy, set(ignored_params or ()))
+    if settings is not None and not isinstance(settings, EngineSettings):
+        raise TypeError(f"settings must be an odcfsdp.EngineSettings, got {type(settings).__name__}")
+    settings = UnitSettings(mesh, reshard_after_forward, mp_policy, offload_policy, set(ignored_params or ()),
+                            engine=settings or EngineSettings())
     # FSDP2's list form: one unit over several modules (weights tied across them), under a container that is the
     # engine's root until a later call absorbs it
     root = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
@@ -166,7 +172,7 @@ def _check_same(inner: UnitSettings, outer: UnitSettings) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
     defaults = {"mp_policy": MixedPrecisionPolicy, "offload_policy": OffloadPolicy}
-    for what in ("mesh", "mp_policy", "offload_policy"):
+    for what in ("mesh", "mp_policy", "offload_policy", "engine"):
         a, b = getattr(inner, what), getattr(outer, what)
         if what in defaults:  # None is FSDP2's default policy
             a, b = _policy(a, defaults[what]), _policy(b, defaults[what])
@@ -219,12 +225,15 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
         found = unit(name)
         return None if found is None else found._odc_settings
 
-    mesh = ShardMesh(device, None, settings.mesh) if settings.mesh is not None else ShardMesh(device)
+    ours = settings.engine
+    mesh = ShardMesh(device, None, settings.mesh, timeout_s=ours.timeout)
     precision = resolve_precision(settings.mp_policy, param_dtype)
+    float8 = float8_gathered(module, named) if ours.float8_gather else {}
     engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype, precision=precision,
-                         group_bytes=GROUP_BYTES, comm=_transport(device, absorbs), reshard_after_forward=True,
-                         prefetch=1, overlap_push=True, gather_masters=False,
-                         offload_policy=settings.offload_policy, is_unit=lambda m: m in units, owner_of=owner_of)
+                         group_bytes=ours.group_bytes, comm=_transport(device, absorbs), reshard_after_forward=True,
+                         prefetch=ours.prefetch, overlap_push=ours.overlap_push, gather_masters=ours.gather_masters,
+                         offload_policy=settings.offload_policy, is_unit=lambda m: m in units, owner_of=owner_of,
+                         float8=float8)
     engine.register_casts(below)  # FSDP2 casts at every fully_shard module's forward
     settings.built_on_meta = on_meta
     for g in engine.groups:
@@ -240,4 +249,4 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
     return engine
 
 
-__all__ = ["ODCModule", "UnshardHandle", "fully_shard"]
+__all__ = ["EngineSettings", "ODCModule", "UnshardHandle", "fully_shard"]

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .arguments import check_reshard_after_forward
 from .engine import ShardEngine
+from .engine_settings import EngineSettings
 from .fsdp_surface import FSDPModule, FSDPSurface
 
 
@@ -31,6 +32,7 @@ class UnitSettings:
     prefetch: dict = field(default_factory=dict)  # backward (bool) -> the modules to gather ahead
     built_on_meta: bool = False  # its engine planned a meta model (absorbing gives meta parameters back)
     engine_root: nn.Module | None = None  # the module whose engine this unit belongs to
+    engine: EngineSettings = field(default_factory=EngineSettings)  # the engine's own settings (fully_shard's)
 
 
 class UnshardHandle:
