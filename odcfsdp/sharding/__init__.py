@@ -14,7 +14,8 @@ from .shard_state import ShardState
 from .sharded_model import FullyShardedView, is_sharded, sharded
 
 __all__ = [
-    "EngineSettings", "FullyShardedView", "is_sharded", "sharded", "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCModule", "ODCParameter", "ODCShard",
+    "EngineSettings", "FullyShardedView", "is_sharded", "sharded",
+    "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCModule", "ODCParameter", "ODCShard",
     "ParamSlot", "ShardEngine", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepLifecycle", "StepProtocol",
     "TrainingPhase", "fully_shard", "plan_groups",
 ]
