@@ -7,8 +7,9 @@
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them, the copy-engine gather's 2-GPU ones
 # left to tests_copy_engine), tests_copy_engine (issue 31's copy-engine hang taken apart: the gather with and
-# without its side streams, each case bounded), fully_shard (issue 34: a torchtitan-style script through torch's
-# fully_shard and ours, and uneven counts against one process), comm, optim (one GPU is enough),
+# without its side streams, each case bounded), fully_shard (issues 34, 42: tests/test_gpu_fully_shard.py, a
+# torchtitan-style script through torch's fully_shard and ours, uneven counts against one process, a CPU-built model
+# moved to the CUDA mesh), comm, optim (one GPU is enough),
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, e2e_longtail_8b, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
@@ -63,7 +64,7 @@ section_cmd() {  # section, gpus in lane, port, dir
   case $s in
     tests)  # on 2+ GPUs the one-GPU inductor compile tests (about 190 s) are left to a one-GPU lane, and the
       # copy-engine gather's 2-GPU tests to tests_copy_engine, to fit the limit with room for one bounded hang
-      local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine and not fully_shard'"
+      local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py" \
            "tests/test_gpu.py -q -p no:cacheprovider $(per_test_bound 300) --junitxml=$dir/gpu_tests.xml $select" \
@@ -74,7 +75,7 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     fully_shard)  # issue 34: the torchtitan-style script through torch's fully_shard and odcfsdp's, and uneven counts
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
-           "tests/test_gpu.py -k fully_shard -q -p no:cacheprovider $(per_test_bound 240)" \
+           "tests/test_gpu_fully_shard.py -q -p no:cacheprovider $(per_test_bound 240)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     comm) echo "$run -m benchmarks.comm_bench --iters 20 --out $dir --commit $COMMIT $extra" ;;
     optim) echo "python3 -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;

@@ -125,3 +125,24 @@ def test_the_list_form_shards_weights_tied_across_modules_as_fsdp2_does():
         _close(ours[rank]["steps"], theirs[rank]["steps"])
         assert ours[rank]["returned_list"] and ours[rank]["tied"] and ours[rank]["fsdp"]
     assert ours[0]["steps"][-1][0] < ours[0]["steps"][0][0]
+
+
+def _cpu_built_script(impl: str) -> dict:
+    """A model built on the CPU, sharded over a CUDA mesh under an NCCL-only process group (what FSDP2's own tests
+    and most scripts do): fully_shard moves it to the mesh's device, as FSDP2's does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from odcfsdp import fully_shard
+    model = _model("cpu")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, sched = _optimizer(model)
+    rank = dist.get_rank()
+    steps = [_step(model, opt, sched, _micro_batches(step, rank, 2, "cuda"), True) for step in range(STEPS)]
+    return {"steps": steps, "devices": sorted({p.device.type for p in model.parameters()} |
+                                              {b.device.type for b in model.buffers()})}

@@ -207,14 +207,31 @@ def _transport(device: torch.device, absorbs: bool) -> str:
     return "collective" if device.type == "cuda" and not absorbs else "auto"
 
 
+def _move_to(module: nn.Module, named, kind: str) -> torch.device:
+    """Move ``module``'s parameters (in place: they keep their identity) and buffers to the mesh's device, as FSDP2
+    moves the states it manages before sharding them ([fully-shard] 4)."""
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+    with torch.no_grad():
+        for _, p in named:
+            p.data = p.data.to(device)
+        for mod in module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.device != device:
+                    mod._buffers[name] = buf.to(device)
+    return device
+
+
 def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorbs: bool) -> ShardEngine:
     """Step 4 of [fully-shard]: one engine over ``module``, the modules ``below`` hooked as units."""
     on_meta = named[0][1].is_meta
+    # as FSDP2: the mesh's device type (the default mesh's: CUDA where there is one), the current device of it
+    kind = settings.mesh.device_type if settings.mesh is not None else (
+        "cuda" if torch.cuda.is_available() else "cpu")
     device = None
-    if on_meta:  # as FSDP2: the mesh's device type, the current device of it
-        kind = settings.mesh.device_type if settings.mesh is not None else (
-            "cuda" if torch.cuda.is_available() else "cpu")
+    if on_meta:
         device = torch.device(kind)
+    elif any(p.device.type != kind for _, p in named):  # built elsewhere (CPU, under an NCCL-only process group)
+        device = _move_to(module, named, kind)
     device = shard_device(named, device)
     wanted = policy_param_dtype(settings.mp_policy, None)
     param_dtype = compute_dtype(named, device, wanted or named[0][1].dtype)
