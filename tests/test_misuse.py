@@ -195,7 +195,7 @@ def test_hsdp_misuse_is_refused(tmp_path):
         expect(RuntimeError, "or with HSDP replicas (summed at that read)", lambda: model(x).sum().backward())
         model.close()
         expect(ValueError, "a 2-D mesh must be (replicate, shard) over ranks 0..1 in order",
-               lambda: ODCShard(llama(), 4096, mesh=DeviceMesh("cpu", [[1, 0]])))
+               lambda: ODCShard(llama(), 4096, mesh=DeviceMesh("cpu", [[1, 0]], mesh_dim_names=("replicate", "shard"))))
         return True
 
     if __name__ == "__main__":
