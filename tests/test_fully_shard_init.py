@@ -146,3 +146,67 @@ def _cpu_built_script(impl: str) -> dict:
     steps = [_step(model, opt, sched, _micro_batches(step, rank, 2, "cuda"), True) for step in range(STEPS)]
     return {"steps": steps, "devices": sorted({p.device.type for p in model.parameters()} |
                                               {b.device.type for b in model.buffers()})}
+
+
+def _freeze_script(impl: str) -> dict:
+    """Train 2 steps, freeze the first block (its sharded parameters' requires_grad), 2 steps, unfreeze, 2 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from test_fully_shard import _build
+
+    model = _build(impl, init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt, sched = _optimizer(model)
+    rank = dist.get_rank()
+    steps, grads_when_frozen = [], None
+    for step in range(6):
+        if step in (2, 4):
+            for p in model.layers[0].parameters():
+                p.requires_grad_(step == 4)
+        if step == 3:  # while frozen: the block's parameters got no .grad at the sync
+            x = _micro_batches(step, rank, 1)[0]
+            from odcfsdp.models import causal_lm_loss
+
+            causal_lm_loss(model(x), x).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            grads_when_frozen = [p.grad is None for p in model.layers[0].parameters()]
+            opt.zero_grad()
+        steps.append(_step(model, opt, sched, _micro_batches(step, rank, 2), True))
+    return {"steps": steps, "frozen_grads_none": grads_when_frozen}
+
+
+def test_requires_grad_may_change_between_steps_as_with_fsdp2():
+    """A block frozen for two steps and unfrozen again: per-step loss and norm equal torch's fully_shard's to 1e-5,
+    and while frozen its parameters get no .grad (the optimizer skips them, as FSDP2's)."""
+    ours = spawn(_freeze_script, 2, "odc")
+    theirs = spawn(_freeze_script, 2, "torch")
+    for rank in range(2):
+        _close(ours[rank]["steps"], theirs[rank]["steps"])
+        assert ours[rank]["frozen_grads_none"] == theirs[rank]["frozen_grads_none"] and all(
+            ours[rank]["frozen_grads_none"])
+
+
+def _unfreeze_frozen() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from odcfsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    for p in model.layers[0].parameters():
+        p.requires_grad_(False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for p in model.layers[0].parameters():
+        p.requires_grad_(True)
+    x = _micro_batches(0, dist.get_rank(), 1)[0]
+    try:
+        model(x)
+    except RuntimeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_unfreezing_a_parameter_frozen_when_sharded_is_refused_in_one_line():
+    for msg in spawn(_unfreeze_frozen, 2):
+        assert "was frozen when the model was sharded" in msg and "\n" not in msg, msg

@@ -175,7 +175,7 @@ class FlatGroup:
         self.params = [ShardedParam(layout, i, self.unsharded, self.master, self.accumulator, self.rank, p, regs,
                                     events, device_mesh, first_position + i, wraps[i] if wraps else None)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
-        self._trained = [sp for sp in self.params if sp.trained]
+        self._trained = [sp for sp in self.params if sp.trainable]  # may be trained: an accumulator view each
         self._published_version = self._versions()
         if not params[0].is_meta:  # a meta model has no values yet: rows stay zero until loaded
             self.load_full_(initial)
@@ -283,7 +283,7 @@ class FlatGroup:
         hook per parameter (see [grad-buffers]); no-op when the buffer exists or
         nothing is trained.
         """
-        if self.grad_buffer is not None or not self._trained:
+        if self.grad_buffer is not None or not any(sp.trained for sp in self._trained):
             return
         self.grad_buffer = torch.zeros(self.layout.unsharded_numel, dtype=self.grad_dtype,
                                        device=self.unsharded.device)
@@ -343,10 +343,12 @@ class FlatGroup:
             else:
                 self._grad_copy = self.accumulator.to(self.master.dtype)
             for sp in self._trained:
-                sp.attach_grad(self.layout, self._grad_copy, self.rank)
+                if sp.trained:
+                    sp.attach_grad(self.layout, self._grad_copy, self.rank)
             return
         for sp in self._trained:
-            sp.attach_grad()
+            if sp.trained:  # a parameter frozen since it was sharded gets no .grad, as FSDP2's ([requires-grad])
+                sp.attach_grad()
 
     def wait_host_copies(self) -> None:
         """Wait until the queued copies into the host gradient buffers are done ([offload]): every group's are

@@ -28,6 +28,17 @@ hands to the ``GradEvents`` sink it was given, which decides what they mean.
 A sharded parameter that receives a gradient through autograd (it was used in a
 computation outside its module's forward) raises: that gradient would bypass the
 accumulators.
+
+Design note [requires-grad]
+---------------------------
+A parameter trained when the model was sharded (``trainable``: its group has an accumulator) may
+be frozen and unfrozen between steps through its sharded form, as with FSDP2
+(``p.requires_grad_(False)``, e.g. a layer frozen part way through training): it is *trained* while
+its sharded form requires grad. Its unsharded form follows at its next gather, so autograd computes
+no gradient for it while frozen (its slice of the group's gradient buffer stays zero, and zeros are
+what it pushes), and at the sync it gets no ``.grad``: the optimizer skips it, as FSDP2's, and the
+minibatch finishes once every parameter trained *now* is consumed. A parameter frozen when sharded
+has no accumulator: unfreezing it is refused at the next forward, in one line.
 """
 
 from __future__ import annotations
@@ -145,7 +156,7 @@ class ShardedParam:
         slot = layout.slots[index]
         self.name = slot.name
         self.position = position
-        self.trained = original.requires_grad
+        self.trainable = original.requires_grad  # has an accumulator view: may be trained ([requires-grad])
         self.registrations = registrations
         self.events = events
         self.index = index
@@ -156,7 +167,7 @@ class ShardedParam:
             # A tensor subclass cannot become the original parameter's .data: a new parameter (as FSDP2's
             # unsharded float8 parameter), whose subclass holds the view; the original is refused to optimizers too.
             unsharded = nn.Parameter(wrap(view), requires_grad=original.requires_grad)
-            if self.trained:
+            if self.trainable:
                 UNSHARDED[id(original)] = original
             self._original = original
             # Its values are in the master now: keep the object (it is refused to optimizers by id), not its full
@@ -173,23 +184,32 @@ class ShardedParam:
         self.shape = slot.shape
         self.local = local = layout.local_view(master, index, rank)
         if device_mesh is None:
-            sharded = ODCLocalParameter(local, requires_grad=self.trained)
+            sharded = ODCLocalParameter(local, requires_grad=self.trainable)
         else:
-            sharded = as_global(local, slot.shape, device_mesh, self.trained, ODCParameter)
+            sharded = as_global(local, slot.shape, device_mesh, self.trainable, ODCParameter)
             sharded._is_param = True  # isinstance(sharded, nn.Parameter), as nn.Parameter(dtensor) marks it
         sharded._odc = self
         self.sharded = sharded
         self.grad_view = (as_global(layout.local_view(accumulator, index, rank), slot.shape, device_mesh)
-                          if self.trained else None)
-        if self.trained:  # an optimizer over the parameters as they were before wrapping is refused
+                          if self.trainable else None)
+        if self.trainable:  # an optimizer over the parameters as they were before wrapping is refused
             UNSHARDED[id(unsharded)] = unsharded  # ([optimizer-events])
         # The hook lives in C++, where the garbage collector cannot see a cycle through it: it holds the name only.
         self._hook = (sharded.register_post_accumulate_grad_hook(functools.partial(_used_while_sharded, self.name))
-                      if self.trained else None)
+                      if self.trainable else None)
+
+    @property
+    def trained(self) -> bool:
+        """Trained now: it was trained when wrapped (so its group has an accumulator) and its sharded form still
+        requires grad ([requires-grad]: it may be frozen and unfrozen between steps, as with FSDP2)."""
+        return self.trainable and self.sharded.requires_grad
 
     # -- registrations ---------------------------------------------------------------------------
     def to_unsharded(self) -> None:
-        """Every module that holds this parameter now holds the unsharded (full-value) form."""
+        """Every module that holds this parameter now holds the unsharded (full-value) form, which requires grad as
+        the sharded one does now."""
+        if self.trainable and self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
         for mod, attr in self.registrations:
             mod._parameters[attr] = self.unsharded
 
@@ -207,8 +227,9 @@ class ShardedParam:
         if (tuple(self.sharded.shape) != self.shape or local.data_ptr() != self.local.data_ptr()
                 or tuple(self.unsharded.shape) != self.shape or self.unsharded.dtype != param_dtype):
             return "had its data reassigned after wrapping"
-        if self.sharded.requires_grad != self.trained or self.unsharded.requires_grad != self.trained:
-            return "changed requires_grad after wrapping; freeze or unfreeze before ODCShard"
+        if not self.trainable and (self.sharded.requires_grad or self.unsharded.requires_grad):
+            return ("was frozen when the model was sharded, so its group has no gradient accumulator: unfreeze it "
+                    "before sharding (a parameter trained then may be frozen and unfrozen between steps)")
         return None
 
     # -- gradient ----------------------------------------------------------------------------------
@@ -250,7 +271,7 @@ class ShardedParam:
             self.sharded.data = empty
         self.local = self.grad_view = None
         released = nn.Parameter(torch.empty(self.shape, dtype=self.unsharded.dtype, device="meta"),
-                                requires_grad=self.trained)
+                                requires_grad=self.trainable)
         for mod, attr in self.registrations:
             mod._parameters[attr] = released
 

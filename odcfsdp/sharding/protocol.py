@@ -220,8 +220,13 @@ class StepProtocol:
         self.fresh = True  # no forward in grad mode since the last finish or change ([zero-grad-pass])
         self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
-        self._trained_params: list[ShardedParam] = []
+        self._trainable_params: list[ShardedParam] = []  # trained when sharded; trained now: _trained_params
         self.publish_at_next_forward = False  # to_empty() ran: publish whatever the model's init writes ([meta-init])
+
+    @property
+    def _trained_params(self) -> list[ShardedParam]:
+        """The parameters trained now ([requires-grad]: a parameter may be frozen and unfrozen between steps)."""
+        return [sp for sp in self._trainable_params if sp.trained]
 
     def attach(self, groups: Sequence[FlatGroup], lifecycle: StepLifecycle) -> None:
         """Take the model's groups and the steps its transitions run; optimizers' steps reach it through the
@@ -229,7 +234,7 @@ class StepProtocol:
         install_optimizer_hooks()
         self.groups = list(groups)
         self.lifecycle = lifecycle
-        self._trained_params = [sp for g in self.groups if g.layout.requires_grad for sp in g.params if sp.trained]
+        self._trainable_params = [sp for g in self.groups if g.layout.requires_grad for sp in g.params if sp.trainable]
 
     def busy(self) -> bool:
         """A forward or backward pass is in flight (the lifecycle's phase)."""
@@ -309,7 +314,7 @@ class StepProtocol:
 
     def _consume(self, params: Sequence[ShardedParam]) -> None:
         self._consumed.update(sp for sp in params if sp.trained)
-        if len(self._consumed) == len(self._trained_params):
+        if all(sp in self._consumed for sp in self._trained_params):
             self._finish()
 
     def _forward_after_read(self, _params=()) -> None:
