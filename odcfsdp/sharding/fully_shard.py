@@ -160,8 +160,9 @@ def _check_before_absorbing(module: nn.Module, below: list, settings: UnitSettin
         if getattr(p, "_odc", None) is None and not p.is_meta and p.numel() and not p.untyped_storage().nbytes():
             # the original tensor of a parameter an earlier call sharded, still registered here: a tie across units
             raise ValueError(f"parameter {name!r} is tied to a parameter of a module an earlier fully_shard call "
-                             "sharded, so this one no longer holds its values: tie parameters within one unit (call "
-                             "fully_shard on a module that holds every use of them)")
+                             "sharded, so this one no longer holds its values: put every module that uses it in one "
+                             "unit, fully_shard([module_a, module_b]) (FSDP2's list form), or call fully_shard on a "
+                             "module that holds every use of them")
 
 
 def _policy(value, default_cls):
