@@ -118,7 +118,10 @@ def test_isolate_runs_each_method_in_a_process_of_its_own(tmp_path, variants_run
     for r in data["rows"]:
         child = json.loads((tmp_path / "isolated" / f"balanced_{r['method']}" / "e2e_bench.json").read_text())
         assert [c["method"] for c in child["rows"]] == [r["method"]] and child["meta"]["isolated"] is False
-        assert r["losses"] == variants_run[r["method"]]["losses"][:2], r["method"]  # same steps, to the bit
+        # the same steps: to the bit at the first; after it to fp32's rounding, since two ranks' pushes add into an
+        # owner's accumulator in whichever order they come (4 micro-batches a rank), and fp32 sums depend on order
+        want = variants_run[r["method"]]["losses"][:2]
+        assert r["losses"][0] == want[0] and r["losses"][1] == pytest.approx(want[1], rel=1e-6), r["method"]
     assert (tmp_path / "e2e_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
