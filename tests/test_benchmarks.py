@@ -216,16 +216,21 @@ def test_hf_load_memory(out):
     from benchmarks import hf_load_memory
 
     d = out / "hf_load"
-    hf_load_memory.main(["--out", str(d), "--layers", "2", "--dim", "128", "--vocab", "512", "--world", "2"])
+    # 14M parameters (54 MiB in fp32): large enough for resident-memory figures above the allocator's noise
+    hf_load_memory.main(["--out", str(d), "--layers", "2", "--dim", "512", "--vocab", "8192", "--world", "2"])
     data = json.loads((d / "hf_load_memory.json").read_text())
     meta, ranks = data["meta"], data["rows"]
-    dim, inter = 128, int(128 * 8 / 3) // 64 * 64  # the script's config: 2 query heads, 1 key-value head of 64
-    per_layer = 2 * dim * dim + 2 * dim * 64 + 3 * dim * inter + 2 * dim
-    assert meta["params"] == 2 * 512 * dim + 2 * per_layer + dim
+    dim, inter = 512, int(512 * 8 / 3) // 64 * 64
+    kv = dim // 128 * 64  # the script's config: heads of 64, a key-value head per two query heads
+    per_layer = 2 * dim * dim + 2 * dim * kv + 3 * dim * inter + 2 * dim
+    assert meta["params"] == 2 * 8192 * dim + 2 * per_layer + dim
     assert meta["world"] == 2 and meta["device"] == "cpu x 2" and [r["rank"] for r in ranks] == [0, 1]
+    model_mib = meta["params"] * 4 / 2**20
     for r in ranks:
-        assert all(math.isfinite(v) for v in r.values()) and r["state_mib"] > 0
-        assert r["load_peak_mib"] >= 0 and r["anon_load_peak_mib"] >= 0  # high-water marks above the end state
+        assert all(math.isfinite(v) for v in r.values())
+        assert r["anon_state_mib"] >= 0.9 * model_mib / 2  # the rank holds its fp32 shard, written
+        # what the loader is for: no rank materialises the model; the page cache it read stays below it too
+        assert r["anon_load_peak_mib"] < 0.5 * model_mib and r["load_peak_mib"] < model_mib
     assert (d / "hf_load_memory.md").read_text().count(" of 2 |") == 2
 
 

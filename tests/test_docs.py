@@ -22,9 +22,16 @@ def test_design_transport_table_is_the_generated_one():
     assert transport_table() in (DOCS / "design.md").read_text()
 
 
-def test_comm_choices_come_from_the_registry():
-    assert COMM_CHOICES == ("auto", *TRANSPORTS)
+def test_comm_choices_are_the_documented_transports_and_each_one_is_accepted():
+    """The documented choices (the README's and design.md's), each accepted where its capabilities say it runs, an
+    unknown one refused naming them, and every transport's facts filled in."""
+    assert COMM_CHOICES == ("auto", "nvshmem", "shm", "collective")
     assert all(t.caps.devices and t.caps.where and t.caps.how for t in TRANSPORTS.values())
+    for name in COMM_CHOICES[1:]:
+        for device in TRANSPORTS[name].caps.devices:
+            assert transport_class(name, device) is TRANSPORTS[name]
+    with pytest.raises(ValueError, match="auto.*nvshmem.*shm.*collective"):
+        transport_class("nccl", "cpu")
 
 
 def test_device_checks_come_from_the_registry():
