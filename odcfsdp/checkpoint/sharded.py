@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
 from ..sharding.sharded_model import ShardedModel, sharded
+from ..torch_private import local_of
 from .files import crc32_of, fsync_path, write_json_durably
 from .nonfinite import NonFiniteStateError, first_nonfinite
 from .manifest import (
@@ -115,7 +116,7 @@ def _optimizer_tensors(model: ShardedModel, optimizer, copy: bool = True) -> tup
         for sp in sps:
             for key, value in optimizer.state.get(sp.sharded, {}).items():
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == sp.shape and value.dim() > 0:
-                    local = getattr(value, "_local_tensor", value)
+                    local = local_of(value)
                     if copy:
                         tensors[f"{sp.name}/{key}"] = local.detach().reshape(-1).cpu()
                     keys.add(key)

@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from ..torch_private import standard_gamma
 from .lengths import LengthDistribution
 from .packing import Sample
 
@@ -41,7 +42,7 @@ class MarkovTokens:
             raise ValueError(f"successors must be >= 1, got {successors}")
         g = torch.Generator().manual_seed(seed)
         k = min(successors, vocab_size)
-        gamma = torch._standard_gamma(torch.full((vocab_size, k), float(concentration)), generator=g)
+        gamma = standard_gamma(torch.full((vocab_size, k), float(concentration)), g)
         self.transition = gamma / gamma.sum(-1, keepdim=True)  # row t: probabilities of next_tokens[t]
         if k == vocab_size:
             self.next_tokens = torch.arange(vocab_size).expand(vocab_size, k)

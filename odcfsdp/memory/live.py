@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..sharding.sharded_model import ShardedModel, is_sharded, sharded
+from ..sharding.sharded_model import is_sharded, sharded
+from ..torch_private import is_traceable_wrapper_subclass
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from ..torch_private import memory_snapshot, record_memory_history
 from .live import plain_tensors, span
 
 _MARKER = "_probe_marker"  # the function whose allocation marks a probe in the trace
@@ -196,7 +197,7 @@ def peak_breakdown(fn: Callable[[], object], known: Callable[[], Mapping] | Mapp
         _probe_marker(device)
 
     torch.cuda.synchronize(device)
-    record = torch.cuda.memory._record_memory_history
+    record = record_memory_history
     record("all", context="alloc", stacks="python", max_entries=max_entries, clear_history=True)
     handle = optimizer.register_step_pre_hook(probe) if optimizer is not None else None
     try:
@@ -206,7 +207,7 @@ def peak_breakdown(fn: Callable[[], object], known: Callable[[], Mapping] | Mapp
         torch.cuda.synchronize(device)
         probe()
         allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = memory_snapshot()
     finally:
         if handle is not None:
             handle.remove()

@@ -97,6 +97,7 @@ import torch.nn as nn
 from .layout import GroupLayout
 from .param import GradEvents, ShardedParam
 from .streams import CommStreams
+from ..torch_private import version_of
 
 
 class GroupState(enum.Enum):
@@ -209,7 +210,7 @@ class FlatGroup:
     def _versions(self) -> tuple[int, ...]:
         # A plain tensor view shares its base's version counter, but an in-place op on a DTensor bumps only the
         # DTensor's own (its local tensor is changed below autograd): both are watched.
-        return (self.master._version, *(sp.sharded._version for sp in self.params))
+        return (version_of(self.master), *(version_of(sp.sharded) for sp in self.params))
 
     @property
     def master_changed(self) -> bool:

@@ -55,10 +55,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from .group import FlatGroup
 from .lifecycle import Site, StepLifecycle
+from ..torch_private import tree_flatten
 
 
 def hook_sites(root: nn.Module, is_unit: Callable[[nn.Module], bool]

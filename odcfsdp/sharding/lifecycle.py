@@ -59,6 +59,7 @@ from .group import FlatGroup
 from .meetings import Meeting
 from .prefetch import PrefetchSchedule
 from .streams import CommStreams
+from ..torch_private import in_backward, profiler_enabled, queue_end_of_backward
 
 if TYPE_CHECKING:
     from .mesh import ShardMesh
@@ -77,14 +78,9 @@ class TrainingPhase(enum.Enum):
     """Between the first pre-backward hook and the end-of-backward callback."""
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (torch's graph task id; -1 outside one)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def phase_range(name: str):
     """A ``record_function`` range ``odc::<name>`` while a profiler records, else nothing (no cost per hook)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_enabled():
         return torch.profiler.record_function(f"odc::{name}")
     return contextlib.nullcontext()
 
@@ -132,7 +128,7 @@ class StepLifecycle:
     def begin_forward(self) -> None:
         """Step 1: the root forward starts: checks, the protocol's forward event, every site still to run."""
         if self.phase is TrainingPhase.BACKWARD:
-            if _in_backward():  # the whole model recomputed in backward: nothing to reset
+            if in_backward():  # the whole model recomputed in backward: nothing to reset
                 return
             raise RuntimeError("a backward pass raised before it ended, so gradients are half pushed and parameters "
                                "may be gathered: call model.reset_iter_state() and then opt.zero_grad(), as FSDP2's "
@@ -190,7 +186,7 @@ class StepLifecycle:
         queued once), then re-gather with gradient buffers."""
         if self.phase is not TrainingPhase.BACKWARD:
             self.phase = TrainingPhase.BACKWARD
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+            queue_end_of_backward(self.finalize_backward)
         with phase_range("pre_backward"):
             self._unshard(site, backward=True)
 

@@ -164,7 +164,7 @@ class ODCModule(FSDPSurface):
                                "last fully_shard call was on), so every rank's rows change together")
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the shards: values are copied into them")
-        from torch.nn.modules.module import _IncompatibleKeys
+        from ..torch_private import IncompatibleKeys as _IncompatibleKeys
 
         return _IncompatibleKeys(*self._odc_engine.shard_state.load_state_dict(self, state_dict, strict))
 

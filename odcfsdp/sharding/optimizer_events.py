@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import weakref
 
-from torch.optim import optimizer as _optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..torch_private import optimizer_hooks_present
 
 #: the trained parameters as they were before wrapping (now the unsharded forms): an optimizer over them is refused.
 UNSHARDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -31,8 +32,7 @@ _hooks: tuple | None = None  # the process's one pair of handles
 def install_optimizer_hooks() -> None:
     """Register the process's pair of optimizer step hooks, once (again if they were removed)."""
     global _hooks
-    if _hooks is not None and _hooks[0].id in _optimizer._global_optimizer_pre_hooks and \
-            _hooks[1].id in _optimizer._global_optimizer_post_hooks:
+    if _hooks is not None and optimizer_hooks_present(_hooks[0].id, _hooks[1].id):
         return
     if _hooks is not None:
         for handle in _hooks:

@@ -49,14 +49,11 @@ from typing import Callable, Protocol
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
-from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
 
 from .layout import GroupLayout
 from .optimizer_events import UNSHARDED
-
-_tensor_grad = torch._C.TensorBase.grad  # the C-level .grad the property below wraps
+from ..torch_private import TENSOR_GRAD as _tensor_grad  # the C-level .grad the property below wraps
+from ..torch_private import DTensorSpec, TensorMeta, local_of, mark_parameter, register_foreach_types, set_local
 
 
 class GradEvents(Protocol):
@@ -100,10 +97,7 @@ class ODCLocalParameter(_EventGrad, nn.Parameter):
 
 # torch.optim and clip_grad_norm_ pick their multi-tensor (foreach / fused) kernels by exact type; DTensor registers
 # itself the same way (torch/distributed/tensor/__init__.py). Without this, defaults fall back to a loop per tensor.
-for _types in (_optim_foreach_types, _utils_foreach_types):
-    for _cls in (ODCParameter, ODCLocalParameter):
-        if _cls not in _types:
-            _types.append(_cls)
+register_foreach_types(ODCParameter, ODCLocalParameter)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -187,7 +181,7 @@ class ShardedParam:
             sharded = ODCLocalParameter(local, requires_grad=self.trainable)
         else:
             sharded = as_global(local, slot.shape, device_mesh, self.trainable, ODCParameter)
-            sharded._is_param = True  # isinstance(sharded, nn.Parameter), as nn.Parameter(dtensor) marks it
+            mark_parameter(sharded)  # isinstance(sharded, nn.Parameter), as nn.Parameter(dtensor) marks it
         sharded._odc = self
         self.sharded = sharded
         self.grad_view = (as_global(layout.local_view(accumulator, index, rank), slot.shape, device_mesh)
@@ -223,7 +217,7 @@ class ShardedParam:
         if not all((held := mod._parameters.get(attr)) is self.sharded or held is self.unsharded
                    for mod, attr in self.registrations):
             return "was replaced after ODCShard wrapped the model"
-        local = getattr(self.sharded, "_local_tensor", self.sharded)  # the DTensor's local tensor (no autograd op)
+        local = local_of(self.sharded)  # the DTensor's local tensor (no autograd op)
         if (tuple(self.sharded.shape) != self.shape or local.data_ptr() != self.local.data_ptr()
                 or tuple(self.unsharded.shape) != self.shape or self.unsharded.dtype != param_dtype):
             return "had its data reassigned after wrapping"
@@ -266,7 +260,7 @@ class ShardedParam:
             UNSHARDED.pop(id(original), None)
         empty = torch.empty(0, dtype=self.local.dtype, device=self.local.device)
         if isinstance(self.sharded, DTensor):
-            self.sharded._local_tensor = empty
+            set_local(self.sharded, empty)
         else:
             self.sharded.data = empty
         self.local = self.grad_view = None

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.utils import _apply_to_tensors  # what fully_shard casts with (dataclasses included)
+
+from ..torch_private import apply_to_tensors as _apply_to_tensors  # what fully_shard casts with (dataclasses too)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import sys
 import time
 from typing import Iterator, Sequence
 
@@ -138,6 +137,7 @@ from .mesh import ShardMesh
 from .optimizer_events import install_optimizer_hooks
 from .param import ShardedParam
 from .streams import CommStreams
+from ..torch_private import called_from
 
 if TYPE_CHECKING:
     from .lifecycle import StepLifecycle
@@ -183,14 +183,7 @@ TRANSITIONS: dict[tuple[GradState, StepEvent], str] = {
 def _inside_zero_grad(depth: int = 3) -> bool:
     """Whether a ``zero_grad`` method (an optimizer's or a module's) is among the nearest ``depth`` callers of
     the ``.grad`` read being handled ([zero-grad-pass]): frames above ``grad_read`` and the property getter."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "zero_grad":
-            return True
-        frame = frame.f_back
-    return False
+    return called_from("zero_grad", depth, skip=2)
 
 
 class StepProtocol:

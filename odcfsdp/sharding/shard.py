@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
+from ..torch_private import IncompatibleKeys as _IncompatibleKeys
 
 from .arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
                         shard_device)

@@ -43,6 +43,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..torch_private import default_store
+
 if TYPE_CHECKING:
     from .collectives import RankGroup
 
@@ -221,9 +223,7 @@ class Watchdog:
         self._heartbeat: _Heartbeat | None = None
         if everyone.world_size > 1:
             # One key prefix per mesh, agreed on by all its ranks (ids differ between processes).
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self._store = _get_default_store()
+            self._store = default_store()
             n = self._store.add("odcfsdp/meshes", 1 if everyone.rank == 0 else 0)
             self._prefix = everyone.broadcast_object(f"odcfsdp/arrive/{n}" if everyone.rank == 0 else None)
             if 0 < timeout_s < float("inf"):

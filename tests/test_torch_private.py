@@ -1,0 +1,104 @@
+"""[torch-private]: the one module that touches torch's private APIs. Each of its uses is tested against the installed
+torch (so an upgrade that moves one fails here, by name), and no other file of the package touches one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from odcfsdp import torch_private as tp
+
+PACKAGE = Path(__file__).resolve().parents[1] / "odcfsdp"
+# a private torch name: an underscore component after torch (torch._C, torch.utils._pytree, torch.cuda.memory._snapshot),
+# a private attribute torch gives tensors, or the frame API; torch's documented multi-tensor ops (_foreach_*) excepted
+PRIVATE = re.compile(r"torch(\.\w+)*\._(?!foreach_)\w+|from torch[\w.]* import _|\._local_tensor\b|\._version\b|"
+                     r"\._is_param\b|sys\._getframe|_execution_engine")
+
+
+def test_no_other_file_touches_a_private_torch_api():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "torch_private":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if PRIVATE.search(code) and not code.strip().startswith(("``", "*", '"""')) and "``" not in code:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}")
+    assert found == []
+
+
+def test_the_scan_catches_a_private_use():
+    assert PRIVATE.search("x = torch._C._current_graph_task_id()") and PRIVATE.search("t._version")
+    assert PRIVATE.search("from torch.utils._pytree import tree_flatten") and not PRIVATE.search("torch._foreach_zero_(x)")
+
+
+def test_in_backward_and_the_end_of_backward_callback():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad):
+        seen.append(("in hook", tp.in_backward()))
+        tp.queue_end_of_backward(lambda: seen.append(("end", tp.in_backward())))
+        return grad
+
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    assert not tp.in_backward() and seen == [("in hook", True), ("end", True)]
+
+
+def test_tensor_grad_slot_version_local_and_parameter_mark():
+    t = torch.zeros(3, requires_grad=True)
+    tp.TENSOR_GRAD.__set__(t, torch.ones(3))
+    assert torch.equal(t.grad, torch.ones(3))
+    v = tp.version_of(t.detach())
+    t.detach().add_(1)
+    assert tp.version_of(t.detach()) == v + 1
+    assert tp.local_of(t) is t
+    marked = torch.zeros(2).as_subclass(torch.Tensor)
+    tp.mark_parameter(marked)
+    assert isinstance(marked, torch.nn.Parameter)
+
+
+def test_foreach_types_optimizer_hooks_frames_and_profiler():
+    class Mine(torch.Tensor):
+        pass
+
+    tp.register_foreach_types(Mine)
+    from torch.optim.optimizer import (_foreach_supported_types, register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    assert Mine in _foreach_supported_types
+    pre = register_optimizer_step_pre_hook(lambda *a: None)
+    post = register_optimizer_step_post_hook(lambda *a: None)
+    assert tp.optimizer_hooks_present(pre.id, post.id)
+    pre.remove()
+    assert not tp.optimizer_hooks_present(pre.id, post.id)
+    post.remove()
+
+    def zero_grad():
+        return inner()
+
+    def inner():
+        return tp.called_from("zero_grad", depth=2, skip=0)
+
+    assert zero_grad() and not inner()
+    assert not tp.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert tp.profiler_enabled()
+
+
+def test_dtensor_spec_tree_flatten_and_wrapper_subclasses():
+    leaves, _ = tp.tree_flatten(({"a": torch.ones(1)}, [2, torch.zeros(1)]))
+    assert len([x for x in leaves if isinstance(x, torch.Tensor)]) == 2
+    assert not tp.is_traceable_wrapper_subclass(torch.ones(1))
+    assert tp.DTensorSpec is not None and tp.TensorMeta is not None
+    assert set(tp.TESTED_TORCH) >= {"2.13"}
+    assert callable(tp.record_memory_history) and callable(tp.memory_snapshot)  # CUDA only: tests/test_memory.py
+    g = torch.Generator().manual_seed(0)
+    a = tp.standard_gamma(torch.full((1000,), 2.0), g)
+    assert abs(a.mean().item() - 2.0) < 0.2  # Gamma(2, 1): mean 2
+    keys = tp.IncompatibleKeys([], ["x"])
+    assert keys.unexpected_keys == ["x"]
+    assert tp.apply_to_tensors(lambda t: t * 2, {"a": torch.ones(1)})["a"].item() == 2.0
