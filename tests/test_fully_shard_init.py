@@ -210,3 +210,36 @@ def _unfreeze_frozen() -> str:
 def test_unfreezing_a_parameter_frozen_when_sharded_is_refused_in_one_line():
     for msg in spawn(_unfreeze_frozen, 2):
         assert "was frozen when the model was sharded" in msg and "\n" not in msg, msg
+
+
+def _assign_script(impl: str) -> dict:
+    """accelerate's loader after a meta-device build: rank 0's full values broadcast, distributed as the model's own
+    placements, then ``load_state_dict(sharded, assign=True)``; then the standard loop."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _meta_sharded(impl, init_device_mesh("cpu", (dist.get_world_size(),)))
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if hasattr(m, "init_buffers"):
+            m.init_buffers()
+    full = _model().state_dict()  # every rank builds it here; accelerate broadcasts rank 0's
+    sharded = {}
+    for name, shard in model.state_dict().items():
+        value = full[name].detach().clone()
+        dist.broadcast(value, src=0)
+        sharded[name] = distribute_tensor(value, shard.device_mesh, shard.placements) if hasattr(
+            shard, "device_mesh") else value
+    model.load_state_dict(sharded, assign=True)
+    return {"steps": _train(model, [2, 2])}
+
+
+def test_load_state_dict_with_assign_loads_as_fsdp2s_does():
+    """``assign=True`` copies values into the shards (they keep their identity); the training equals torch's
+    fully_shard's, and one plain process's from the same values."""
+    ours = spawn(_assign_script, 2, "odc")
+    theirs = spawn(_assign_script, 2, "torch")
+    want = _reference([2, 2])[:STEPS]
+    for rank in range(2):
+        _close(ours[rank]["steps"], theirs[rank]["steps"])
+        _close(ours[rank]["steps"], [(losses[rank], norm) for losses, norm in want])

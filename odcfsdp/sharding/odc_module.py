@@ -158,12 +158,12 @@ class ODCModule(FSDPSurface):
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Set parameters and buffers from a state dict of shards or full values (collective at the root)."""
+        """Set parameters and buffers from a state dict of shards or full values (collective at the root).
+        ``assign=True`` (accelerate's loader after a meta-device build passes it) copies too: peers read the shards
+        one-sidedly, so they keep their identity, and the values are the state dict's either way."""
         if "_odc_engine_owned" not in self.__dict__:
             raise RuntimeError("load_state_dict on a fully_shard unit: load the root's state dict (the module the "
                                "last fully_shard call was on), so every rank's rows change together")
-        if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the shards: values are copied into them")
         from ..torch_private import IncompatibleKeys as _IncompatibleKeys
 
         return _IncompatibleKeys(*self._odc_engine.shard_state.load_state_dict(self, state_dict, strict))

@@ -311,10 +311,9 @@ class ODCShard(nn.Module):
         Parameter values may be this rank's shards (DTensors, as ``state_dict()``
         gives them) or full tensors (each rank takes its rows). Returns the missing and
         unexpected keys like ``nn.Module.load_state_dict``; with ``strict`` they raise.
+        ``assign=True`` (what loaders of meta-device models pass, accelerate's among them) copies too: peers read
+        the shards one-sidedly, so they keep their identity, and the values are the state dict's either way.
         """
-        if assign:
-            raise ValueError("ODCShard.load_state_dict cannot assign tensors (assign=True): values are copied into "
-                             "the shards")
         self._check_open()
         return _IncompatibleKeys(*self.shard_state.load_state_dict(self.module, state_dict, strict))
 
