@@ -1,7 +1,7 @@
 """odcfsdp: fully sharded data parallel training with on-demand one-sided communication.
 
-``ODCShard``, ``fully_shard``, ``EngineSettings``, ``ODCModule``, ``sharded``, ``optim`` and ``param_groups`` are
-imported when first used
+``ODCShard``, ``fully_shard``, ``EngineSettings``, ``ODCModule``, ``sharded``, ``patch_fsdp2``, ``optim`` and
+``param_groups`` are imported when first used
 (PEP 562), so that ``python -m odcfsdp.bundle`` runs where torch is not installed (the machine that downloads).
 """
 
@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["EngineSettings", "ODCModule", "ODCShard", "fully_shard", "optim", "param_groups", "sharded",
-           "__version__"]
+__all__ = ["EngineSettings", "ODCModule", "ODCShard", "fully_shard", "optim", "param_groups", "patch_fsdp2",
+           "sharded", "__version__"]
 
 _LAZY = {"ODCShard": ("sharding", "ODCShard"), "fully_shard": ("sharding", "fully_shard"),
          "ODCModule": ("sharding", "ODCModule"), "param_groups": ("optim", "param_groups"), "optim": ("optim", None),
-         "EngineSettings": ("sharding", "EngineSettings"), "sharded": ("sharding", "sharded")}
+         "EngineSettings": ("sharding", "EngineSettings"), "sharded": ("sharding", "sharded"),
+         "patch_fsdp2": ("sharding", "patch_fsdp2")}
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 
 from .engine import ShardEngine
 from .engine_settings import EngineSettings
+from .fsdp2_patch import patch_fsdp2
 from .fully_shard import ODCModule, fully_shard
 from .group import FlatGroup, GroupState
 from .lifecycle import StepLifecycle, TrainingPhase
@@ -14,7 +15,7 @@ from .shard_state import ShardState
 from .sharded_model import FullyShardedView, is_sharded, sharded
 
 __all__ = [
-    "EngineSettings", "FullyShardedView", "is_sharded", "sharded",
+    "EngineSettings", "FullyShardedView", "is_sharded", "patch_fsdp2", "sharded",
     "FlatGroup", "GradState", "GroupLayout", "GroupState", "ODCLocalParameter", "ODCModule", "ODCParameter", "ODCShard",
     "ParamSlot", "ShardEngine", "ShardMesh", "ShardState", "ShardedParam", "StepEvent", "StepLifecycle", "StepProtocol",
     "TrainingPhase", "fully_shard", "plan_groups",
