@@ -137,6 +137,14 @@ class ShardEngine:
         if self.closed:
             raise RuntimeError("this model's sharding was closed; its rows (and masters) are released")
 
+    def expose_on(self, front) -> None:
+        """Set this engine's parts on ``front`` (``ODCShard``, ``sharded``'s view of a ``fully_shard`` model) under the
+        names the checkpoint, optimizer and application code read, with this rank and the shard group's size."""
+        for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
+                     "groups", "lifecycle", "shard_state"):
+            setattr(front, part, getattr(self, part))
+        front.rank, front.world_size = self.mesh.rank, self.mesh.world_size
+
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (modules hold their shards again)."""
         self.lifecycle.reshard_all()

@@ -318,13 +318,12 @@ class FlatGroup:
             return False
         with torch.no_grad():
             self.comm.push(self.index, self.grad_buffer)
-        self.grad_buffer = None
-        for sp in self._trained:
-            sp.unsharded.grad = None
+        self.drop_grad_buffer()  # pushed: the push stream holds what it still reads ([streams] 2)
         return True
 
     def drop_grad_buffer(self) -> None:
-        """Forget the gradient buffer of an aborted backward without pushing it ([lifecycle]'s ``reset``)."""
+        """Forget the gradient buffer and the parameters' views of it: once pushed, or, unpushed, after an aborted
+        backward ([lifecycle]'s ``reset``)."""
         self.grad_buffer = None
         for sp in self._trained:
             sp.unsharded.grad = None

@@ -151,17 +151,14 @@ class HookDriver:
             handle.remove()
         self.handles = []
 
-    # -- the root's forward: [lifecycle] 1 and 4 ----------------------------------------------------------
-    @torch.compiler.disable
+    # -- the root's forward: [lifecycle] 1 and 4 (each method runs inside its disabled hook, _opaque) -------
     def _root_pre_forward(self) -> None:
         self.lifecycle.begin_forward()
 
-    @torch.compiler.disable
     def _root_post_forward(self) -> None:
         self.lifecycle.end_forward()
 
     # -- site hooks: [lifecycle] 2, 4, 5, 6 ----------------------------------------------------------------
-    @torch.compiler.disable
     def _pre_forward(self, site: Site, args, kwargs) -> None:
         self.lifecycle.gather(site)
         if not torch.is_grad_enabled():
@@ -184,7 +181,6 @@ class HookDriver:
         for t in inputs:
             t.register_hook(input_grad_done)
 
-    @torch.compiler.disable
     def _post_forward(self, site: Site, output) -> None:
         self.lifecycle.reshard(site)
         if torch.is_grad_enabled():

@@ -213,6 +213,7 @@ class StepProtocol:
         self.fresh = True  # no forward in grad mode since the last finish or change ([zero-grad-pass])
         self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
+        self._to_consume: dict = {}  # READY: the parameters trained at the sync (ordered), all to be consumed
         self._trainable_params: list[ShardedParam] = []  # trained when sharded; trained now: _trained_params
         self.publish_at_next_forward = False  # to_empty() ran: publish whatever the model's init writes ([meta-init])
 
@@ -276,6 +277,7 @@ class StepProtocol:
         self.synced_pushes = self.lifecycle.sync()
         self.last_wait_s = time.perf_counter() - t0
         self._consumed = set()
+        self._to_consume = dict.fromkeys(self._trained_params)  # trained now: fixed until the finish
         # nothing pushed anywhere: no gradients, as in plain PyTorch before a backward
         self.state = GradState.READY if self.synced_pushes else GradState.EMPTY
 
@@ -290,6 +292,7 @@ class StepProtocol:
         self.state = GradState.ACCUMULATING
         self.fresh = True
         self._consumed = set()
+        self._to_consume = {}
         self._pass_position = None
 
     @contextlib.contextmanager
@@ -306,8 +309,8 @@ class StepProtocol:
         self.state = GradState.ACCUMULATING
 
     def _consume(self, params: Sequence[ShardedParam]) -> None:
-        self._consumed.update(sp for sp in params if sp.trained)
-        if all(sp in self._consumed for sp in self._trained_params):
+        self._consumed.update(sp for sp in params if sp in self._to_consume)
+        if len(self._consumed) == len(self._to_consume):
             self._finish()
 
     def _forward_after_read(self, _params=()) -> None:
@@ -327,7 +330,7 @@ class StepProtocol:
         """The root forward starts (see [grad-protocol]): a new pass; stale rows and half-consumed gradients raise."""
         self._pass_position = None
         if self.state is GradState.READY and self._consumed:
-            left = [sp.name for sp in self._trained_params if sp not in self._consumed]
+            left = [sp.name for sp in self._to_consume if sp not in self._consumed]
             raise RuntimeError(
                 f"trained parameters got gradients that no optimizer step consumed and no zero_grad() cleared "
                 f"({left[:3]}{' ...' if len(left) > 3 else ''}): put every trained parameter in an optimizer, "

@@ -159,11 +159,7 @@ class ODCShard(nn.Module):
             reshard_after_forward=reshard_after_forward, prefetch=prefetch, overlap_push=overlap_push,
             gather_masters=gather_masters, offload_policy=offload_policy, is_unit=lambda m: isinstance(m, units),
             owner_of=unit_of(module, lambda m: isinstance(m, units)) if units else None, float8=float8_weights)
-        # The engine's parts under the names the checkpoint, optimizer and application code read.
-        for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
-                     "groups", "lifecycle", "shard_state"):
-            setattr(self, part, getattr(self.engine, part))
-        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
+        self.engine.expose_on(self)
 
     # -- the wrapped model's surface -------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:

@@ -28,10 +28,7 @@ class FullyShardedView:
     def __init__(self, engine: ShardEngine):
         self.engine = engine
         self.module = engine.root  # the root fully_shard was last called on
-        for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
-                     "groups", "lifecycle", "shard_state"):
-            setattr(self, part, getattr(engine, part))
-        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
+        engine.expose_on(self)
 
     @property
     def pending_pushes(self) -> int:
