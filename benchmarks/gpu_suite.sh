@@ -162,14 +162,16 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--warmup 2 --activation-checkpointing --compile --float8 tensorwise --float8-gather --methods $methods" \
            "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     levers_8b_balanced|levers_8b_longtail)  # issue 41: odc's memory levers, each on top of the default, against
-      # FSDP2 (first, so no order favours odc), every method in processes of its own, peak by category; balanced:
+      # FSDP2 and FSDP2 with sync off until the last micro-batch (first, so no order favours odc), every method in
+      # processes of its own, peak by category; balanced:
       # 2 x 4K per GPU; longtail: 4 samples of 8K-64K per GPU, odc with LB-Mini only (FSDP2 with LB-Micro)
       local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="unbounded_pushes unit_groups gather_masters"
       v=${LEVERS:-$v}  # LEVERS: other variants (e.g. "unit_groups gather_masters+unit_groups")
       [ "$s" = levers_8b_longtail ] && w=longtail b=$((4 * n)) st="--steps 3 --warmup 1 --balancers lb_mini" \
         v="gather_masters"
       echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads $w --batch $b $st" \
-           "--activation-checkpointing --compile --methods fsdp2 odc --variants $v --memory-breakdown --keep-going" \
+           "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants $v --memory-breakdown" \
+           "--keep-going" \
            "--out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac

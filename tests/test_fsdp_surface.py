@@ -112,18 +112,8 @@ def _grads_after(model, fail_first: bool) -> dict[str, torch.Tensor]:
 
 def test_reset_iter_state_after_a_failed_backward_trains_as_if_it_had_not_happened():
     """An exception mid-backward leaves a pass half pushed; reset_iter_state and zero_grad, then the next backward
-    gives the gradients a fresh model gives. Without the reset the next forward says so in one line (the wrapper
-    stayed in backward, and that forward crashed the process)."""
+    gives the gradients a fresh model gives (without the reset: the next test)."""
     want = _grads_after(_sharded(), fail_first=False)
-    model = _sharded()
-    x = torch.randint(0, CFG.vocab_size, (2, 8))
-    handle = model.layers[0].register_full_backward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("x")))
-    with pytest.raises(ValueError):
-        causal_lm_loss(model(x), x).backward()
-    handle.remove()
-    with pytest.raises(RuntimeError, match=r"call model.reset_iter_state\(\) and then opt.zero_grad\(\)"):
-        model(x)  # without the reset: one line that names it (it used to crash the process)
-    model._odc_engine.close()
     model = _sharded()
     got = _grads_after(model, fail_first=True)
     assert model._odc_engine.lifecycle.phase.name == "IDLE"
@@ -167,3 +157,37 @@ def test_fully_shard_takes_the_engines_settings_in_one_object():
             EngineSettings(**bad)
     with pytest.raises(TypeError, match="settings must be an odcfsdp.EngineSettings"):
         fully_shard(Llama(CFG), settings={"prefetch": 2})
+
+
+FORWARD_AFTER_A_FAILED_BACKWARD = """
+import torch
+from odcfsdp import fully_shard
+from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
+
+model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+for layer in model.layers:
+    fully_shard(layer)
+fully_shard(model)
+x = torch.randint(0, 64, (2, 8))
+handle = model.layers[0].register_full_backward_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("x")))
+try:
+    causal_lm_loss(model(x), x).backward()
+except ValueError:
+    pass
+handle.remove()
+model(x)  # no reset_iter_state
+"""
+
+
+def test_a_forward_after_a_failed_backward_is_one_error_not_a_crash():
+    """In a process of its own (it used to end in a segmentation fault): the forward after a backward that raised,
+    without ``reset_iter_state``, exits with code 1 and one line that names FSDP2's recovery."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FORWARD_AFTER_A_FAILED_BACKWARD], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: a backward pass raised before it ended") and \
+        "call model.reset_iter_state() and then opt.zero_grad()" in last, last
