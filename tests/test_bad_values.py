@@ -223,3 +223,53 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_naming_the_file(tmp_path):
     written = Path(where.split()[2].rstrip(":"))
     assert written.read_text() == "the report"
     written.unlink()
+
+
+def _probe_rounds(rank: int, root: str, rounds: int, barrier, failures) -> None:
+    """One rank of a node: the pre-start checks on a new run.out_dir each round, at the same instant as its
+    neighbour (a barrier, then a jitter of 0-200 us on rank 1)."""
+    import time
+
+    from odcfsdp.app.preflight import preflight
+
+    for k in range(rounds):
+        cfg = config_from({"run": {"out_dir": f"{root}/round{k}/run", "world_size": 1}})
+        barrier.wait(timeout=60)
+        if rank:
+            time.sleep((k % 20) * 1e-5)
+        try:
+            preflight(cfg)
+        except ValueError as e:
+            failures.put(f"round {k}: {e}")
+            barrier.abort()  # the neighbour stops at its next round, not at the barrier's timeout
+            return
+
+
+def test_ranks_that_check_one_new_out_dir_at_once_all_pass(tmp_path):
+    """Every rank of a torchrun node runs the pre-start checks on one run.out_dir. They used to remove the directory
+    they had just created and probed, so a neighbour between its mkdir and its probe file refused the run ("not
+    writable: No such file or directory", 2 rounds in 400 here) and the other rank waited for it at
+    init_process_group: CI's two-node test hung. Now an accepted check keeps what it made; a refused one removes it."""
+    import multiprocessing as mp
+
+    from odcfsdp.app.preflight import preflight
+
+    accepted = config_from({"run": {"out_dir": str(tmp_path / "new" / "run"), "world_size": 1}})
+    preflight(accepted)
+    assert (tmp_path / "new" / "run").is_dir()
+    refused = config_from({"run": {"out_dir": str(tmp_path / "other" / "run"), "world_size": 1},
+                           "checkpoint": {"resume": str(tmp_path / "nowhere")}})
+    with pytest.raises(ValueError, match="does not exist"):
+        preflight(refused)
+    assert not (tmp_path / "other").exists()  # a refusal leaves nothing behind
+
+    ctx = mp.get_context("fork")
+    barrier, failures = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_probe_rounds, args=(r, str(tmp_path / "race"), 400, barrier, failures))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert failures.empty(), failures.get()
+    assert [p.exitcode for p in procs] == [0, 0]

@@ -4,6 +4,9 @@ checkpoints across mesh shapes."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -155,9 +158,17 @@ def test_two_torchrun_nodes_default_to_hsdp(tmp_path):
     port = free_port()
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
     args = ["-m", "odcfsdp.train", "run.steps=3", f"run.out_dir={tmp_path / 'nodes'}"]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a stuck process prints its Python stacks on SIGABRT
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *common, f"--node-rank={n}", *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in nodes]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for n in range(2)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in nodes]
+    except subprocess.TimeoutExpired:  # every agent and rank prints where it is stuck, then ends
+        for p in nodes:
+            os.killpg(p.pid, signal.SIGABRT)
+        outs = [p.communicate(timeout=60)[0] for p in nodes]
+        pytest.fail("the two nodes did not finish in 180 s:\n" + outs[0][-4000:] + outs[1][-4000:])
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "hybrid sharding: 2 replicas x 1 ranks" in outs[0]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "nodes" / "metrics.jsonl").read_text().splitlines()]

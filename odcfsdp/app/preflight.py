@@ -25,23 +25,24 @@ from .config import TrainConfig, checkpoint_dir
 from .sources import check_jsonl, source_of, tokenizer_path
 
 
-def _writable(key: str, path: str | Path) -> None:
+def _writable(key: str, path: str | Path, made: list[Path]) -> None:
     """``path`` is a directory this process can write: created (with its parents) and a file made and removed in
-    it. Trying, not ``os.access``: root passes every access check, yet cannot write /proc or a read-only mount."""
+    it. Trying, not ``os.access``: root passes every access check, yet cannot write /proc or a read-only mount.
+    The topmost directory it created is appended to ``made``: ``preflight`` removes it only if it refuses the run,
+    since every rank of a node may be probing the same directory at once (removing it here made a rank that
+    was between its ``mkdir`` and its probe file refuse a run its neighbour had just checked)."""
     p = Path(path).absolute()
     top = p
     while not top.parent.exists() and top.parent != top:
         top = top.parent
-    made = not top.exists()
+    if not top.exists():
+        made.append(top)
     try:
         p.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=p, prefix=".odcfsdp-write-test-"):
             pass
     except OSError as e:
         raise ValueError(f"{key}={str(path)!r} is not writable: {e.strerror or e}") from None
-    finally:
-        if made and top.exists():  # a refusal later in the checks leaves nothing behind; the run makes it again
-            shutil.rmtree(top, ignore_errors=True)
 
 
 #: files one of which a Hugging Face tokenizer directory holds (fast tokenizer, sentencepiece, tiktoken, BPE vocab)
@@ -147,7 +148,19 @@ def used_run_dir(out_dir: str | Path) -> bool:
 
 def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
     """Raise ``ValueError`` (one line: key and fix) for anything that would fail only after the ranks started;
-    return the note lines for what the run will ignore."""
+    return the note lines for what the run will ignore. A refused run leaves no directory the checks created;
+    an accepted one keeps them (the run writes there next)."""
+    made: list[Path] = []
+    try:
+        return _checks(cfg, torchrun, made)
+    except BaseException:
+        for top in made:
+            shutil.rmtree(top, ignore_errors=True)
+        raise
+
+
+def _checks(cfg: TrainConfig, torchrun: bool, made: list[Path]) -> list[str]:
+    """``preflight``'s checks, in order; the directories they create are appended to ``made``."""
     d, m, ck, r = cfg.data, cfg.model, cfg.checkpoint, cfg.run
     notes = []
     notes += source_of(cfg).preflight(cfg)  # the data source's own files ([data-sources]); auto resolved or not
@@ -165,9 +178,9 @@ def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
         except CheckpointError as e:
             raise ValueError(f"model.path: {e}") from None
     _tokenizer_files(cfg)
-    _writable("run.out_dir", r.out_dir)
+    _writable("run.out_dir", r.out_dir, made)
     if ck.dir:
-        _writable("checkpoint.dir", ck.dir)
+        _writable("checkpoint.dir", ck.dir, made)
     if ck.resume not in ("none", "auto"):
         p = Path(ck.resume)
         if not p.exists():
