@@ -191,3 +191,60 @@ def test_a_forward_after_a_failed_backward_is_one_error_not_a_crash():
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: a backward pass raised before it ended") and \
         "call model.reset_iter_state() and then opt.zero_grad()" in last, last
+
+
+def _introspect() -> dict:
+    """On a rank: torch's ``fully_shard.state`` over the same model sharded by torch's fully_shard and by ours (the
+    embedding and head as FSDP2's list form), and each unit's managed parameters."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import odcfsdp
+
+    def shard(api) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        for layer in model.layers:
+            api(layer)
+        api([model.embed_tokens, model.norm])
+        return api(model)
+
+    out = {}
+    for name, api in (("torch", torch_fsdp.fully_shard), ("odc", odcfsdp.fully_shard)):
+        model = shard(api)
+        units, managed = [], {}
+        for mod_name, m in model.named_modules():
+            state = torch_fsdp.fully_shard.state(m)
+            if state is None:
+                continue
+            assert api.state(m) is state  # each front door's own lookup agrees with torch's
+            units.append(mod_name)
+            names = {id(p): n for n, p in model.named_parameters()}
+            if name == "torch":
+                params = [fp._module_info.module._parameters[fp._module_info.param_name]
+                          for fp in state._fsdp_param_group.fsdp_params]
+            else:
+                params = state.managed_params()
+            managed[mod_name] = sorted(names[id(p)] for p in params)
+        out[name] = (units, managed)
+        try:  # torch's fully_shard refuses a second call on a unit of either
+            torch_fsdp.fully_shard(model.layers[0])
+            out[name + "_again"] = "accepted"
+        except AssertionError as e:
+            out[name + "_again"] = "already been applied" in str(e)
+    return out
+
+
+def test_torchs_fully_shard_state_sees_our_units_as_fsdp2s():
+    """FSDP2's public introspection on both: torch's ``fully_shard.state(m)`` is set on the same modules, a list
+    form's modules share one state, each unit manages the same parameters (FSDP2's walk stops at units below), and
+    torch's ``fully_shard`` refuses a second call on a unit of either."""
+    from odcfsdp.launch import spawn
+
+    for out in spawn(_introspect, 2):
+        assert out["odc"] == out["torch"]
+        units, managed = out["odc"]
+        assert units == ["", "embed_tokens", "layers.0", "layers.1", "norm"]
+        assert managed[""] == ["lm_head.weight"]
+        assert managed["embed_tokens"] == managed["norm"] == ["embed_tokens.weight", "norm.weight"]
+        assert all(n.startswith("layers.0.") for n in managed["layers.0"]) and len(managed["layers.0"]) > 3
+        assert out["odc_again"] is True and out["torch_again"] is True

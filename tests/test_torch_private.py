@@ -102,3 +102,12 @@ def test_dtensor_spec_tree_flatten_and_wrapper_subclasses():
     keys = tp.IncompatibleKeys([], ["x"])
     assert keys.unexpected_keys == ["x"]
     assert tp.apply_to_tensors(lambda t: t * 2, {"a": torch.ones(1)})["a"].item() == 2.0
+
+
+def test_torchs_fully_shard_state_finds_a_registered_state():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    module, state = torch.nn.Linear(2, 2), object()
+    assert torch_fully_shard.state(module) is None
+    tp.register_fully_shard_state(module, state)
+    assert torch_fully_shard.state(module) is state

@@ -29,9 +29,13 @@ own every unit. A call:
    transport: NVSHMEM's heap is sized once, by the first engine on it, and must hold the whole
    model's rows, so the root's call, which absorbs the blocks', is the one that sizes it. A single
    call on a whole model (no blocks) thus runs on NCCL collectives, with equal micro-batch counts
-   (``ODCShard(model)`` is the one-sided way to shard a model in one call).
+   (``ODCShard(model)`` is the one-sided way to shard a model in one call);
+5. records the call's ``UnitState`` on each of its modules where torch's ``fully_shard`` records its
+   ``FSDPState``, so ``fully_shard.state(module)`` finds it, torch's as well as ours, and torch's
+   ``fully_shard`` refuses a second call on the module as on one of its own. ``managed_modules()``
+   and ``managed_params()`` are FSDP2's walk: the unit's submodules, not those of units below.
 
-A list of modules (FSDP2's list form) is one unit over all of them: they share one ``UnitSettings``,
+A list of modules (FSDP2's list form) is one unit over all of them: they share one ``UnitState``,
 which owns their groups (a weight tied across them is one parameter, gathered at the first of their
 forwards and freed after the last), and until a later call absorbs it their engine's root is a
 ``ModuleList`` of them. Each module becomes ``ODC<Class>``, an ``FSDPModule`` ([fsdp-surface] in
@@ -51,13 +55,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..torch_private import register_fully_shard_state
 from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
 from .engine import ShardEngine
 from .engine_settings import EngineSettings
 from .float8_rows import float8_gathered
 from .hooks import unit_of
 from .mesh import ShardMesh
-from .odc_module import ODCModule, UnitSettings, UnshardHandle, apply_prefetch, odc_class
+from .odc_module import ODCModule, UnitState, UnshardHandle, apply_prefetch, odc_class, state_of
 from .precision import policy_param_dtype, resolve_precision
 
 
@@ -98,7 +103,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         check_reshard_after_forward(reshard_after_forward)
     if settings is not None and not isinstance(settings, EngineSettings):
         raise TypeError(f"settings must be an odcfsdp.EngineSettings, got {type(settings).__name__}")
-    settings = UnitSettings(mesh, reshard_after_forward, mp_policy, offload_policy, set(ignored_params or ()),
+    settings = UnitState(mesh, reshard_after_forward, mp_policy, offload_policy, set(ignored_params or ()),
                             engine=settings or EngineSettings())
     # FSDP2's list form: one unit over several modules (weights tied across them), under a container that is the
     # engine's root until a later call absorbs it
@@ -122,12 +127,17 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         for m in below:
             m._odc_settings.engine_root = None
         raise
+    settings.modules = modules
     for m in modules:
         m.__class__ = odc_class(type(m))
+        register_fully_shard_state(m, settings)  # torch's fully_shard.state(m) finds the unit ([fully-shard] 5)
     root.__dict__["_odc_engine_owned"] = engine
     for m in [*below, *modules]:
         m._odc_settings.engine_root = root
     return module
+
+
+fully_shard.state = state_of  # FSDP2's ``fully_shard.state(module)``
 
 
 def _unit_modules(module) -> list[nn.Module]:
@@ -144,7 +154,7 @@ def _unit_modules(module) -> list[nn.Module]:
     return modules
 
 
-def _check_before_absorbing(module: nn.Module, below: list, settings: UnitSettings, ignored: set) -> None:
+def _check_before_absorbing(module: nn.Module, below: list, settings: UnitState, ignored: set) -> None:
     """Whatever can refuse the call, refused before step 3 changes anything ([fully-shard] 1)."""
     for m in below:
         _check_same(m._odc_settings, settings)
@@ -169,7 +179,7 @@ def _policy(value, default_cls):
     return default_cls() if value is None else value
 
 
-def _check_same(inner: UnitSettings, outer: UnitSettings) -> None:
+def _check_same(inner: UnitState, outer: UnitState) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
     defaults = {"mp_policy": MixedPrecisionPolicy, "offload_policy": OffloadPolicy}
@@ -222,7 +232,7 @@ def _move_to(module: nn.Module, named, kind: str) -> torch.device:
     return device
 
 
-def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorbs: bool) -> ShardEngine:
+def _build(module: nn.Module, named, settings: UnitState, below: list, absorbs: bool) -> ShardEngine:
     """Step 4 of [fully-shard]: one engine over ``module``, the modules ``below`` hooked as units."""
     on_meta = named[0][1].is_meta
     # as FSDP2: the mesh's device type (the default mesh's: CUDA where there is one), the current device of it
@@ -239,7 +249,7 @@ def _build(module: nn.Module, named, settings: UnitSettings, below: list, absorb
     units = set(below)
     unit = unit_of(module, lambda m: m in units)
 
-    def owner_of(name: str) -> UnitSettings | None:  # a list's modules share one unit: their settings
+    def owner_of(name: str) -> UnitState | None:  # a list's modules share one unit: their settings
         found = unit(name)
         return None if found is None else found._odc_settings
 

@@ -2,7 +2,7 @@
 
 FSDP2's ``FSDPModule`` methods that have an ODC meaning, over the groups of one unit. A setting made
 before the root's call (on a block whose engine the root's call absorbs) is kept in the unit's
-``UnitSettings`` and applied again to the engine that owns the unit in the end.
+``UnitState`` and applied again to the engine that owns the unit in the end.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from .engine_settings import EngineSettings
 from .fsdp_surface import FSDPModule, FSDPSurface
 
 
-@dataclass
-class UnitSettings:
-    """One ``fully_shard`` call's settings, and those set on its module since, kept on the module."""
+@dataclass(eq=False)
+class UnitState:
+    """One ``fully_shard`` call's state, kept on its modules: the call's settings, those set on its modules since,
+    and the modules themselves. ``fully_shard.state(module)`` returns it, torch's ``fully_shard.state`` too, as
+    FSDP2's returns its ``FSDPState``; a list's modules share one."""
 
     mesh: Any
     reshard_after_forward: bool | None
@@ -33,6 +35,36 @@ class UnitSettings:
     built_on_meta: bool = False  # its engine planned a meta model (absorbing gives meta parameters back)
     engine_root: nn.Module | None = None  # the module whose engine this unit belongs to
     engine: EngineSettings = field(default_factory=EngineSettings)  # the engine's own settings (fully_shard's)
+    modules: list = field(default_factory=list, repr=False)  # the call's modules (one, or FSDP2's list)
+
+    def managed_modules(self) -> list[nn.Module]:
+        """The modules this unit manages, found as FSDP2 finds them: its modules and their submodules, in
+        ``modules()`` order, without descending into a module of another ``fully_shard`` call (that unit's)."""
+        seen: set[int] = set()
+        out: list[nn.Module] = []
+
+        def visit(m: nn.Module) -> None:
+            if id(m) in seen or (isinstance(m, ODCModule) and m._odc_settings is not self):
+                return
+            seen.add(id(m))
+            out.append(m)
+            for child in m.children():
+                visit(child)
+
+        for m in self.modules:
+            visit(m)
+        return out
+
+    def managed_params(self) -> list[nn.Parameter]:
+        """The parameters this unit shards: those of its managed modules, each once, less ``ignored_params``."""
+        found = {id(p): p for m in self.managed_modules() for p in m.parameters(recurse=False)}
+        return [p for p in found.values() if p not in self.ignored]
+
+
+def state_of(module: nn.Module) -> UnitState | None:
+    """``fully_shard.state(module)``: the ``UnitState`` of the call that sharded ``module``; None for a module no
+    call sharded (a submodule inside a unit, or a plain module), as FSDP2's."""
+    return module.__dict__.get("_odc_settings") if isinstance(module, ODCModule) else None
 
 
 class UnshardHandle:
@@ -196,4 +228,4 @@ def odc_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-__all__ = ["ODCModule", "UnitSettings", "UnshardHandle", "apply_prefetch", "odc_class"]
+__all__ = ["ODCModule", "UnitState", "UnshardHandle", "apply_prefetch", "odc_class"]

@@ -49,6 +49,9 @@ _record_memory_history``, ``_snapshot``  replays the allocator's history ([peak-
 _apply_to_tensors``                   ``fully_shard``'s (dataclasses included)
 ``distributed_c10d._get_default_store``  ``default_store``: the watchdog's heartbeats through the
                                       process group's own store ([watchdog])
+``torch.distributed._composable.      ``register_fully_shard_state``: torch's ``fully_shard.state(m)``
+contract``: ``STATE_KEY``,            and its registry of composable APIs see a unit odcfsdp's
+``REGISTRY_KEY``, ``RegistryItem``    ``fully_shard`` made, as one torch's made ([fully-shard] 5)
 ====================================  ==============================================================
 
 The explicit alternatives are public: ``begin_minibatch`` (the minibatch's micro-batch count) and
@@ -61,6 +64,7 @@ import sys
 from typing import Callable
 
 import torch
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.utils import _apply_to_tensors as apply_to_tensors
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
@@ -159,8 +163,19 @@ def called_from(name: str, depth: int, skip: int) -> bool:
     return False
 
 
+def register_fully_shard_state(module: torch.nn.Module, state: object) -> None:
+    """Record ``state`` on ``module`` where torch's ``fully_shard`` (its ``contract`` decorator) records its own:
+    torch's ``fully_shard.state(module)`` then returns it, and torch's composable registry lists ``fully_shard``
+    for ``module`` (so torch's ``fully_shard`` refuses a second call on it, as on one of its own)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = state
+    module.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
+
+
 __all__ = ["DTensorSpec", "IncompatibleKeys", "TENSOR_GRAD", "TESTED_TORCH", "TensorMeta", "apply_to_tensors",
            "called_from", "default_store", "in_backward", "standard_gamma",
            "is_traceable_wrapper_subclass", "local_of", "mark_parameter", "memory_snapshot", "optimizer_hooks_present",
            "profiler_enabled", "queue_end_of_backward", "record_memory_history", "register_foreach_types",
-           "set_local", "tree_flatten", "version_of"]
+           "register_fully_shard_state", "set_local", "tree_flatten", "version_of"]
+
