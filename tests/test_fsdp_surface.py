@@ -50,8 +50,7 @@ def test_refused_methods_say_why_in_one_line_and_change_nothing():
     try:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         calls = {"set_custom_all_gather": (None,), "set_custom_reduce_scatter": (None,),
-                 "set_all_reduce_hook": (lambda t: None,), "set_unshard_in_backward": (False,),
-                 "_get_fsdp_state": ()}
+                 "set_all_reduce_hook": (lambda t: None,), "set_unshard_in_backward": (False,)}
         assert set(calls) | {"_apply"} == {n for n, (k, _) in FSDP_METHODS.items() if k == "refused"}
         for name, args in calls.items():
             with pytest.raises(NotImplementedError, match=rf"^{name} is not supported by odcfsdp: [^\n]+$"):
@@ -248,3 +247,46 @@ def test_torchs_fully_shard_state_sees_our_units_as_fsdp2s():
         assert managed["embed_tokens"] == managed["norm"] == ["embed_tokens.weight", "norm.weight"]
         assert all(n.startswith("layers.0.") for n in managed["layers.0"]) and len(managed["layers.0"]) > 3
         assert out["odc_again"] is True and out["torch_again"] is True
+
+
+class _WithMethod(Llama):
+    """A model with a method other than ``forward`` that reads its root unit's parameters directly, as Hugging
+    Face's ``generate`` reads the embedding."""
+
+    def last_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.weight[ids[:, -1]] @ self.lm_head.weight.T
+
+
+def _registered_method() -> dict:
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    torch.manual_seed(0)
+    plain = _WithMethod(CFG)
+    torch.manual_seed(0)
+    model = _WithMethod(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    try:
+        unregistered = f"read {tuple(model.last_logits(ids).shape)}"
+    except Exception as e:  # noqa: BLE001 - what the unregistered method meets
+        unregistered = type(e).__name__
+    register_fsdp_forward_method(model, "last_logits")  # torch's own, as Hugging Face's Trainer calls it
+    with torch.no_grad():
+        got = model.last_logits(ids)
+        loss = causal_lm_loss(model(ids), ids)  # training forward after it: the root's groups as before
+    return {"unregistered": unregistered, "got": got, "want": plain.last_logits(ids).detach(),
+            "loss": loss, "plain_loss": causal_lm_loss(plain(ids), ids).detach()}
+
+
+def test_torchs_register_fsdp_forward_method_gathers_the_unit_around_the_method():
+    """Without registration the method reads this rank's shards and fails; with torch's
+    ``register_fsdp_forward_method`` (what Hugging Face's Trainer does for ``generate``) it reads the full values,
+    equal to the plain model's, on 2 ranks."""
+    from odcfsdp.launch import spawn
+
+    for out in spawn(_registered_method, 2):
+        assert not out["unregistered"].startswith("read"), out["unregistered"]
+        torch.testing.assert_close(out["got"], out["want"])
+        torch.testing.assert_close(out["loss"], out["plain_loss"])

@@ -66,7 +66,9 @@ FSDP_METHODS: dict[str, tuple[str, str]] = {
                                        "step instead"),
     "set_unshard_in_backward": ("refused", "a unit is gathered again in backward with its gradient buffers; "
                                            "skipping that gather is not supported (True, the default, is accepted)"),
-    "_get_fsdp_state": ("refused", "an odcfsdp unit has no FSDP2 state: one ODC engine serves the whole model"),
+    "_get_fsdp_state": ("same", "the unit's ``UnitState`` (``fully_shard.state``); its ``_pre_forward`` and "
+                                "``_post_forward`` gather and free the unit around a method registered with torch's "
+                                "``register_fsdp_forward_method`` (Hugging Face's Trainer registers ``generate``)"),
     "_apply": ("refused", "moving or casting a sharded model detaches its shards: move or cast it before "
                           "fully_shard (to_empty(device=...) after a meta-device build is accepted)"),
 }
@@ -170,10 +172,6 @@ class FSDPSurface(FSDPModule):
         _check_bool("set_unshard_in_backward", unshard_in_backward)
         if not unshard_in_backward:
             _refuse("set_unshard_in_backward")
-
-    def _get_fsdp_state(self):
-        """Refused ([fsdp-surface]): no FSDP2 state."""
-        _refuse("_get_fsdp_state")
 
     def _apply(self, fn, recurse: bool = True):
         """Refused ([fsdp-surface]): ``.to()``, ``.float()`` and the like would detach the shards."""

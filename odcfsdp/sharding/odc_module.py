@@ -61,6 +61,22 @@ class UnitState:
         return [p for p in found.values() if p not in self.ignored]
 
 
+    # -- what torch's register_fsdp_forward_method calls on FSDP2's state around a registered method ----------
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Gather ``module``'s unit before a method other than ``forward`` runs (it may read the unit's
+        parameters directly: Hugging Face's ``generate`` reads the embedding)."""
+        module.unshard()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Free the unit's groups after the method, as its forward's post-hook would: those whose
+        ``reshard_after_forward`` is True (not the root's own, by default: used again at once)."""
+        for g in module._odc_groups():
+            if g.reshard_after_forward:
+                g.to_sharded()
+        return output
+
+
 def state_of(module: nn.Module) -> UnitState | None:
     """``fully_shard.state(module)``: the ``UnitState`` of the call that sharded ``module``; None for a module no
     call sharded (a submodule inside a unit, or a plain module), as FSDP2's."""
@@ -97,6 +113,12 @@ class ODCModule(FSDPSurface):
         shards next is published at the next forward. Returns the module, as ``nn.Module.to_empty``."""
         self._odc_engine.to_empty(device)
         return self
+
+    def _get_fsdp_state(self) -> UnitState:
+        """This unit's ``UnitState``, as FSDP2's ``_get_fsdp_state`` returns its ``FSDPState``: torch's
+        ``register_fsdp_forward_method(module, name)`` runs its ``_pre_forward``/``_post_forward`` around the
+        method, so the method may read the unit's parameters directly."""
+        return self._odc_settings
 
     def __deepcopy__(self, memo):
         raise TypeError("a fully_shard module cannot be deep-copied (its parameters are this rank's shards, bound to "
