@@ -220,3 +220,68 @@ def test_lora_adapter_export_records_an_absolute_base_path(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     adapter = json.loads((tmp_path / "run" / "hf" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+
+
+class _Touch:
+    """Unpickling it creates ``path``: what ``--experimental-rerun`` would run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _code_dirs(tmp_path: Path) -> dict[str, Path]:
+    """A pickle, a PYTHONPATH directory and a preset directory, each of which leaves a marker file if its code runs."""
+    import pickle
+
+    (tmp_path / "rerun.pickle").write_bytes(pickle.dumps(_Touch(str(tmp_path / "ran-pickle"))))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(f"open({str(tmp_path / 'ran-site')!r}, 'w')\n")
+    (tmp_path / "presets" / "experiment").mkdir(parents=True)
+    (tmp_path / "presets" / "experiment" / "env.yaml").write_text(
+        f"# @package _global_\nhydra:\n  job:\n    env_set:\n      PYTHONPATH: {tmp_path / 'site'}\n")
+    (tmp_path / "presets" / "experiment" / "launch.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /hydra/launcher: basic\n")
+    return {"site": tmp_path / "site", "presets": tmp_path / "presets"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--experimental-rerun", "rerun.pickle"], "--experimental-rerun: refused, it unpickles a file and runs it"),
+    (["+hydra.job.env_set.PYTHONPATH={site}"], "hydra.job.env_set.PYTHONPATH: refused, it would import code, set"),
+    (["hydra.searchpath=[file://{presets}]"], "hydra.searchpath: refused"),
+    (["+hydra/launcher=basic"], "hydra/launcher: refused"),
+    (["--config-name", "other"], "--config-name: refused, the config is odcfsdp's typed one"),
+    (["--config-dir", "{presets}", "+experiment=env"], "experiment/env.yaml: hydra.job.env_set.PYTHONPATH: refused"),
+], ids=["rerun", "env_set", "searchpath", "launcher", "config_name", "preset_env_set"])
+def test_the_cli_runs_no_code_from_its_arguments_or_presets(tmp_path, args, message):
+    """Each way Hydra would run code from the command line or a preset is one line, exit code 2, and no code ran
+    (the marker files that the pickle, a sitecustomize on the PYTHONPATH or a preset would write are absent)."""
+    dirs = _code_dirs(tmp_path)
+    proc = cli(*[a.format(**dirs) for a in args], f"run.out_dir={tmp_path / 'run'}", "run.steps=2", cwd=tmp_path,
+               timeout=120)
+    assert proc.returncode == 2 and message in one_error_line(proc), proc.stderr[-2000:]
+    assert not (tmp_path / "ran-pickle").exists() and not (tmp_path / "ran-site").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_dir_of_plain_presets_trains_and_odcfsdps_presets_pass_the_rule(tmp_path):
+    """A user's --config-dir with a preset of odcfsdp's keys (and a hydra key a run takes) trains; the presets
+    odcfsdp ships pass the same check, and the check reads a ``defaults`` override and a ``_target_``."""
+    from odcfsdp.app.cli import check_config_dir
+
+    check_config_dir(Path(__file__).resolve().parents[1] / "configs")
+    (tmp_path / "mine" / "experiment").mkdir(parents=True)
+    (tmp_path / "mine" / "experiment" / "short.yaml").write_text(
+        "# @package _global_\nrun:\n  steps: 2\n  world_size: 1\nhydra:\n  job:\n    chdir: false\n")
+    proc = cli("--config-dir", str(tmp_path / "mine"), "+experiment=short", f"run.out_dir={tmp_path / 'run'}",
+               cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
+    (tmp_path / "mine" / "experiment" / "bad.yaml").write_text("defaults:\n  - override /hydra/sweeper: basic\n")
+    with pytest.raises(ValueError, match="bad.yaml: hydra/sweeper: refused"):
+        check_config_dir(tmp_path / "mine")
+    (tmp_path / "mine" / "experiment" / "bad.yaml").write_text("model:\n  x:\n    _target_: os.system\n")
+    with pytest.raises(ValueError, match="bad.yaml: model.x._target_: the command line takes no keys that import"):
+        check_config_dir(tmp_path / "mine")

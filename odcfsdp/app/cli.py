@@ -19,7 +19,14 @@ and exit code 2, as for invalid values:
 * after composition, an override the run would not read (``unused_key``) is refused when it
   belongs to another kind of run (another model, optimizer or data source), and reported in a
   ``note:`` line when it sets a mode that is off (LoRA's keys with ``model.lora.r=0``: a sweep
-  over the mode holds them); giving both ``run.steps`` and ``run.epochs`` is refused.
+  over the mode holds them); giving both ``run.steps`` and ``run.epochs`` is refused;
+* nothing on the command line or in a preset runs code: Hydra keys other than where runs write
+  and how Hydra logs (``HYDRA_KEYS``) are refused, since callbacks, launchers, sweepers and
+  ``_target_`` import code and ``hydra.job.env_set`` sets the ranks' environment (a
+  ``PYTHONPATH``); so are ``--experimental-rerun`` (it unpickles a file and runs it) and another
+  primary config (``--config-path``, ``--config-name``). The presets of a ``--config-dir`` are
+  read first and held to the same rule; odcfsdp's own presets (``configs/experiment``) are tested
+  against it.
 """
 
 from __future__ import annotations
@@ -186,28 +193,99 @@ def _type_name(key: str) -> str:
     return words.get(kind, kind)
 
 
-#: Hydra keys and groups whose values name code to import and run
-CODE_KEYS = ("hydra.callbacks", "hydra/callbacks", "hydra/launcher", "hydra/sweeper")
+#: the Hydra keys a command line may set: where runs write and how Hydra logs. Any other would import code
+#: (callbacks, launchers, sweepers, a ``_target_``), set the ranks' environment (``hydra.job.env_set``: a
+#: ``PYTHONPATH``) or read configs from elsewhere (``hydra.searchpath``) ([cli-keys]).
+HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.output_subdir", "hydra.job.chdir",
+              "hydra.job.name", "hydra.verbose", "hydra.mode", "hydra/job_logging", "hydra/hydra_logging")
+
+#: Hydra's flags that run code or pick another primary config, with why each is refused
+REFUSED_FLAGS = {
+    "--experimental-rerun": "it unpickles a file and runs it",
+    "--config-path": "the config is odcfsdp's typed one (presets: +experiment=NAME, or --config-dir DIR)",
+    "-cp": "the config is odcfsdp's typed one (presets: +experiment=NAME, or --config-dir DIR)",
+    "--config-name": "the config is odcfsdp's typed one (presets: +experiment=NAME, or --config-dir DIR)",
+    "-cn": "the config is odcfsdp's typed one (presets: +experiment=NAME, or --config-dir DIR)",
+}
 
 
-def _runs_code(arg: str) -> bool:
-    """Whether the override ``arg`` would make Hydra import or call something (a ``_target_``, a callback)."""
+def _refused_hydra(arg: str) -> str | None:
+    """Why the command-line argument ``arg`` is refused (it would run code, [cli-keys]); None if it is not."""
     if arg.startswith("-"):
-        return False
-    key = arg.split("=")[0].lstrip("+~")
-    return "_target_" in key or key.startswith(CODE_KEYS)
+        flag = arg.split("=")[0]
+        return f"{flag}: refused, {REFUSED_FLAGS[flag]}" if flag in REFUSED_FLAGS else None
+    name = arg.split("=")[0]
+    key = name.lstrip("+~")
+    hydra = key.startswith(("hydra.", "hydra/"))
+    if "_target_" in key:
+        return f"{name}: the command line takes no {'hydra ' if hydra else ''}keys that import or run code"
+    if hydra and not key.startswith(HYDRA_KEYS):
+        return (f"{name}: refused, it would import code, set the ranks' environment or read configs from "
+                f"elsewhere (the hydra keys a run takes: {', '.join(HYDRA_KEYS)})")
+    return None
+
+
+def check_config_dir(path: str | Path) -> None:
+    """``ValueError`` unless every preset under ``--config-dir path`` leaves Hydra as the command line may
+    ([cli-keys]): no ``_target_``, no ``hydra`` key but ``HYDRA_KEYS``, no ``hydra/...`` defaults entry but those."""
+    import yaml
+
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"--config-dir {str(path)!r} is not a directory")
+    for file in sorted(root.rglob("*.y*ml")):
+        try:
+            preset = yaml.safe_load(file.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"{file}: not a readable YAML preset: {str(e).splitlines()[0]}") from None
+        for key in _flat_keys(preset):
+            refused = _refused_hydra(key.replace("defaults.", "", 1) if key.startswith("defaults.") else key)
+            if refused:
+                raise ValueError(f"{file}: {refused}")
+
+
+def _flat_keys(node, prefix: str = "") -> list[str]:
+    """Every leaf key path under ``node`` (``a.b.c``); a defaults-list entry ``{group: option}`` or
+    ``"override group: option"`` is ``defaults.group``."""
+    if isinstance(node, dict):
+        out = []
+        for k, v in node.items():
+            key = str(k).removeprefix("override ").strip().lstrip("/")  # "/hydra/x": the group hydra/x
+            out += _flat_keys(v, f"{prefix}.{key}" if prefix else key) if prefix != "defaults" else [f"defaults.{key}"]
+        return out or [prefix]
+    if isinstance(node, list) and prefix == "defaults":
+        return [k for item in node for k in (_flat_keys(item, prefix) if isinstance(item, dict)
+                                             else [f"defaults.{str(item).removeprefix('override ').split(':')[0].strip().lstrip('/')}"])]
+    if isinstance(node, list):
+        return [k for item in node for k in _flat_keys(item, prefix)] or [prefix]
+    return [prefix]
+
+
+def config_dirs(args: list[str]) -> list[str]:
+    """The directories given with Hydra's ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR``."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg.startswith("--config-dir="):
+            found.append(arg.split("=", 1)[1])
+        elif arg in ("--config-dir", "-cd"):
+            found.append(args[i + 1] if i + 1 < len(args) else "")
+    return found
 
 
 def check_overrides(args: list[str], groups: tuple[str, ...] = ("experiment",)) -> list[str]:
-    """The command line with its overrides checked and rewritten as [cli-keys] says; ``ValueError`` for an unknown key.
+    """The command line with its overrides checked and rewritten as [cli-keys] says; ``ValueError`` for an unknown key,
+    and for what would run code (``_refused_hydra``), the presets of a ``--config-dir`` included.
 
     ``groups`` are config groups (``+experiment=NAME``), not keys of the tree.
     """
+    for path in config_dirs(args):
+        check_config_dir(path)
     out, typed = [], None
     for arg in args:
         m = re.fullmatch(r"(\+\+|\+|~)?([\w.\[\]-]+)(=.*)?", arg, re.S)
-        if _runs_code(arg):
-            raise ValueError(f"{arg.split('=')[0]}: the command line takes no hydra keys that import or run code")
+        refused = _refused_hydra(arg)
+        if refused:
+            raise ValueError(refused)
         if arg.startswith("-") or not m or (m[3] is None and m[1] != "~"):
             if "=" in arg and not arg.startswith("-"):
                 _parsed(arg)  # not even an override: Hydra's grammar would say so in several lines
