@@ -285,3 +285,18 @@ def test_a_config_dir_of_plain_presets_trains_and_odcfsdps_presets_pass_the_rule
     (tmp_path / "mine" / "experiment" / "bad.yaml").write_text("model:\n  x:\n    _target_: os.system\n")
     with pytest.raises(ValueError, match="bad.yaml: model.x._target_: the command line takes no keys that import"):
         check_config_dir(tmp_path / "mine")
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    """``python -m odcfsdp.train --help | head`` whose reader is gone: no BrokenPipeError traceback, exit 141 (128 +
+    SIGPIPE, as a tool that SIGPIPE ends)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "odcfsdp.train", "--help"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")

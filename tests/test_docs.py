@@ -153,18 +153,48 @@ def test_readme_starts_with_the_two_commands():
         "No GPU? Run `pip install torch --index-url https://download.pytorch.org/whl/cpu` first")
 
 
-def test_readme_example_runs_in_one_process():
-    """The README's Python example is a working loop (one process, CPU; 2 of its steps)."""
+def _readme_example(steps: int) -> str:
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    assert "for step in range(20):" in code and len(code.splitlines()) <= 25
+    return code.replace("range(20)", f"range({steps})") + "\nassert torch.isfinite(loss)\n"
+
+
+def test_readme_example_runs_in_one_process_and_says_what_it_trained():
+    """The README's Python example is a working loop (one process, CPU; 2 of its steps) that prints what it did."""
     import subprocess
     import sys
 
-    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    assert "for step in range(20):" in code and len(code.splitlines()) <= 24
-    code = code.replace("range(20)", "range(2)") + "\nassert torch.isfinite(norm)\n"
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(README.parent)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _readme_example(2)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert re.fullmatch(r"rank 0: 2 steps, 1 micro-batches each, last loss \d+\.\d{3}\n", done.stdout), done.stdout
+
+
+def test_readme_example_under_torchrun_trains_as_ranks_and_refuses_separate_copies(tmp_path):
+    """Under ``torchrun --nproc-per-node=2`` the example trains as 2 ranks (rank r runs r + 1 micro-batches); without
+    its ``init_process_group`` line each rank would train a copy of its own, and is refused in one line, rc 1."""
+    import os
+    import subprocess
+    import sys
+
+    from odcfsdp.launch import free_port
+
+    (tmp_path / "example.py").write_text(_readme_example(2))
+    (tmp_path / "alone.py").write_text(_readme_example(2).replace("if \"RANK\" in os.environ:", "if False:"))
+    env = {**os.environ, "PYTHONPATH": str(README.parent), "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name in ("example", "alone"):
+        runs[name] = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                                     f"--master-port={free_port()}", str(tmp_path / f"{name}.py")], env=env,
+                                    capture_output=True, text=True, timeout=300)
+    assert runs["example"].returncode == 0, runs["example"].stderr[-3000:]
+    said = sorted(re.findall(r"rank (\d): 2 steps, (\d) micro-batches each", runs["example"].stdout))
+    assert said == [("0", "1"), ("1", "2")], runs["example"].stdout
+    assert runs["alone"].returncode == 1
+    assert ("RuntimeError: WORLD_SIZE=2: a launcher (torchrun) started 2 ranks, but torch.distributed is not "
+            "initialised") in runs["alone"].stderr
 
 
 def test_cli_page_is_the_generated_one():

@@ -152,6 +152,9 @@ def main() -> None:
     except Interrupted as e:  # before the ranks trained, or a second Ctrl-C: exit 128 + the signal's number
         print(f"{chr(10) if sys.stderr.isatty() else ''}{e.message()}", file=sys.stderr)  # a bar may be mid-line
         sys.exit(e.exit_code)
+    except BrokenPipeError:  # stdout's reader is gone (``--help | head``): end quietly, as SIGPIPE ends a tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        sys.exit(128 + signal.SIGPIPE)
 
 
 def _main(args: list[str]) -> None:

@@ -5,6 +5,7 @@ collective is the identity.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -23,6 +24,16 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None)
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
 
 
+def _check_not_launched() -> None:
+    """One process alone, though a launcher started several (torchrun's ``WORLD_SIZE``): refused, since each would
+    train a copy of its own and none would say so."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        raise RuntimeError(f"WORLD_SIZE={launched}: a launcher (torchrun) started {launched} ranks, but "
+                           "torch.distributed is not initialised, so each would train a separate copy of the model: "
+                           "call torch.distributed.init_process_group() before sharding it")
+
+
 class RankGroup:
     """Rank, size and the rare collectives (set-up, the step, checkpoints) of one process group.
 
@@ -37,6 +48,7 @@ class RankGroup:
         if self.distributed:
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         else:
+            _check_not_launched()
             self.rank, self.world_size = 0, 1
 
     def global_rank(self, rank: int) -> int:
