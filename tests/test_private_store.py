@@ -88,3 +88,57 @@ def test_the_watchdog_signals_only_stopped_siblings(tmp_path):
     from odcfsdp.sharding.watchdog import stopped_sibling
 
     assert not stopped_sibling(os.getpid()) and not stopped_sibling(1)
+
+
+def _nic() -> str | None:
+    """A network interface other than loopback that has an IPv4 address (eth0 on most hosts), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                return name
+            except OSError:
+                continue
+    return None
+
+
+def _own_listening_addresses() -> set[str]:
+    """The local addresses of every TCP socket this process listens on (its fds' inodes in /proc/net/tcp{,6})."""
+    import torch.distributed as dist
+
+    dist.barrier()  # gloo's pairs are connected: every socket it will listen on is open
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            cols = row.split()
+            address = cols[1].split(":")[0]
+            if cols[3] == "0A" and cols[9] in inodes:
+                out.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)) if len(address) == 8
+                        else "ipv6:" + address)
+    return out
+
+
+def test_the_ranks_own_sockets_listen_on_loopback_only(monkeypatch):
+    """gloo (and NCCL's bootstrap) listen on the interface the host name resolves to: a cloud host's NIC, for the
+    whole run. Asked for the NIC here (GLOO_SOCKET_IFNAME, where the host has one), spawn's ranks still listen on
+    loopback alone ([private-store] 4)."""
+    nic = _nic()
+    if nic:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", nic)
+    for seen in spawn(_own_listening_addresses, 2, timeout=120):
+        assert seen and seen <= {"127.0.0.1", "ipv6:0000000000000000FFFF00000100007F",
+                                 "ipv6:00000000000000000000000001000000"}, seen

@@ -36,6 +36,10 @@ The ranks' key-value store (hosted here, see ``spawn``) is written by the ranks 
 3. the watchdog signals only a sibling: a process with its own rank's parent (the launcher,
    ``spawn``'s fork server or ``torchrun``'s agent), never another pid read from a store
    (``_Heartbeat._kill_stopped`` in ``sharding/watchdog.py``).
+4. the ranks' own sockets listen on loopback too: gloo's and NCCL's bootstrap pick their interface
+   from the host name, which on a cloud host resolves to the NIC, so every rank would accept
+   connections there for the whole run. ``spawn`` sets ``GLOO_SOCKET_IFNAME`` and
+   ``NCCL_SOCKET_IFNAME`` to the loopback interface in each rank (all its ranks are local).
 Under ``torchrun`` the store is the agent's (its ``--rdzv-*`` settings decide where it listens).
 
 CPU (gloo) workers are forked from a fork server (``multiprocessing``'s "forkserver",
@@ -109,6 +113,15 @@ def init_torchrun(use_cuda: bool | None = None) -> torch.device:
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+def loopback_interface() -> str | None:
+    """The loopback network interface's name (``lo`` on Linux), or None where there is none."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
 
 
 def free_port() -> int:
@@ -197,6 +210,9 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                           ODCFSDP_STORE_HOST=f"the launcher (pid {parent_pid or os.getppid()})")
         os.environ["LOCAL_RANK"] = str(rank)
+        loopback = loopback_interface()
+        if loopback:  # every rank is local: nothing listens on the NIC ([private-store] 4)
+            os.environ.update(GLOO_SOCKET_IFNAME=loopback, NCCL_SOCKET_IFNAME=loopback)
         torch.set_num_threads(threads)
         from ..sharding.watchdog import set_fatal_handler, set_wait_cap
 
