@@ -252,3 +252,44 @@ def test_every_design_note_named_by_file_is_in_that_file(page):
         elif f"[{tag}]" not in path.read_text():
             wrong.append(f"[{tag}] in {file}: not there")
     assert wrong == []
+
+
+#: a design note's heading, and its block: up to the docstring's end or the next note
+NOTE = re.compile(r"Design note \[([a-z0-9-]+)\](.*?)(?=Design note \[|\"\"\"|\Z)", re.S)
+#: a reference to a note, ``[name]`` or ``[name] N`` (``[name] N-M``): not a markdown link, not an index (``x[i-1]``)
+NOTE_REF = re.compile(r"(?<![\w\]\[])\[([a-z][a-z0-9]+(?:-[a-z0-9]+)*)\](?!\()(?:\s+(\d+)(?:-(\d+))?)?")
+#: bracketed words that are no note: TOML tables
+NOT_NOTES = {"build-system", "project", "tool"}
+
+
+def _notes_and_references() -> tuple[dict[str, int], list[tuple[str, int, str, str | None]]]:
+    """Every design note (name -> its numbered items' count) and every reference to one (file, line, name, item)
+    in the package, the benchmarks, the tests and the docs."""
+    repo = README.parent
+    files = [*sorted((repo / "odcfsdp").rglob("*.py")), *sorted((repo / "benchmarks").rglob("*.py")),
+             *sorted((repo / "tests").glob("*.py")), *PAGES]
+    notes: dict[str, int] = {}
+    for f in files:
+        for m in NOTE.finditer(f.read_text()):
+            items = [int(n) for n in re.findall(r"^\s*(\d+)\. ", m.group(2), re.M)]
+            notes[m.group(1)] = max(items, default=0)
+    refs = []
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            for m in NOTE_REF.finditer(line):
+                cited = line[m.end():].startswith(" in ``")  # "[engine] in ``engine.py``": a note, wherever it is
+                if "-" in m.group(1) or m.group(1) in notes or cited:
+                    refs += [(f"{f.relative_to(repo)}:{n}", n, m.group(1), m.group(2)),
+                             *([(f"{f.relative_to(repo)}:{n}", n, m.group(1), m.group(3))] if m.group(3) else [])]
+    return notes, refs
+
+
+def test_every_design_note_reference_names_a_note_and_one_of_its_items():
+    """``[name]`` and ``[name] N`` point at a ``Design note [name]`` that exists and has an item N (issue 43: 74
+    references were checked by nothing, and ``[engine]`` pointed nowhere)."""
+    notes, refs = _notes_and_references()
+    assert len(notes) > 40 and len(refs) > 200
+    dangling = [f"{where}: [{name}]" for where, _, name, _ in refs if name not in notes and name not in NOT_NOTES]
+    beyond = [f"{where}: [{name}] {item} (the note has {notes[name]} items)" for where, _, name, item in refs
+              if name in notes and item and int(item) > notes[name]]
+    assert dangling == [] and beyond == []

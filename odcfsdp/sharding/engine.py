@@ -1,5 +1,7 @@
 """``ShardEngine``: one model's sharding machinery, behind both ``ODCShard`` and ``fully_shard``.
 
+Design note [engine]
+--------------------
 It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
 
 * ``ShardMesh`` ([mesh]): the ranks and the collectives they meet with;
