@@ -103,9 +103,9 @@ def _meet_apart() -> str:
     model = _sharded("shm")
     try:
         if dist.get_rank() == 0:
-            model.protocol.meet(Meeting.SYNC)  # reads .grad while rank 1 finishes its step
+            model.minibatch.meet(Meeting.SYNC)  # reads .grad while rank 1 finishes its step
         else:
-            model.protocol.meet_carrying(Meeting.FINISH, model.engine.float8.amaxes(torch.device("cpu")))
+            model.minibatch.meet_carrying(Meeting.FINISH, model.engine.float8.amaxes(torch.device("cpu")))
     except RuntimeError as e:
         return str(e)
     finally:

@@ -85,7 +85,7 @@ def test_same_methods_act_as_fsdp2s():
     model = _sharded()
     try:
         model.set_reduce_scatter_divide_factor(4.0)
-        assert model._odc_engine.lifecycle.divide_factor == 4.0
+        assert model._odc_engine.minibatch.divide_factor == 4.0
         model.set_reduce_scatter_max_input_buffers(3)
         assert model._odc_engine.comm.pushes_in_flight == 3
         for bad in (0, True, 1.5):

@@ -162,7 +162,7 @@ def test_settings_made_on_blocks_before_the_root_call_are_kept_and_units_cast_th
     assert {(g.reshard_after_forward, g.reshard_after_backward) for g in model.layers[0]._odc_groups()} == {
         (False, False)}
     assert {g.reshard_after_forward for g in model.layers[1]._odc_groups()} == {True}
-    assert model._odc_engine.lifecycle.divide_factor == 7.0
+    assert model._odc_engine.minibatch.divide_factor == 7.0
     block = nn.Linear(8, 8)
     fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     assert block(torch.ones(2, 8)).dtype == torch.bfloat16  # the fp32 input cast to bf16 by the unit's hook

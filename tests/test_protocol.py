@@ -301,13 +301,16 @@ def test_a_model_dropped_without_close_is_freed_and_models_add_no_hooks():
 
 
 def test_the_design_notes_transition_table_is_the_protocols():
-    """[step-protocol]'s table of states and transitions is ``TRANSITIONS`` verbatim."""
+    """[step-protocol]'s table of states and transitions is ``TRANSITIONS`` verbatim: each row's method is the
+    ``Minibatch`` method the table runs."""
     import re
 
-    from odcfsdp.sharding import protocol
+    from odcfsdp.sharding import minibatch, protocol
 
     rows = re.findall(r"^(ACCUMULATING|EMPTY|READY) +([A-Z]+) +(_\w+)", protocol.__doc__, re.M)
-    assert sorted(rows) == sorted((s.name, e.name, method) for (s, e), method in protocol.TRANSITIONS.items())
+    assert len(rows) == 8
+    assert sorted(rows) == sorted((s.name, e.name, method.__name__) for (s, e), method in minibatch.TRANSITIONS.items())
+    assert all(getattr(minibatch.Minibatch, m.__name__) is m for m in minibatch.TRANSITIONS.values())
 
 
 def test_each_lifecycle_step_is_a_profiler_range():

@@ -25,7 +25,7 @@ FRAME_RULES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("comm_buffers", "odcfsdp/sharding/transport/", None),
     ("comm_buffers", "odcfsdp/kernels/", None),
     ("comm_buffers", "odcfsdp/sharding/streams.py", None),
-    ("comm_buffers", "odcfsdp/sharding/protocol.py", None),
+    ("comm_buffers", "odcfsdp/sharding/minibatch.py", None),  # the meetings, the sync, the finish
     ("comm_buffers", "odcfsdp/sharding/mesh.py", None),
     ("comm_buffers", "odcfsdp/sharding/collectives.py", None),
     ("unsharded_params", "torch/distributed/fsdp/_fully_shard/_fsdp_param.py",

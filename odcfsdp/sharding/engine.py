@@ -10,10 +10,10 @@ It composes the tiers of ``odcfsdp.sharding`` (after FSDP2's ``_fully_shard``):
 * ``FlatGroup`` ([layout], [storage-resize], [grad-buffers], [masters]): one group's
   rows, buffers, state and use counts;
 * ``ShardedParam`` ([params]): one parameter's sharded and unsharded forms;
-* ``StepLifecycle`` ([lifecycle]): the step, one method per phase, with its
+* ``StepLifecycle`` ([lifecycle]): a micro-batch's steps 1-7, one method per phase, with its
   ``PrefetchSchedule`` ([prefetch]); ``HookDriver`` ([hooks]): which hook runs which phase;
-* ``StepProtocol`` ([step-protocol], [grad-protocol], [optimizer-events]): the
-  minibatch's state machine: when ranks meet, and every change of rows;
+* ``Minibatch`` ([lifecycle] 8-10, [step-protocol], [grad-protocol], [optimizer-events]): the
+  minibatch's steps 8-10 and state: its pushes, its meetings, its gradients, every change of rows;
 * ``ShardState`` ([shard-state]): the one way into the sharded values (checkpoints,
   Hugging Face files, state dicts).
 
@@ -41,7 +41,7 @@ from .materialize import materialize_buffers
 from .mesh import ShardMesh
 from .precision import Precision, register_casts
 from .prefetch import PrefetchSchedule
-from .protocol import StepProtocol
+from .minibatch import Minibatch
 from .shard_state import ShardState
 from .streams import CommStreams
 from .transparent import refuse_detaching
@@ -85,7 +85,6 @@ class ShardEngine:
                              gather_dtype=param_dtype)
         self.float8 = Float8Rows(self.layouts, float8, param_dtype, device) if float8 else None
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
-        self.protocol = StepProtocol(self.comm, mesh)
         by_name, regs = dict(named), registrations(root)
         # Every name a parameter is reachable by (tied parameters have several).
         canonical = {id(p): name for name, p in named}
@@ -96,25 +95,24 @@ class ShardEngine:
         starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.comm, dtype, self.protocol, device_mesh, start, FLOAT8_DTYPE if lay.float8 else param_dtype,
+                      self.comm, dtype, device_mesh, start, FLOAT8_DTYPE if lay.float8 else param_dtype,
                       host, pin, grad_dtype=param_dtype, wraps=self.float8.wrap(lay) if self.float8 else None)
             for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
         ]
         for g in self.groups:
             g.reshard_after_forward = reshard_after_forward
-        self.lifecycle = StepLifecycle(self.groups, self.comm, mesh, PrefetchSchedule(prefetch), self.protocol,
-                                       checks=self.check_intact, float8=self.float8)
-        # FSDP2's default: the mean over the data-parallel ranks, every replica's included
-        self.lifecycle.divide_factor = float(mesh.world_size * mesh.replicas)
-        self.protocol.attach(self.groups, self.lifecycle)
+        # the parameters' .grad events go to the minibatch from here ([params]); FSDP2's default divide factor: the
+        # mean over the data-parallel ranks, every replica's included
+        self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas), self.float8)
+        self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(prefetch), self.minibatch,
+                                       checks=self.check_intact)
         if on_meta:
             materialize_buffers(root, device)
         if self.float8 is not None:  # the first float8 rows: the scales need every rank's amaxes (one all-gather)
-            self.protocol.meetings.carry_len = len(self.float8.slots)
             self.float8.attach(self.groups)
             self.float8.cast(mesh.all_gather_rows(self.float8.amaxes(mesh.device)))
         mesh.barrier()  # every row written before anyone may read it
-        self.shard_state = ShardState(self.groups, self.protocol, self.aliases)
+        self.shard_state = ShardState(self.groups, self.minibatch, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
         self.driver = HookDriver(root, group_of, self.lifecycle, is_unit)
         self._cast_hooks = register_casts(root, precision)
@@ -142,7 +140,7 @@ class ShardEngine:
     def expose_on(self, front) -> None:
         """Set this engine's parts on ``front`` (``ODCShard``, ``sharded``'s view of a ``fully_shard`` model) under the
         names the checkpoint, optimizer and application code read, with this rank and the shard group's size."""
-        for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "protocol", "aliases",
+        for part in ("mesh", "param_dtype", "layouts", "transport", "gather_masters", "comm", "minibatch", "aliases",
                      "groups", "lifecycle", "shard_state"):
             setattr(front, part, getattr(self, part))
         front.rank, front.world_size = self.mesh.rank, self.mesh.world_size
@@ -167,7 +165,7 @@ class ShardEngine:
             raise ValueError(f"to_empty(device={str(want)!r}): this model's shards live on {have}, where "
                              "fully_shard placed them (the mesh's device): pass that device")
         materialize_buffers(self.root, have)
-        self.protocol.publish_at_next_forward = True
+        self.minibatch.publish_at_next_forward = True
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
@@ -191,7 +189,7 @@ class ShardEngine:
         self.driver.remove()
         for handle in self._cast_hooks:
             handle.remove()
-        self.protocol.close()
+        self.minibatch.close()
         for g in self.groups:
             g.release()
         for mod in self.root.modules():

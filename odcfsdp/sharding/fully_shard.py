@@ -271,7 +271,7 @@ def _build(module: nn.Module, named, settings: UnitState, below: list, absorbs: 
         g.reshard_after_backward = g.owner.reshard_after_backward
     for m in dict.fromkeys([*below, module]):  # settings made on the units since their calls
         if m._odc_settings.divide_factor is not None:
-            engine.lifecycle.set_divide_factor(m._odc_settings.divide_factor)
+            engine.minibatch.set_divide_factor(m._odc_settings.divide_factor)
         for backward, targets in m._odc_settings.prefetch.items():
             apply_prefetch(m, engine, targets, backward)
     return engine

@@ -95,7 +95,7 @@ import torch
 import torch.nn as nn
 
 from .layout import GroupLayout
-from .param import GradEvents, ShardedParam
+from .param import ShardedParam
 from .streams import CommStreams
 from ..torch_private import version_of
 
@@ -125,7 +125,6 @@ class FlatGroup:
         comm: moves rows (its transport allocated this group's row and accumulator), on
             side streams where there are some ([streams]).
         master_dtype: dtype of the master row (fp32 or wider).
-        events: where the parameters' ``.grad`` reads and writes go (the step protocol).
         device_mesh: the DTensor mesh of the shards (None in a single process).
         first_position: the model-order position of the group's first parameter.
         compute_dtype: the unsharded parameters' dtype (default: the row's; wider rows are
@@ -138,7 +137,7 @@ class FlatGroup:
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter],
                  registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype,
-                 events: GradEvents, device_mesh,
+                 device_mesh,
                  first_position: int = 0, compute_dtype: torch.dtype | None = None,
                  host: torch.device | None = None, pin: bool = False, grad_dtype: torch.dtype | None = None,
                  wraps: list | None = None):
@@ -174,7 +173,7 @@ class FlatGroup:
         self.forward_uses_left = 0
         self.backward_uses_left = 0
         self.params = [ShardedParam(layout, i, self.unsharded, self.master, self.accumulator, self.rank, p, regs,
-                                    events, device_mesh, first_position + i, wraps[i] if wraps else None)
+                                    device_mesh, first_position + i, wraps[i] if wraps else None)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
         self._trained = [sp for sp in self.params if sp.trainable]  # may be trained: an accumulator view each
         self._published_version = self._versions()

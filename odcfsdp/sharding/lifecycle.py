@@ -1,4 +1,4 @@
-"""One training step as this rank's wrapper lives it: each step of it is one method of ``StepLifecycle``.
+"""One training step as this rank's wrapper lives it: steps 1-7 here (``StepLifecycle``), 8-10 in ``minibatch.py``.
 
 Design note [lifecycle]
 -----------------------
@@ -6,12 +6,14 @@ The standard loop (``model(x)``, ``loss.backward()`` per micro-batch, then ``cli
 ``opt.step()``, ``opt.zero_grad()``) runs these steps, after FSDP2's ``FSDPParamGroup``
 (``pre_forward`` ... ``finalize_backward``). The hooks ([hooks] in ``hooks.py``) and the step
 protocol's transitions ([step-protocol] in ``protocol.py``) only decide *when*; each step is one
-method here, run under a ``torch.profiler.record_function`` range ``odc::<step>`` (named below), so
-a user's trace shows the phases as FSDP2's do. Steps 1-7 repeat for every micro-batch, and ranks may
-run different numbers of micro-batches (zero included): nothing in them waits for another rank.
+method, run under a ``torch.profiler.record_function`` range ``odc::<step>`` (named below), so a
+user's trace shows the phases as FSDP2's do. Steps 1-7 are ``StepLifecycle``'s methods, below; they
+repeat for every micro-batch, ranks may run different numbers of micro-batches (zero included), and
+nothing in them waits for another rank. Steps 8-10 are ``Minibatch``'s (``minibatch.py``), the one
+object that holds the minibatch: its pushes, meetings, gradients and state.
 
 1. ``begin_forward`` (the root's forward pre-hook): checks that no row is stale and no gradient
-   half consumed, reports a forward to the protocol, resets the groups' use counts.
+   half consumed (the minibatch's ``before_forward``), resets the groups' use counts.
 2. ``gather`` (a site's forward pre-hook), ``odc::gather``: unshard the site's groups (waiting for
    a gather started ahead on the side stream), then start gathering the groups the next sites need
    ([prefetch] in ``prefetch.py``, [streams] in ``streams.py``).
@@ -28,7 +30,7 @@ run different numbers of micro-batches (zero included): nothing in them waits fo
    resharded (a group whose ``reshard_after_backward`` is off stays gathered until step 10).
 7. ``finalize_backward`` (autograd's end-of-backward callback), ``odc::flush``: push what is still
    pending (sites whose inputs need no gradient, late gradients), reshard everything.
-8. ``sync`` (the first ``.grad`` read of a pass after the micro-batches: ``clip_grad_norm_`` or the
+8. ``Minibatch.sync`` (the first ``.grad`` read of a pass after the micro-batches: ``clip_grad_norm_`` or the
    optimizer), ``odc::sync``: this rank's pushes complete, one meeting, then every rank's pushes are
    in; with HSDP the replicas' one all-reduce ([hsdp] in ``hsdp.py``); the summed rows are divided by
    the gradient divide factor (FSDP2's ``set_gradient_divide_factor``: by default the data-parallel
@@ -36,7 +38,7 @@ run different numbers of micro-batches (zero included): nothing in them waits fo
    once, in place; the accumulator rows become the shards' ``.grad``.
 9. clip and step: the user's ``clip_grad_norm_`` (one all-reduce of the norm) and ``opt.step()``
    (fp32 masters updated in place); the optimizer's post-hook reports it ([optimizer-events]).
-10. ``finish`` (every trained gradient consumed: stepped on, or cleared by ``zero_grad``),
+10. ``Minibatch.finish`` (every trained gradient consumed: stepped on, or cleared by ``zero_grad``),
     ``odc::finish``: reshard every group, publish masters to rows, drop ``.grad``, and zero the
     accumulators around one meeting ([streams] 5): nobody gathers or pushes before every row is final.
     Float8 rows ([float8-gather] in ``float8.py``): the masters' amaxes ride that meeting, and each
@@ -49,20 +51,17 @@ and Hugging Face loads) run step 10's work around their own meetings.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from ..torch_private import in_backward, queue_end_of_backward
 from .group import FlatGroup
-from .meetings import Meeting
+from .minibatch import Minibatch
+from .phase_range import phase_range
 from .prefetch import PrefetchSchedule
 from .streams import CommStreams
-from ..torch_private import in_backward, profiler_enabled, queue_end_of_backward
-
-if TYPE_CHECKING:
-    from .mesh import ShardMesh
 
 Site = tuple[FlatGroup, ...]
 
@@ -78,55 +77,35 @@ class TrainingPhase(enum.Enum):
     """Between the first pre-backward hook and the end-of-backward callback."""
 
 
-def phase_range(name: str):
-    """A ``record_function`` range ``odc::<name>`` while a profiler records, else nothing (no cost per hook)."""
-    if profiler_enabled():
-        return torch.profiler.record_function(f"odc::{name}")
-    return contextlib.nullcontext()
-
-
 class StepLifecycle:
     """The steps of [lifecycle], one method each, over one model's groups.
 
     Args:
         groups: the model's groups.
         comm: moves the groups' rows, on side streams where there are some ([streams]).
-        mesh: the ranks that meet.
         prefetch: the site order and how far ahead to gather ([prefetch]).
-        protocol: the step protocol: takes the events (a forward, the end of backward), counts the
-            pushes and runs the meetings (``count_pushes``, ``meet``).
+        minibatch: steps 8-10 (``Minibatch``, ``minibatch.py``): takes what steps 1-7 report (a forward,
+            the pushes, the end of backward, whether a pass is in flight).
         checks: run at the start of every root forward, before anything else (may raise).
-        float8: the float8-gathered weights (``Float8Rows``, [float8-gather] in ``float8.py``), cast at step 10.
     """
 
-    def __init__(self, groups: Sequence[FlatGroup], comm: CommStreams, mesh: ShardMesh, prefetch: PrefetchSchedule,
-                 protocol, checks: Callable[[], None] = lambda: None, float8=None):
+    def __init__(self, groups: Sequence[FlatGroup], comm: CommStreams, prefetch: PrefetchSchedule,
+                 minibatch: Minibatch, checks: Callable[[], None] = lambda: None):
         self.groups = list(groups)
         self.comm = comm
-        self.mesh = mesh
         self.prefetch = prefetch
-        self.protocol = protocol
+        self.minibatch = minibatch
         self.checks = checks
-        self.float8 = float8
         self.phase = TrainingPhase.IDLE
-        self.divide_factor = 1.0  # step 8's divisor of the summed gradients (ODCShard sets FSDP2's default)
-        self._divided_by = 1.0  # the factor the attached accumulators were divided by (undone by drop_grads)
-        self._trained = [g for g in self.groups if g.layout.requires_grad]
-        self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
-        self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
 
     @property
     def busy(self) -> bool:
         """A forward or backward pass is in flight."""
         return self.phase is not TrainingPhase.IDLE
 
-    def close(self) -> None:
-        """The model is closing: the accumulators are the transport's to free."""
-        self._accumulators = []
-
     # -- 1-4: forward ---------------------------------------------------------------------------------
     def begin_forward(self) -> None:
-        """Step 1: the root forward starts: checks, the protocol's forward event, every site still to run."""
+        """Step 1: the root forward starts: checks, the minibatch's forward event, every site still to run."""
         if self.phase is TrainingPhase.BACKWARD:
             if in_backward():  # the whole model recomputed in backward: nothing to reset
                 return
@@ -134,10 +113,10 @@ class StepLifecycle:
                                "may be gathered: call model.reset_iter_state() and then opt.zero_grad(), as FSDP2's "
                                "recovery does, before the next forward")
         self.checks()
-        self.protocol.before_forward()
+        self.minibatch.before_forward()
         for g in self.groups:
             g.reset_uses()
-        self.phase = TrainingPhase.FORWARD
+        self._set_phase(TrainingPhase.FORWARD)
 
     def gather(self, site: Site) -> None:
         """Step 2 (and 5's re-gather): unshard ``site``'s groups for the current stream, then prefetch what the
@@ -173,7 +152,7 @@ class StepLifecycle:
         again."""
         if self.phase is not TrainingPhase.FORWARD:
             return
-        self.phase = TrainingPhase.IDLE
+        self._set_phase(TrainingPhase.IDLE)
         self.prefetch.finish_recording()
         no_grad = not torch.is_grad_enabled()
         for g in self.groups:
@@ -185,7 +164,7 @@ class StepLifecycle:
         """Step 5: the first gradient of ``site``'s outputs: backward begins (the end-of-backward callback is
         queued once), then re-gather with gradient buffers."""
         if self.phase is not TrainingPhase.BACKWARD:
-            self.phase = TrainingPhase.BACKWARD
+            self._set_phase(TrainingPhase.BACKWARD)
             queue_end_of_backward(self.finalize_backward)
         with phase_range("pre_backward"):
             self._unshard(site, backward=True)
@@ -214,12 +193,12 @@ class StepLifecycle:
             for g in late:
                 self.push(g)
             self.comm.backward_done()
-        self.phase = TrainingPhase.IDLE
-        self.protocol.after_backward()
+        self._set_phase(TrainingPhase.IDLE)
+        self.minibatch.after_backward()
 
     def push(self, group: FlatGroup) -> None:
-        """Push ``group``'s pending gradient (if any) into the owners' accumulators; the protocol counts it."""
-        self.protocol.count_pushes(group.push_grad())
+        """Push ``group``'s pending gradient (if any) into the owners' accumulators; the minibatch counts it."""
+        self.minibatch.count_pushes(group.push_grad())
 
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (the modules hold shards)."""
@@ -234,82 +213,11 @@ class StepLifecycle:
             g.drop_grad_buffer()
         self.comm.backward_done()
         self.reshard_all()
-        self.phase = TrainingPhase.IDLE
+        self._set_phase(TrainingPhase.IDLE)
 
-    # -- 8-10: the minibatch's meetings ----------------------------------------------------------------
-    def sync(self) -> int:
-        """Step 8: this rank's pushes complete, one meeting, the HSDP replicas' all-reduce, then the accumulator
-        rows attached as ``.grad``. Returns every rank's pushes (0: nothing to attach)."""
-        with phase_range("sync"):
-            self.comm.pushes_done()
-            pushes = self.protocol.meet(Meeting.SYNC)  # with HSDP, over every replica
-            if self.mesh.replicas > 1 and pushes:  # [hsdp]: the replicas' one exchange of gradients
-                for g in self._trained:
-                    self.mesh.replicate.all_reduce_sum(g.accumulator)
-            if pushes:
-                self._divide()
-                for g in self._trained:
-                    g.attach_grads()
-                if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
-                    offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
-        return pushes
-
-    def set_divide_factor(self, factor: float) -> None:
-        """What step 8 divides the summed gradients by (``ODCShard.set_gradient_divide_factor``): a finite
-        number > 0, taking effect at the next sync."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
-            raise ValueError(f"the gradient divide factor must be a finite number > 0 (1.0: sum), got {factor!r}")
-        self.divide_factor = float(factor)
-
-    def _divide(self) -> None:
-        # The mean as FSDP2's (its post-divide, "less data"): once per minibatch, over this rank's accumulator
-        # rows (1/N of the model), after every rank's pushes and the replicas' all-reduce, so every micro-batch of
-        # every rank is summed first and divided once. Not in the push: the push kernels have no scale, and scaling
-        # each pushed gradient would be a pass over the whole unsharded gradient per micro-batch (N times the data,
-        # every micro-batch). ``div_`` as FSDP2's ``_div_if_needed``: exact for a power-of-two factor; before the
-        # copies ``attach_grads`` makes (a ``reduce_dtype`` upcast, an offloaded host copy), so they see the mean.
-        factor = self.divide_factor
-        if factor != 1.0:
-            for g in self._trained:
-                g.accumulator.div_(factor)
-        self._divided_by = factor
-
-    def finish(self, changed: Sequence[FlatGroup] | None = None, kind: Meeting = Meeting.FINISH) -> None:
-        """Step 10: reshard, publish the masters of the trained groups and of ``changed`` ones (default: those
-        whose master changed), drop ``.grad``, zero the accumulators around one meeting of ``kind``."""
-        with phase_range("finish"):
-            self.reshard_all()
-            if changed is None:
-                changed = [g for g in self.groups if g.layout.requires_grad or g.master_changed]
-            for g in changed:
-                g.publish()
-            for g in self._trained:
-                g.detach_grads()
-            self._divided_by = 1.0  # the accumulators are zeroed below
-            self.comm.rows_published()
-            if self.float8 is None:
-                self.comm.zero_around_meeting(self._accumulators, lambda: self.protocol.meet(kind), self.mesh)
-                return
-            # [float8-gather]: the masters are final, so their amaxes ride this meeting; the cast follows it
-            amaxes, table = self.float8.amaxes(self.mesh.device), []
-            self.comm.zero_around_meeting(self._accumulators, lambda: table.append(
-                self.protocol.meet_carrying(kind, amaxes)), self.mesh, rows_after=lambda: self.float8.cast(table[0]))
-
-    def begin_change(self) -> None:
-        """Before rows change outside a step (``rows_changing``): reshard, this rank's pushes complete, one
-        meeting; step 10 with every group follows the change."""
-        self.reshard_all()
-        self.comm.pushes_done()
-        self.protocol.meet(Meeting.CHANGE)
-
-    def drop_grads(self) -> None:
-        """Gradients read but not consumed go back to accumulating (the protocol's READY + FORWARD): the division
-        of step 8 is undone, so the next sync divides the whole sum once (exact for a power-of-two factor)."""
-        for g in self._trained:
-            g.detach_grads()
-            if self._divided_by != 1.0:
-                g.accumulator.mul_(self._divided_by)
-        self._divided_by = 1.0
+    def _set_phase(self, phase: TrainingPhase) -> None:
+        self.phase = phase
+        self.minibatch.in_pass = phase is not TrainingPhase.IDLE  # a .grad read in a pass meets nobody
 
 
-__all__ = ["StepLifecycle", "TrainingPhase", "phase_range"]
+__all__ = ["StepLifecycle", "TrainingPhase"]

@@ -188,7 +188,7 @@ class ODCModule(FSDPSurface):
         """Divide the gradients summed over ranks and micro-batches by ``factor`` (default: the data-parallel
         ranks, so ``.grad`` is the mean; 1.0 keeps the sum). One factor serves the whole engine."""
         engine = self._odc_engine
-        engine.lifecycle.set_divide_factor(factor)
+        engine.minibatch.set_divide_factor(factor)
         self._odc_settings.divide_factor = float(factor)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:

@@ -49,11 +49,11 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    by_model: dict[int, tuple] = {}  # id(protocol) -> (protocol, its parameters in this optimizer)
+    by_model: dict[int, tuple] = {}  # id(minibatch) -> (minibatch, its parameters in this optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
             sp = getattr(p, "_odc", None)
             if sp is not None:
                 by_model.setdefault(id(sp.events), (sp.events, []))[1].append(sp)
-    for protocol, sps in by_model.values():
-        protocol.optimizer_stepped(sps)
+    for minibatch, sps in by_model.values():
+        minibatch.optimizer_stepped(sps)

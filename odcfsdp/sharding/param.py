@@ -136,7 +136,6 @@ class ShardedParam:
             view of the group's unsharded buffer), unless it is on the meta device, which
             cannot be re-pointed: then a new parameter replaces it.
         registrations: every (module, attribute name) it is registered under.
-        events: where ``.grad`` reads and writes go (the model's step protocol).
         device_mesh: the mesh of the DTensor shards (None: one process, plain tensors).
         position: its place in the model's parameter order (``.grad`` passes are told apart by it).
         wrap: makes the unsharded form from its view of ``buffer`` (a float8 weight's ``Float8TrainingTensor``,
@@ -145,14 +144,14 @@ class ShardedParam:
 
     def __init__(self, layout: GroupLayout, index: int, buffer: torch.Tensor, master: torch.Tensor,
                  accumulator: torch.Tensor | None, rank: int, original: nn.Parameter,
-                 registrations: list[tuple[nn.Module, str]], events: GradEvents, device_mesh, position: int,
+                 registrations: list[tuple[nn.Module, str]], device_mesh, position: int,
                  wrap: Callable[[torch.Tensor], torch.Tensor] | None = None):
         slot = layout.slots[index]
         self.name = slot.name
         self.position = position
         self.trainable = original.requires_grad  # has an accumulator view: may be trained ([requires-grad])
         self.registrations = registrations
-        self.events = events
+        self.events: GradEvents | None = None  # where .grad reads and writes go: the model's Minibatch, once built
         self.index = index
         self._device_mesh = device_mesh
         view = layout.param_view(buffer, index)

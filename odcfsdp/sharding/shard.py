@@ -212,7 +212,7 @@ class ODCShard(nn.Module):
         """
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 0:
             raise ValueError(f"micro_batches must be an int >= 0, got {micro_batches!r}")
-        return self.protocol.declare_minibatch(micro_batches, tokens)
+        return self.minibatch.declare_minibatch(micro_batches, tokens)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradients summed over ranks and micro-batches by ``factor``, as FSDP2's method of that name.
@@ -221,12 +221,12 @@ class ODCShard(nn.Module):
         over ranks, as with FSDP2 and DDP. ``1.0`` keeps the sum (for a loss normalised by the global token
         count). Takes effect at the next sync (the first ``.grad`` read after the micro-batches).
         """
-        self.lifecycle.set_divide_factor(factor)
+        self.minibatch.set_divide_factor(factor)
 
     @property
     def gradient_divide_factor(self) -> float:
         """What the summed gradients are divided by at the sync (``set_gradient_divide_factor``)."""
-        return self.lifecycle.divide_factor
+        return self.minibatch.divide_factor
 
     # -- whole-model access -----------------------------------------------------------
     @property
@@ -241,12 +241,12 @@ class ODCShard(nn.Module):
     @property
     def sync_wait_s(self) -> float:
         """Seconds the last minibatch's sync (the first ``.grad`` read) waited for the other ranks."""
-        return self.protocol.last_wait_s
+        return self.minibatch.last_wait_s
 
     @property
     def pending_pushes(self) -> int:
         """Gradient pushes of this rank whose minibatch has not finished (0 between minibatches)."""
-        return self.protocol.pending_pushes
+        return self.minibatch.pending_pushes
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The wrapped model's persistent buffers by name (replicated on every rank; checkpoints keep them)."""

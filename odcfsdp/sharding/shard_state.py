@@ -14,7 +14,7 @@ is known here and in ``layout.py`` only. Reading:
   group, so at most one group's full values are in flight besides what the caller
   keeps); collective.
 
-Writing happens only inside ``changing()`` (the step protocol's ``rows_changing``,
+Writing happens only inside ``changing()`` (the minibatch's ``rows_changing``,
 [step-protocol]: reshard, pushes complete, meeting, the change, then the masters are
 published to the rows and every rank meets again), through ``write_targets()``:
 each parameter's segment with its padding zeroed, and the ``[lo, hi)`` this rank
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from .group import FlatGroup
 from .layout import GroupLayout
 from .param import ShardedParam
-from .protocol import StepProtocol
+from .minibatch import Minibatch
 
 
 def persistent_buffers(root: nn.Module) -> dict[str, torch.Tensor]:
@@ -51,14 +51,14 @@ class ShardState:
 
     Args:
         groups: the model's groups.
-        protocol: its step protocol (changes of rows run inside its ``rows_changing``).
+        minibatch: its minibatch (changes of rows run inside its ``rows_changing``).
         aliases: every other name of a tied parameter -> its first name.
     """
 
-    def __init__(self, groups: Sequence[FlatGroup], protocol: StepProtocol, aliases: dict[str, str]):
+    def __init__(self, groups: Sequence[FlatGroup], minibatch: Minibatch, aliases: dict[str, str]):
         self.groups = list(groups)
-        self.protocol = protocol
-        self.mesh = protocol.mesh
+        self.minibatch = minibatch
+        self.mesh = minibatch.mesh
         self.aliases = aliases
         self.params: list[ShardedParam] = [sp for g in self.groups for sp in g.params]
 
@@ -70,7 +70,7 @@ class ShardState:
     def param_of(self, tensor: torch.Tensor) -> ShardedParam | None:
         """The ``ShardedParam`` whose shard ``tensor`` is, if it is one of this model's (None otherwise)."""
         sp = getattr(tensor, "_odc", None)
-        return sp if sp is not None and sp.events is self.protocol else None
+        return sp if sp is not None and sp.events is self.minibatch else None
 
     # -- reading --------------------------------------------------------------------------------------
     def shards(self) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
@@ -104,7 +104,7 @@ class ShardState:
     # -- writing ----------------------------------------------------------------------------------------
     def changing(self):
         """Context in which masters may be written (collective; pending gradients are dropped)."""
-        return self.protocol.rows_changing()
+        return self.minibatch.rows_changing()
 
     def write_targets(self, which: Callable[[str], bool] | None = None
                       ) -> Iterator[tuple[ShardedParam, int, int, torch.Tensor]]:

@@ -33,7 +33,7 @@ class FullyShardedView:
     @property
     def pending_pushes(self) -> int:
         """Gradient pushes of this rank whose minibatch has not finished (0 between minibatches)."""
-        return self.protocol.pending_pushes
+        return self.minibatch.pending_pushes
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The model's persistent buffers by name (replicated on every rank; checkpoints keep them)."""
