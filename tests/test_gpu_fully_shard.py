@@ -46,3 +46,27 @@ def test_fully_shard_moves_a_cpu_built_model_to_the_mesh_device():
     for rank in range(2):
         _close(ours[rank]["steps"], theirs[rank]["steps"], 1e-4)
         assert ours[rank]["devices"] == ["cuda"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(120)
+def test_the_root_moves_host_inputs_to_the_models_device():
+    """As FSDP2's root: token ids given on the host reach a CUDA model on its device (they used to fail in the
+    embedding with a device mismatch); the logits equal the plain model's on the GPU."""
+    from odcfsdp import fully_shard
+    from odcfsdp.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    torch.manual_seed(0)
+    plain = Llama(cfg).cuda()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Llama(cfg)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        got = model(ids)
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got, plain(ids.cuda()))

@@ -114,7 +114,7 @@ class ShardEngine:
         mesh.barrier()  # every row written before anyone may read it
         self.shard_state = ShardState(self.groups, self.minibatch, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}
-        self.driver = HookDriver(root, group_of, self.lifecycle, is_unit)
+        self.driver = HookDriver(root, group_of, self.lifecycle, is_unit, device)
         self._cast_hooks = register_casts(root, precision)
         refuse_detaching(root)  # [transparent-wrapper]
         self.closed = False

@@ -30,8 +30,9 @@ one per parameter-owning module, and keep the hooks outside the block's own code
 the block's forward can be compiled (``torch.compile``) in one piece.
 
 The root (the wrapped model itself) gets a forward pre-hook that runs first ([lifecycle] 1:
-the step protocol's ``before_forward``, resetting use counts) and a post-hook that runs
-last, even when forward raises; they sit on the wrapped model, not in
+the minibatch's ``before_forward``, resetting use counts; on a GPU it moves tensors given on
+another device to the model's, as FSDP2's root does) and a post-hook that runs last, even
+when forward raises; they sit on the wrapped model, not in
 ``ODCShard.forward``, so that methods of the model that call its forward
 themselves (Hugging Face ``generate``) take the same path.
 
@@ -58,7 +59,7 @@ import torch.nn as nn
 
 from .group import FlatGroup
 from .lifecycle import Site, StepLifecycle
-from ..torch_private import tree_flatten
+from ..torch_private import apply_to_tensors, tree_flatten
 
 
 def hook_sites(root: nn.Module, is_unit: Callable[[nn.Module], bool]
@@ -120,15 +121,16 @@ class HookDriver:
     """
 
     def __init__(self, root: nn.Module, group_of: dict[nn.Parameter, FlatGroup], lifecycle: StepLifecycle,
-                 is_unit: Callable[[nn.Module], bool]):
+                 is_unit: Callable[[nn.Module], bool], device: torch.device | None = None):
         self.lifecycle = lifecycle
+        self.device = device if device is not None and device.type != "cpu" else None
         # The hooks hold this object; tensor hooks live in C++, where Python's garbage collector
         # cannot see the cycle, so remove() drops them for the wrapper to be freed.
         # Every registered hook is itself torch.compiler.disable'd (not a lambda calling a disabled method): a
         # compiled module's call (``module.compile()``) then runs it eagerly with no graph break, where a lambda
         # around it was inlined and broke the graph at the call (2 breaks a block).
-        self.handles: list = [root.register_forward_pre_hook(_opaque(lambda _m, _a: self._root_pre_forward()),
-                                                             prepend=True)]
+        self.handles: list = [root.register_forward_pre_hook(
+            _opaque(lambda _m, args, kwargs: self._root_pre_forward(args, kwargs)), prepend=True, with_kwargs=True)]
         self.site_of: dict[nn.Module, Site] = {}  # each hooked module's site (``fully_shard``'s methods use them)
         for mod, params in hook_sites(root, is_unit):
             site = tuple(dict.fromkeys(group_of[p] for p in params if p in group_of))  # not ignored_params
@@ -152,8 +154,13 @@ class HookDriver:
         self.handles = []
 
     # -- the root's forward: [lifecycle] 1 and 4 (each method runs inside its disabled hook, _opaque) -------
-    def _root_pre_forward(self) -> None:
+    def _root_pre_forward(self, args, kwargs):
         self.lifecycle.begin_forward()
+        if self.device is None:
+            return None
+        # as FSDP2's root: tensors given on another device (the host) move to the model's, without blocking
+        return apply_to_tensors(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True),
+                                (args, kwargs))
 
     def _root_post_forward(self) -> None:
         self.lifecycle.end_forward()
