@@ -87,3 +87,29 @@ def reference_example(tok, ref: tuple) -> tuple[list[int], list[bool]]:
     body = tok(prompt + completion, add_special_tokens=False)["input_ids"]
     ids = [tok.bos_token_id, *body, tok.eos_token_id]
     return ids, [False] * (1 + n_prompt) + [True] * (len(ids) - 1 - n_prompt)
+
+
+def table_cases(n: int = 3) -> dict[str, list[dict]]:
+    """Records of every format as a Hugging Face dataset holds them, in two tables (each one Parquet file): ``mixed``
+    (text, prompt / completion strings, Alpaca, ShareGPT and messages rows with tool calls and tools, so every row
+    lacks most of the table's columns: null in Arrow) and ``conversational`` (TRL's prompt / completion as lists
+    of messages, whose ``prompt`` column cannot share a table with string prompts)."""
+    mixed, conversational = [], []
+    for i in range(n):
+        a, b = 3 * i + 1, 7 * i + 2
+        q, ans = f"what is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        mixed += [
+            {"text": f"{q} {ans}"},
+            {"prompt": q, "completion": f" {a + b}."},
+            {"instruction": "add the numbers", "input": f"{a} {b}" if i % 2 else "", "output": str(a + b)},
+            {"system": "answer briefly",
+             "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": ans}]},
+            {"messages": [_user(q), {"role": "assistant", "content": "", "tool_calls": [call]},
+                          {"role": "tool", "content": str(a + b)}, _assistant(ans)],
+             **({"tools": TOOLS} if i % 2 else {})},
+            {"messages": [{"role": "system", "content": "answer briefly"}, _user(q), _assistant(ans)]},
+        ]
+        conversational.append({"prompt": [{"role": "system", "content": "answer briefly"}, _user(q)],
+                               "completion": [_assistant(ans)]})
+    return {"mixed": mixed, "conversational": conversational}

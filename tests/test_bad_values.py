@@ -104,7 +104,11 @@ DATA = [  # (file name, bytes, the one line's message)
     ("deep.jsonl", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "deep.jsonl:1: nested too deeply"),
     ("no_content.jsonl", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "yo"}]}\n',
      "no_content.jsonl:1: messages[1] (assistant) has no 'content'"),
-    ("data.parquet", b"PAR1\x15\x04\x15\xff\xfe\x00", "data.parquet: not UTF-8 text: data files are JSONL, or a .json array"),
+    # Parquet trains now (tests/test_data_formats.py); a file named so that is none is refused naming it
+    ("data.parquet", b"PAR1\x15\x04\x15\xff\xfe\x00", "data.parquet: not a Parquet file ("),
+    ("rows.parquet", b'{"text": "hi"}\n', "rows.parquet: not a Parquet file ("),
+    ("utf16.jsonl", '{"text": "hi"}\n'.encode("utf-16"), "utf16.jsonl: not UTF-8 text: data files are JSONL, a .json "
+                                                         "array, or Parquet"),
 ]
 
 
@@ -112,6 +116,8 @@ DATA = [  # (file name, bytes, the one line's message)
 def test_bad_data_files_are_refused_before_ranks_start_naming_file_and_line(tmp_path, name, data, message):
     from odcfsdp.app.preflight import preflight
 
+    if name.endswith(".parquet"):
+        pytest.importorskip("pyarrow", reason="Parquet needs pyarrow (the parquet and test extras)")
     (tmp_path / name).write_bytes(data)
     cfg = config_from({"data": {"path": str(tmp_path / name)}, "run": {"out_dir": str(tmp_path / "run")}})
     with pytest.raises(ValueError) as e:
@@ -190,6 +196,7 @@ def test_a_truncated_safetensors_file_is_named_up_front(tmp_path, files):
     cfg = config_from({"model": {"name": "hf", "path": str(model)}, "data": {"path": str(tmp_path / "d.jsonl")},
                        "run": {"out_dir": str(tmp_path / "run")}})
     preflight(cfg)  # whole: accepted
+    (tmp_path / "run").rmdir()  # the accepted checks kept the run's directory; the refused ones below make none
     whole = (model / name).read_bytes()
     (model / name).write_bytes(whole[:-100])
     with pytest.raises(ValueError) as e:

@@ -144,3 +144,136 @@ def test_activation_checkpointing_gives_the_same_gradients():
         m(x).pow(2).mean().backward()
     for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=n)
+
+
+# -- [truncate-first]: a record is tokenized only as far as the cap keeps it ----------------------------------------
+class _Tokenizers:
+    """A ``tokenizers`` tokenizer called as odcfsdp's are: ``encode(text)``, no special tokens added."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def _corpus() -> list[str]:
+    """Text the test tokenizers learn from: prose, numbers, and long runs (long tokens for the BPEs)."""
+    words = ["the", "sample", "token", "cap", "keeps", "prefix", "whole", "record", "tokenizer", "merges"]
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + f" {i * 37} {i}." for i in range(300)]
+    return lines + ["a" * n for n in (2, 4, 8, 16, 32, 64)] + ["ab" * 40, "\u4e2d\u6587\u5b57" * 20, "  \n\t" * 10]
+
+
+def _test_tokenizers() -> dict:
+    """Tokenizers of the kinds models ship: byte-level BPE (GPT-2, Llama 3, Qwen), a BPE with no pre-tokenizer
+    (merges across spaces), a Unigram with Metaspace and NFKC (sentencepiece, T5), a WordPiece with BERT's
+    normalizer (drops control and format characters), and odcfsdp's byte tokenizer."""
+    pytest.importorskip("tokenizers", reason="the test extra's transformers brings tokenizers")
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    def trained(model, trainer, pre=None, norm=None) -> _Tokenizers:
+        tok = Tokenizer(model)
+        if pre is not None:
+            tok.pre_tokenizer = pre
+        if norm is not None:
+            tok.normalizer = norm
+        tok.train_from_iterator(_corpus(), trainer)
+        return _Tokenizers(tok)
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    return {
+        "bytes": ByteTokenizer(),
+        "bpe_bytelevel": trained(models.BPE(), trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet,
+                                                                  show_progress=False),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False)),
+        "bpe_no_pretokenizer": trained(models.BPE(unk_token="?"), trainers.BpeTrainer(
+            vocab_size=600, special_tokens=["?"], show_progress=False)),
+        "unigram_metaspace": trained(models.Unigram(), trainers.UnigramTrainer(
+            vocab_size=300, unk_token="<unk>", special_tokens=["<unk>"], show_progress=False),
+            pre_tokenizers.Metaspace(), normalizers.NFKC()),
+        "wordpiece_bert": trained(models.WordPiece(unk_token="[UNK]"), trainers.WordPieceTrainer(
+            vocab_size=400, special_tokens=["[UNK]"], show_progress=False),
+            pre_tokenizers.BertPreTokenizer(), normalizers.BertNormalizer()),
+    }
+
+
+def _hard_texts() -> dict[str, str]:
+    """Texts where cutting is most likely to change the tokens before the cut."""
+    g = torch.Generator().manual_seed(0)
+    letters = "".join(chr(97 + int(i)) for i in torch.randint(0, 26, (20_000,), generator=g))
+    return {
+        "prose": " ".join(_corpus()) * 3,
+        "one_long_word": letters,
+        "one_letter_run": "a" * 30_000,  # merged by the BPEs into their longest tokens; one unknown word to WordPiece
+        "whitespace_runs": ("x" + " " * 50 + "\n\t") * 600,
+        "nfkc_expands": "\ufdfa " * 3_000,  # NFKC writes each as 18 characters
+        "normalizer_drops": "\u200b" * 50_000 + " the whole record " * 40,  # BERT's normalizer drops U+200B
+        "cjk_and_emoji": ("\u4e2d\u6587\u5b57 \U0001f600\U0001f680 caf\u00e9 " * 2_000),
+    }
+
+
+def test_a_text_tokenized_up_to_the_cap_is_the_whole_texts_tokens_cut_there():
+    """[truncate-first]: ``encode_prefix(tok, text, n)`` is ``tok.encode(text)[:n]`` (the reference: tokenize the
+    whole text, then cut), and says whether tokens were cut, for tokenizers of every kind models ship and for the
+    texts most likely to differ (one word of 20K letters, runs of a BPE's longest token, whitespace runs,
+    characters a normalizer expands 18-fold or drops) at caps from 0 to past the text's end."""
+    from odcfsdp.data.truncate import encode_prefix
+
+    for name, tok in _test_tokenizers().items():
+        for kind, text in _hard_texts().items():
+            whole = tok.encode(text)
+            for limit in (0, 1, 5, 63, 64, 65, 200, 511, 1_000, 4_000, len(whole), len(whole) + 10):
+                ids, more = encode_prefix(tok, text, limit)
+                assert ids == whole[:limit], (name, kind, limit)
+                assert more == (len(whole) > limit), (name, kind, limit)
+
+
+def test_the_tokenizer_sees_a_bounded_prefix_unless_the_prefix_holds_too_few_tokens():
+    """A 5M-character text under a cap of 512 tokens: the tokenizer is given at most 8 characters a token of the cap
+    and its margin (not 5M); a text whose characters all vanish but the last few (BERT's normalizer drops U+200B) is
+    tokenized in prefixes that double until the whole text, so its tokens are still the whole text's."""
+    from odcfsdp.data.truncate import CHARS_PER_TOKEN, encode_prefix, margin
+
+    class Spy(ByteTokenizer):
+        def __init__(self, drop: str = ""):
+            super().__init__()
+            self.drop, self.seen = drop, []
+
+        def encode(self, text: str) -> list[int]:
+            self.seen.append(len(text))
+            return super().encode(text.replace(self.drop, "") if self.drop else text)
+
+    text = "one long record " * 312_500
+    tok = Spy()
+    assert encode_prefix(tok, text, 512) == (list(text[:512].encode()), True)
+    assert tok.seen == [CHARS_PER_TOKEN * (512 + margin(512))] and max(tok.seen) < len(text) / 500
+    vanishing = "\u200b" * 1_000_000 + "tail"
+    tok = Spy(drop="\u200b")
+    assert encode_prefix(tok, vanishing, 3) == (list(b"tai"), True)
+    assert tok.seen[-1] == len(vanishing) and all(b == 2 * a for a, b in zip(tok.seen, tok.seen[1:-1]))
+
+
+def test_a_50_mb_record_is_cut_before_it_is_tokenized(tmp_path):
+    """Issue 44: one 50 MB record took 1.93 GiB a rank, tokenized whole before the cap cut it. Loaded now in a
+    process of its own (bounded), it adds less than 0.4 GiB to the peak (the line read, its JSON string), and its
+    sample is the record's first tokens."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"text": "fifty megabytes of one record " * 1_700_000}) + "\n")
+    script = (
+        "import json, resource\n"
+        "from odcfsdp.data.jsonl import JsonlSource\n"
+        "from odcfsdp.data.tokenizer import ByteTokenizer\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"src = JsonlSource({str(path)!r}, ByteTokenizer(), 4097)\n"
+        "grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20\n"  # KiB -> GiB
+        "print(json.dumps([grown, src.num_samples, src.records[0][0].tolist()]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown, samples, tokens = json.loads(proc.stdout)
+    assert path.stat().st_size > 50e6 and grown < 0.4, grown
+    text = "fifty megabytes of one record " * 137
+    assert samples == 1 and tokens == [ByteTokenizer().bos_id, *text.encode()[:4096]]

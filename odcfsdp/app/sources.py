@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..data.formats import Chat, parse
-from ..data.jsonl import JsonlSource, read_records
+from ..data.jsonl import JsonlSource, encode_capped, encode_record, read_records
 from ..data.lengths import LengthDistribution
+from ..data.parquet import is_parquet
 from ..data.synthetic import SyntheticSFT
 from ..data.tokenizer import load_tokenizer
 from .specs import model_spec
@@ -121,7 +122,8 @@ def tokenizer_path(cfg) -> str | None:
 
 
 def jsonl_source(cfg, path: str, tokenizer, seed: int = 0) -> JsonlSource:
-    """The JSONL file at ``path`` (``data.path`` or ``data.eval_path``) read as ``data.format``, ``data.fields`` say."""
+    """The data file at ``path`` (``data.path`` or ``data.eval_path``: JSONL, a JSON array, or Parquet) read as
+    ``data.format``, ``data.fields`` say."""
     d = cfg.data
     return JsonlSource(path, tokenizer, d.micro_batch_tokens + 1, seed, d.format, d.fields.mapping())
 
@@ -136,13 +138,30 @@ def _validate_jsonl(cfg) -> None:
         raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
 
 
-def check_jsonl(key: str, path: str, data) -> list[str]:
-    """Every record of the file parses in ``data.format``, and some record carries loss (reading only:
-    tokenizing, and so truncation to ``data.micro_batch_tokens``, is the ranks' work). Returns a note for each
-    ``data.fields`` mapping whose column no record has."""
+_UNLOADED = object()  # check_jsonl's tokenizer before it is needed (None: one that does not load)
+
+
+def _run_tokenizer(cfg):
+    """The tokenizer the ranks will load, or None where it does not load: what is wrong with it is the ranks'
+    loader's to say (a missing tokenizer directory or file is named by ``preflight`` itself)."""
+    try:
+        return load_tokenizer(tokenizer_path(cfg))
+    except Exception:  # noqa: BLE001 - any loader failure: the ranks raise it, with its own message
+        return None
+
+
+def check_jsonl(key: str, path: str, cfg) -> list[str]:
+    """Every record of the file (JSONL, a JSON array, or Parquet) parses in ``data.format``, some record carries
+    loss, and some keeps a loss-bearing token within ``data.micro_batch_tokens`` (the ranks refused a file of
+    prompts longer than the cap only after they started). Records are tokenized, only as far as the cap keeps
+    them ([truncate-first] in ``odcfsdp/data/truncate.py``), in file order until one fits: usually the first.
+    Returns a note for each ``data.fields`` mapping whose column no record has."""
+    data = cfg.data
     fields = data.fields.mapping()
+    max_len = data.micro_batch_tokens + 1
     records = trained = 0
     columns: set[str] = set()
+    tokenizer, fits, cut = _UNLOADED, False, None  # cut: the first record the cap left nothing to train on
     try:
         for lineno, record in read_records(path, key):
             columns.update(record if isinstance(record, dict) else ())
@@ -151,24 +170,59 @@ def check_jsonl(key: str, path: str, data) -> list[str]:
             except ValueError as e:
                 raise ValueError(f"{key}: {path}:{lineno}: {e}") from None
             records += 1
-            trained += not isinstance(sample, Chat) or any(sample.loss)
+            carries_loss = not isinstance(sample, Chat) or any(sample.loss)
+            trained += carries_loss
+            if carries_loss and not fits:
+                if tokenizer is _UNLOADED:  # loaded only for a file with records to tokenize
+                    tokenizer = _run_tokenizer(cfg)
+                if tokenizer is not None:
+                    capped = encode_capped(record, tokenizer, f"{path}:{lineno}", max_len, data.format, fields)
+                    fits = capped.kept
+                    if capped.lost and cut is None:
+                        cut = (f"{path}:{lineno}", record)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
+    except ImportError as e:  # a Parquet file without pyarrow: the message names the install command
+        raise ValueError(f"{key}={path!r}: {e}") from None
     except ValueError as e:
         raise ValueError(f"{key}: {e}" if not str(e).startswith(key) else str(e)) from None
     if not records:
-        raise ValueError(f"{key}={path!r} holds no record (one JSON object per line)")
+        kind = "no row" if is_parquet(path) else "no record (one JSON object per line)"
+        raise ValueError(f"{key}={path!r} holds {kind}")
     if not trained:
         raise ValueError(f"{key}={path!r}: none of its {records} records carries loss (a chat trains on its assistant "
                          "turns, and none has one)")
+    if tokenizer is not None and not fits:
+        raise ValueError(_cut_off(key, cut, trained, tokenizer, data) if cut else
+                         f"{key}={path!r}: none of its {records} records has a loss-bearing token once tokenized")
     # A mapping that renames nothing is reported, not refused: a sweep over files may share one mapping.
     return [f"note: data.fields.{name}={column} renames nothing in {key}={path!r}: no record has a column "
             f"{column!r} (columns found: {', '.join(sorted(columns))})"
             for name, column in fields.items() if column not in columns]
 
 
+#: how far past the cap the refusal of an over-long prompt looks for the first token trained on, to name the cap
+#: that fits it (a bounded tokenization even of a prompt of megabytes)
+PROMPT_PROBE = 8
+
+
+def _cut_off(key: str, cut: tuple[str, dict], trained: int, tokenizer, data) -> str:
+    """The refusal of a file whose ``trained`` records (those that carry loss) all have what they train on past the
+    cap, naming the first of them (``cut``: where, record) and the ``data.micro_batch_tokens`` that keeps some of
+    it."""
+    where, record = cut
+    cap = data.micro_batch_tokens
+    probe = PROMPT_PROBE * (cap + 1)
+    _, mask = encode_record(record, tokenizer, where, data.format, data.fields.mapping(), limit=probe)
+    first = next((i for i, m in enumerate(mask) if m and i), None)  # token 0 is no target: a sample keeps 1 + cap
+    fix = f"to at least {first}" if first else f"(its prompt alone is over {probe} tokens)"
+    others = ", as does every other record of the file that trains on something" if trained > 1 else ""
+    return (f"{key}: {where}: its prompt fills data.micro_batch_tokens={cap} (a sample's length cap), leaving "
+            f"nothing to train on{others}: raise data.micro_batch_tokens {fix}")
+
+
 register(DataSource(
     "jsonl", build=_build_jsonl, vocab_size=lambda cfg: load_tokenizer(tokenizer_path(cfg)).vocab_size,
-    validate=_validate_jsonl, preflight=lambda cfg: check_jsonl("data.path", cfg.data.path, cfg.data),
+    validate=_validate_jsonl, preflight=lambda cfg: check_jsonl("data.path", cfg.data.path, cfg),
     reads=("tokenizer_path", "format", "fields"), unread="it shapes synthetic data and this run reads data.path",
     implied_by="path", finite=True, tokenized=True, held_out=True))

@@ -2,7 +2,9 @@
 
 Both turn a chat (``[{"role", "content"}, ...]``) into token ids and a loss mask with
 ``encode_chat``; the turns flagged in ``loss`` carry it (default: the assistant turns; the
-flags come from the data format, [data-formats] in ``formats.py``). A Hugging Face
+flags come from the data format, [data-formats] in ``formats.py``). ``chat_pieces`` is the
+same chat as pieces of text and ids, each tokenized on its own, so that a record can be
+tokenized only as far as the length cap keeps it ([truncate-first] in ``truncate.py``). A Hugging Face
 tokenizer with a chat template renders the chat with it (tool calls and the ``tools``
 offered included), as inference will (see [chat-loss]); the byte tokenizer, and HF
 tokenizers without a template, mark turns with one role marker each and write tool calls
@@ -25,6 +27,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .truncate import Piece, encode_pieces
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -45,10 +49,15 @@ class ByteTokenizer:
     def role_marker(self, role: str) -> list[int]:
         return [self.role_ids[role]]
 
+    def chat_pieces(self, messages: list[dict], loss: list[bool] | None = None,
+                    tools: list | None = None) -> list[Piece]:
+        """A chat as pieces with loss flags (role markers; see the module docstring)."""
+        return marker_pieces(self, messages, loss, tools)
+
     def encode_chat(self, messages: list[dict], loss: list[bool] | None = None,
                     tools: list | None = None) -> tuple[list[int], list[bool]]:
         """Token ids and loss mask of a chat (role markers; see the module docstring)."""
-        return encode_with_markers(self, messages, loss, tools)
+        return encode_pieces(self, self.chat_pieces(messages, loss, tools))[:2]
 
 
 class HFTokenizer:
@@ -80,8 +89,14 @@ class HFTokenizer:
     def encode_chat(self, messages: list[dict], loss: list[bool] | None = None,
                     tools: list | None = None) -> tuple[list[int], list[bool]]:
         """Token ids and loss mask of a chat: the tokenizer's chat template (see [chat-loss]), or role markers."""
+        return encode_pieces(self, self.chat_pieces(messages, loss, tools))[:2]
+
+    def chat_pieces(self, messages: list[dict], loss: list[bool] | None = None,
+                    tools: list | None = None) -> list[Piece]:
+        """A chat as pieces with loss flags: the chat template's rendering cut at each trained answer's bounds (see
+        [chat-loss]), or role markers."""
         if not getattr(self.tok, "chat_template", None):
-            return encode_with_markers(self, messages, loss, tools)
+            return marker_pieces(self, messages, loss, tools)
 
         def render(turns, prompt: bool) -> str:
             from jinja2 import TemplateError  # what a template's raise_exception raises (a transformers dependency)
@@ -92,7 +107,8 @@ class HFTokenizer:
                 raise ValueError(f"the tokenizer's chat template refuses this chat: {e}") from None
 
         full = render(messages, False)
-        spans = []
+        pieces: list[Piece] = []
+        at = 0
         for i, trained in enumerate(loss_flags(messages, loss)):
             if not trained:
                 continue
@@ -100,16 +116,9 @@ class HFTokenizer:
             if not (full.startswith(upto) and upto.startswith(before)):
                 raise ValueError(f"the chat template renders turn {i} differently once later turns follow; "
                                  "assistant-only loss needs a prefix-consistent template")
-            spans.append((len(before), len(upto)))
-        ids, mask, at = [], [], 0
-        for lo, hi in spans:
-            for text, trained in ((full[at:lo], False), (full[lo:hi], True)):
-                piece = self.encode(text) if text else []
-                ids += piece
-                mask += [trained] * len(piece)
-            at = hi
-        tail = self.encode(full[at:]) if full[at:] else []
-        return ids + tail, mask + [False] * len(tail)
+            pieces += [(full[at:len(before)], False), (full[len(before):len(upto)], True)]
+            at = len(upto)
+        return pieces + [(full[at:], False)]
 
 
 def loss_flags(messages: list[dict], loss: list[bool] | None) -> list[bool]:
@@ -127,9 +136,9 @@ def turn_text(turn: dict) -> str:
     return "\n".join(([turn["content"]] if turn["content"] else []) + calls)
 
 
-def encode_with_markers(tokenizer, messages: list[dict], loss: list[bool] | None = None,
-                        tools: list | None = None) -> tuple[list[int], list[bool]]:
-    """BOS, then per turn its role marker (no loss) and its text + EOS (loss on the flagged turns).
+def marker_pieces(tokenizer, messages: list[dict], loss: list[bool] | None = None,
+                  tools: list | None = None) -> list[Piece]:
+    """BOS, then per turn its role marker (no loss) and its text + EOS (loss on the flagged turns), as pieces.
 
     The tools offered, if any, lead as a system turn holding their JSON schemas.
     """
@@ -137,13 +146,11 @@ def encode_with_markers(tokenizer, messages: list[dict], loss: list[bool] | None
     if tools:
         messages = [{"role": "system", "content": json.dumps(tools, ensure_ascii=False)}, *messages]
         flags = [False, *flags]
-    ids, mask = [tokenizer.bos_id], [False]
+    pieces: list[Piece] = [([tokenizer.bos_id], False)]
     for turn, trained in zip(messages, flags):
-        marker = tokenizer.role_marker(turn["role"])
-        body = tokenizer.encode(turn_text(turn)) + [tokenizer.eos_id]
-        ids += marker + body
-        mask += [False] * len(marker) + [trained] * len(body)
-    return ids, mask
+        pieces += [(tokenizer.role_marker(turn["role"]), False), (turn_text(turn), trained),
+                   ([tokenizer.eos_id], trained)]
+    return pieces
 
 
 def load_tokenizer(path: str | None):
