@@ -105,3 +105,54 @@ def test_the_untouched_two_rank_checkpoint_loads(two_rank_checkpoints):
     model, opt = build()
     manifest = load_checkpoint(two_rank_checkpoints / "step_00000001", model, opt)
     assert manifest["version"] == 3 and manifest["world_size"] == 2
+
+
+# -- a damaged checkpoint names the one to resume from (issue 44, item 6) --------------------------------------------
+def _flip_a_byte(file) -> None:
+    data = bytearray(file.read_bytes())
+    data[-100] ^= 0x40  # one bit of one value, size and header unchanged: only the checksum tells
+    file.write_bytes(bytes(data))
+
+
+def test_the_newest_intact_checkpoint_before_a_damaged_one_is_named(two_rank_checkpoints, tmp_path):
+    from odcfsdp.checkpoint.verify import newest_intact, resume_instead, verify_checkpoint
+
+    for step in ("step_00000001", "step_00000002"):
+        shutil.copytree(two_rank_checkpoints / step, tmp_path / step)
+    assert resume_instead(tmp_path / "step_00000002") == ""  # whole: what failed was not the files
+    _flip_a_byte(tmp_path / "step_00000002" / "rank00001.safetensors")
+    with pytest.raises(CheckpointError, match="rank00001.safetensors: checksum mismatch"):
+        verify_checkpoint(tmp_path / "step_00000002")
+    assert newest_intact(tmp_path) == tmp_path / "step_00000001"
+    assert resume_instead(tmp_path / "step_00000002") == (
+        f"; the newest intact checkpoint before it is {tmp_path / 'step_00000001'}: resume from it with "
+        f"checkpoint.resume={tmp_path / 'step_00000001'}")
+    (tmp_path / "step_00000001" / "rank00000.safetensors").unlink()
+    assert newest_intact(tmp_path) is None
+    assert resume_instead(tmp_path / "step_00000002") == (
+        f"; no complete checkpoint before it in {tmp_path} is intact: start again with run.overwrite=true (or "
+        "another run.out_dir)")
+
+
+def test_resuming_a_damaged_checkpoint_names_the_newest_intact_one(tmp_path):
+    """A flipped byte in the newest checkpoint: checkpoint.resume=auto exits with code 1 and one error line naming the
+    file and checkpoint.resume=<the newest intact checkpoint before it>, writing nothing; resuming from there trains
+    to the end."""
+    from test_train import cli
+
+    common = ["run.out_dir=run", "checkpoint.interval=2"]
+    first = cli("run.steps=4", *common, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    _flip_a_byte(tmp_path / "run" / "checkpoints" / "step_00000004" / "rank00001.safetensors")
+    damaged = cli("run.steps=6", "checkpoint.resume=auto", *common, cwd=tmp_path, timeout=300)
+    errors = [line for line in damaged.stderr.splitlines() if line.startswith("error:")]
+    assert damaged.returncode == 1 and len(errors) == 1, damaged.stderr[-3000:]
+    assert "run/checkpoints/step_00000004/rank00001.safetensors: checksum mismatch (the file was altered or " \
+           "corrupted); the newest intact checkpoint before it is run/checkpoints/step_00000002: resume from it " \
+           "with checkpoint.resume=run/checkpoints/step_00000002 (traceback in run/error.log)" in errors[0], errors
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # nothing of the run lost
+    again = cli("run.steps=6", "checkpoint.resume=run/checkpoints/step_00000002", *common, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]

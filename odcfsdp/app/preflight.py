@@ -2,11 +2,14 @@
 
 ``validate`` (``config.py``) checks values against each other; ``preflight`` checks them
 against the world: the files a run reads exist and parse (every record in its data format,
-``odcfsdp/data/formats.py``; a pretrained model's safetensors files are whole), the model's weights and
+``odcfsdp/data/formats.py``, and not every prompt longer than the length cap; Parquet files have pyarrow to read
+them; a pretrained model's safetensors files are whole), the model's weights and
 gradients fit the machine's memory, the directories it writes are writable, a resume path is a
 checkpoint, the world size fits the machine, and ``run.out_dir`` does not already hold another
 run (a run's history is never overwritten unless ``run.overwrite`` says so:
-``checkpoint.resume=auto`` continues a run only from one of its checkpoints). Each failure is a
+``checkpoint.resume=auto`` continues a run only from one of its checkpoints; ``check_run_dir``, made
+again under the lock the run takes before its ranks start, [run-lock] in ``odcfsdp/checkpoint/lock.py``,
+which also refuses a directory that a running run holds). Each failure is a
 ``ValueError`` whose one line names the key and the fix; ``python -m odcfsdp.train`` prints it and
 exits with code 2, as for config errors.
 """
@@ -19,9 +22,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from ..checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from ..checkpoint.hf import check_weight_files
 from .config import TrainConfig, checkpoint_dir
+from .resume_setup import note, refusal, setup_changes
 from .sources import check_jsonl, source_of, tokenizer_path
 
 
@@ -124,26 +130,47 @@ def _fits_memory(cfg: TrainConfig, cuda: bool) -> None:
                          f"{'per GPU' if on_gpu else 'in all'} and {where}: choose a smaller model or vocabulary")
 
 
-def _resumes_alike(cfg: TrainConfig) -> None:
-    """A resumed checkpoint was written by a run with LoRA adapters exactly when this one has them (PEFT renames
-    every base weight, so the ranks' parameter check could only say that all of them are missing)."""
+def _resumes_alike(cfg: TrainConfig) -> list[str]:
+    """A resumed checkpoint was written by this run's setup ([resume-setup] in ``resume_setup.py``): a changed
+    model, data, optimizer class or seed is refused in one line, a changed hyper-parameter applied with a note
+    (returned). LoRA first: PEFT renames every base weight, so the ranks could only say that all are missing."""
     ck = cfg.checkpoint
     path = latest_checkpoint(checkpoint_dir(cfg)) if ck.resume == "auto" else \
         None if ck.resume == "none" else Path(ck.resume)
     try:
         saved = read_manifest(path).get("config") or {} if path else {}
     except CheckpointError:
-        return  # the ranks name what is wrong with the checkpoint itself
+        return []  # the ranks name what is wrong with the checkpoint itself
     r = ((saved.get("model") or {}).get("lora") or {}).get("r")
     if r is not None and bool(r) != bool(cfg.model.lora.r):
         raise ValueError(f"checkpoint.resume: {path} was written {'with' if r else 'without'} LoRA adapters "
                          f"(model.lora.r={r}) and this run has model.lora.r={cfg.model.lora.r}: resume with "
                          f"model.lora.r={r}")
+    refused, applied = setup_changes(saved, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    if refused:
+        raise ValueError(refusal(str(path), refused))
+    return [note(applied)] if applied else []
 
 
 def used_run_dir(out_dir: str | Path) -> bool:
     """Whether ``out_dir`` already holds a run's metrics."""
     return (Path(out_dir) / "metrics.jsonl").is_file()
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """``run.out_dir`` holds no run that this one would replace without ``run.overwrite``. Made here and again by
+    the run once it holds the directory's lock ([run-lock] in ``odcfsdp/checkpoint/lock.py``): another run may
+    have written there between the two."""
+    r, ck = cfg.run, cfg.checkpoint
+    if used_run_dir(r.out_dir) and ck.resume == "none" and not r.overwrite:
+        raise ValueError(f"run.out_dir={r.out_dir!r} already holds a run: choose another run.out_dir, continue it "
+                         "with checkpoint.resume=auto, or replace it with run.overwrite=true")
+    ck_dir = checkpoint_dir(cfg)
+    if used_run_dir(r.out_dir) and ck.resume == "auto" and not r.overwrite and latest_checkpoint(ck_dir) is None:
+        # a fresh start here would replace the run's metrics, config and summary, and leave its export stale
+        raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} holds no "
+                         "checkpoint to continue it from: choose another run.out_dir, or replace the run with "
+                         "run.overwrite=true")
 
 
 def preflight(cfg: TrainConfig, *, torchrun: bool = False) -> list[str]:
@@ -165,7 +192,7 @@ def _checks(cfg: TrainConfig, torchrun: bool, made: list[Path]) -> list[str]:
     notes = []
     notes += source_of(cfg).preflight(cfg)  # the data source's own files ([data-sources]); auto resolved or not
     if d.eval_path:
-        notes += check_jsonl("data.eval_path", d.eval_path, d)
+        notes += check_jsonl("data.eval_path", d.eval_path, cfg)
     for key, path in (("model.path", m.path), ("model.hf_config", m.hf_config),
                       ("data.tokenizer_path", d.tokenizer_path)):
         if path and not Path(path).exists():
@@ -189,16 +216,8 @@ def _checks(cfg: TrainConfig, torchrun: bool, made: list[Path]) -> list[str]:
             hint = (f": fine-tune a Hugging Face directory with model.name=hf model.path={ck.resume}"
                     if (p / "config.json").is_file() else " (a step_XXXXXXXX directory written by a run)")
             raise ValueError(f"checkpoint.resume={ck.resume!r} is not a training checkpoint{hint}")
-    _resumes_alike(cfg)
-    if used_run_dir(r.out_dir) and ck.resume == "none" and not r.overwrite:
-        raise ValueError(f"run.out_dir={r.out_dir!r} already holds a run: choose another run.out_dir, continue it "
-                         "with checkpoint.resume=auto, or replace it with run.overwrite=true")
-    ck_dir = checkpoint_dir(cfg)
-    if used_run_dir(r.out_dir) and ck.resume == "auto" and not r.overwrite and latest_checkpoint(ck_dir) is None:
-        # a fresh start here would replace the run's metrics, config and summary, and leave its export stale
-        raise ValueError(f"checkpoint.resume=auto: run.out_dir={r.out_dir!r} holds a run but {str(ck_dir)!r} holds no "
-                         "checkpoint to continue it from: choose another run.out_dir, or replace the run with "
-                         "run.overwrite=true")
+    notes += _resumes_alike(cfg)
+    check_run_dir(cfg)
     import torch
 
     cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())

@@ -10,10 +10,16 @@ as one line (exit code 2; ``odcfsdp.app.cli`` checks the keys, [cli-keys]), star
 (torchrun's, or spawned locally) and reporting their failures (1). The run itself is
 ``odcfsdp.app.trainer.train``; its pieces come from ``odcfsdp.app.builders``.
 
-Interrupts: SIGTERM or a first Ctrl-C (SIGINT) during the run make every rank finish its
-step and save a checkpoint, one line says so, exit code 0 (continue with
-``checkpoint.resume=auto``); before the ranks train (start-up) there is nothing to save: one
-line and exit code 128 + the signal's number (143, 130). A second Ctrl-C ends at once (130).
+Interrupts: SIGTERM, SIGHUP (the terminal closed; not under ``nohup``) or a first Ctrl-C (SIGINT)
+during the run make every rank finish its step and save a checkpoint, one line says so, exit code 0
+(continue with ``checkpoint.resume=auto``); before the ranks train (start-up) there is nothing to
+save: one line and exit code 128 + the signal's number (143, 129, 130). A second Ctrl-C ends at once (130).
+
+One run at a time in a ``run.out_dir``: before any rank starts, the launching process (under
+torchrun: global rank 0, which tells the others) takes the directory's lock ([run-lock] in
+``odcfsdp/checkpoint/lock.py``), and a ``checkpoint.dir`` outside it too, makes the run-dir check
+again under it, removes the leftovers of unfinished saves (``odcfsdp/checkpoint/sweep.py``), and
+releases it however the run ends. A second run is refused in one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from .cli import check_given, check_overrides, given_keys, help_text
-from .config import TrainConfig, config_from, register, resolve, validate
-from ..interrupts import Interrupted, exit_after_stop, install, raise_interrupted
+from .config import TrainConfig, checkpoint_dir, config_from, register, resolve, validate
+from ..checkpoint.lock import DirLock
+from ..checkpoint.sweep import sweep_leftovers, sweep_note
+from ..interrupts import Interrupted, exit_after_stop, install, leave_hung_up_terminal, raise_interrupted, stop_signals
 from ..launch.processes import init_torchrun, spawn
-from .preflight import preflight
+from .preflight import check_run_dir, preflight
 from .trainer import NonFiniteError, train
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -47,6 +55,11 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 class RankError(RuntimeError):
     """A spawned rank failed; the message is one line naming the rank (the traceback goes to the run dir)."""
+
+
+class StartRefused(Exception):
+    """The run's directories are another run's, or became a used run's since the pre-start checks ([run-lock]); the
+    message is one line naming the fix (exit code 2, as for a failed pre-start check)."""
 
 
 def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
@@ -75,33 +88,94 @@ def _write_report(out_dir: Path, report: str) -> str:
             return f"no traceback written: {out_dir / 'error.log'}: {e.strerror or e}"
 
 
+def _lock_run_dirs(cfg: TrainConfig) -> list[DirLock]:
+    """Lock ``run.out_dir`` and a ``checkpoint.dir`` outside it ([run-lock]), check the run dir again under the
+    lock, and sweep the checkpoints' leftovers; print the notes. ``ValueError`` (one line) where it is refused,
+    with nothing held."""
+    out_dir, ck_dir = Path(cfg.run.out_dir), checkpoint_dir(cfg)
+    dirs = [("run.out_dir", out_dir)]
+    if not ck_dir.resolve().is_relative_to(out_dir.resolve()):
+        dirs.append(("checkpoint.dir", ck_dir))  # two runs sharing it would move and prune each other's saves
+    locks: list[DirLock] = []
+    try:
+        for key, path in dirs:
+            locks.append(DirLock(path, key).acquire())
+        check_run_dir(cfg)  # the pre-start check again: a run may have ended here since
+        resumed = cfg.checkpoint.resume if cfg.checkpoint.resume not in ("none", "auto") else None
+        notes = [lock.note for lock in locks] + [sweep_note(ck_dir, sweep_leftovers(ck_dir, keep=resumed))]
+    except BaseException:
+        for lock in reversed(locks):
+            lock.release()
+        raise
+    for note in notes:
+        if note:
+            print(note, file=sys.stderr)
+    return locks
+
+
+@contextlib.contextmanager
+def _holding_run_dirs(cfg: TrainConfig, torchrun: bool):
+    """The run's directories locked for the block ([run-lock]): by this process, or under torchrun by global rank 0,
+    whose verdict the others wait for (they never race for the lock). Released however the block ends;
+    ``StartRefused`` on every rank where another run holds them."""
+    locks, refusal = [], None
+    try:
+        if not torchrun or dist.get_rank() == 0:
+            try:
+                locks = _lock_run_dirs(cfg)
+            except ValueError as e:
+                refusal = str(e)
+        if torchrun:
+            verdict = [refusal]
+            dist.broadcast_object_list(verdict, src=0)
+            refusal = verdict[0]
+        if refusal:
+            raise StartRefused(refusal)
+        yield
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
 def run(cfg: TrainConfig) -> None:
-    """Start ranks as needed (torchrun's, or spawned locally) and train."""
+    """Start ranks as needed (torchrun's, or spawned locally) and train, holding the run's directories ([run-lock])."""
     validate(cfg)
-    if "RANK" in os.environ:  # started by torchrun
+    torchrun = "RANK" in os.environ  # started by torchrun
+    if torchrun:
         init_torchrun(use_cuda=cfg.run.device != "cpu" and torch.cuda.is_available())
-        try:
-            train(cfg)
-        finally:
+    try:
+        with _holding_run_dirs(cfg, torchrun):
+            if torchrun or cfg.run.world_size <= 1:
+                train(cfg)
+            else:
+                _spawn_ranks(cfg)
+    finally:
+        if torchrun:
             dist.destroy_process_group()
-    elif cfg.run.world_size > 1:
-        cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
-        received: list[int] = []
-        try:
-            results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                            backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600,
-                            forward=(signal.SIGTERM, signal.SIGINT), received=received)
-            # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted)
-            install(exit_after_stop if received else signal.SIG_IGN)
-        except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
-            where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
-            raise RankError(f"{head} ({where})") from None
-        if isinstance(results[0], NonFiniteError):
-            raise results[0]
-    else:
-        train(cfg)
+
+
+def _spawn_ranks(cfg: TrainConfig) -> None:
+    """Train on ``run.world_size`` ranks spawned here, passing the stop signals on; a failed rank is one line."""
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    received: list[int] = []
+    try:
+        results = spawn(_train_worker, cfg.run.world_size, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                        backend="nccl" if cuda else "gloo", timeout=7 * 24 * 3600,
+                        forward=stop_signals(), received=received)
+        # the ranks are done; a signal now finds a run that only has to exit (again, if it was interrupted); a
+        # hang-up has nothing left to stop (a closed terminal may send two)
+        install(exit_after_stop if received else signal.SIG_IGN)
+        install(signal.SIG_IGN, (signal.SIGHUP,))
+    except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
+        where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+        raise RankError(f"{head} ({where})") from None
+    finally:
+        if signal.SIGHUP in received:  # the lines that follow must not fail on a closed terminal
+            leave_hung_up_terminal()
+    if isinstance(results[0], NonFiniteError):
+        raise results[0]
 
 
 def _multirun_job_dir(cfg: TrainConfig) -> None:
@@ -142,6 +216,10 @@ def _hydra_main(cfg) -> None:
     except RankError as e:
         print(f"\nerror: {e}", file=sys.stderr)  # after a progress bar that may be mid-line
         sys.exit(1)
+    except StartRefused as e:  # another run holds run.out_dir: refused as a pre-start check is, before any rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:

@@ -4,12 +4,14 @@ Each step is ``odcfsdp.loop``'s (the standard PyTorch loop: micro-batches, then
 ``clip_grad_norm_``, the ``optim.name`` optimizer (AdamW by default), the LR schedule, ``zero_grad``); per-rank
 compute and wait times, the loss and the throughput are gathered once afterwards and
 written by rank 0. The pieces come from ``odcfsdp.app.builders``; starting ranks and the
-command line are ``odcfsdp.train``'s. SIGTERM or SIGINT during the loop stops every rank after
-the same step with a checkpoint (``_StopFlag``; a second SIGINT ends at once).
+command line are ``odcfsdp.train``'s. SIGTERM, SIGHUP or SIGINT during the loop stops every rank after
+the same step with a checkpoint (``_StopFlag``; a second SIGINT ends at once). A checkpoint that fails its
+checks on resume is named with the newest intact one before it (``odcfsdp/checkpoint/verify.py``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import resource
@@ -28,10 +30,12 @@ from ..checkpoint import (
     CheckpointError, NonFiniteStateError, export_pretrained, latest_checkpoint, load_checkpoint, read_manifest,
     save_checkpoint,
 )
+from ..checkpoint.verify import resume_instead
 from .config import TrainConfig, checkpoint_dir, resolve, validate
-from ..interrupts import Interrupted, install, restore
+from ..interrupts import Interrupted, install, leave_hung_up_terminal, restore
 from ..loop import evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
+from .resume_setup import apply_hyperparameters, fresh_hyperparameters
 from ..mfu import mfu, peak_tflops
 from ..sharding import ODCShard
 
@@ -106,7 +110,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         metrics.append(row)
         if writer:
             writer.write(row)
-            bar.update(row)
+            _show(bar, row)
         if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
             break
         if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM / SIGINT: all stop after this step
@@ -180,9 +184,22 @@ def _clear_outputs(out_dir: Path) -> None:
             path.unlink()
 
 
+def _show(bar: ProgressBar, row: dict) -> None:
+    """``bar.update(row)``, unless the terminal hung up (EIO): then output goes to /dev/null from here on, and the
+    step goes on to the checkpoint that the terminal's SIGHUP, on its way to this rank, asks for."""
+    try:
+        bar.update(row)
+    except OSError as e:
+        if e.errno != errno.EIO:
+            raise
+        leave_hung_up_terminal()
+
+
 def _stopped_by(signum: int) -> str:
-    """How a run stopped by a signal says so: ``terminated (SIGTERM)`` or ``interrupted (SIGINT, Ctrl-C)``."""
-    return "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (SIGINT, Ctrl-C)"
+    """How a run stopped by a signal says so: ``terminated (SIGTERM)``, ``hung up (SIGHUP, terminal closed)`` or
+    ``interrupted (SIGINT, Ctrl-C)``."""
+    return {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP, terminal closed)"}.get(
+        signum, "interrupted (SIGINT, Ctrl-C)")
 
 
 def _write_summary(writer: MetricsWriter, metrics: list[dict], cfg: TrainConfig, nonfinite: list[int],
@@ -216,13 +233,18 @@ def resume(cfg: TrainConfig, ck_dir: Path, model: ODCShard, opt, sched) -> int:
     if (path / "config.json").is_file() and not (path / "manifest.json").is_file():
         raise CheckpointError(f"checkpoint.resume={spec} is a Hugging Face model directory, not a training checkpoint: "
                               f"fine-tune it with model.name=hf model.path={spec}")
-    saved_schedule = read_manifest(path).get("scheduler") is not None
-    manifest = load_checkpoint(path, model, opt, scheduler=sched if saved_schedule else None)
+    fresh = fresh_hyperparameters(opt)  # this run's config's: applied over the loaded ones ([resume-setup] 2)
+    try:
+        saved_schedule = read_manifest(path).get("scheduler") is not None
+        manifest = load_checkpoint(path, model, opt, scheduler=sched if saved_schedule else None)
+    except CheckpointError as e:  # a damaged checkpoint: the error names the one to resume from instead
+        raise CheckpointError(f"{e}{resume_instead(path)}") from e
     if not saved_schedule:  # a version-1 checkpoint: the schedule is a function of the step, so set it there
         sched.last_epoch = manifest["step"] - 1
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
             warnings.simplefilter("ignore")
             sched.step()
+    apply_hyperparameters(opt, sched, fresh)
     expected = manifest["step"] * cfg.data.batch_size
     if manifest.get("extra", {}).get("samples_consumed", expected) != expected:
         raise CheckpointError(f"{path}: saved after {manifest['extra']['samples_consumed']} samples, but "
@@ -250,11 +272,14 @@ def summarize(metrics: list[dict], warmup: int) -> dict:
 
 
 class _StopFlag:
-    """Records the first SIGTERM (what schedulers send before preempting) or SIGINT (Ctrl-C) instead of dying at once.
+    """Records the first SIGTERM (what schedulers send before preempting), SIGHUP (a closed terminal) or SIGINT
+    (Ctrl-C) instead of dying at once.
 
     The run stops after the step every rank is in (the flag rides on the step's statistics) and
     saves a checkpoint. A second SIGINT ends at once (``Interrupted``). A signal this process
-    ignores stays ignored. Main thread only (Python's signal handlers live there).
+    ignores stays ignored. After SIGHUP, output to the terminal that hung up goes to /dev/null (a
+    write there fails) and a later SIGHUP is ignored (a closed terminal may send two). Main thread
+    only (Python's signal handlers live there).
     """
 
     def __init__(self):
@@ -262,6 +287,8 @@ class _StopFlag:
         self._previous = install(self._set, keep_ignored=True)
 
     def _set(self, sig, _frame) -> None:
+        if sig == signal.SIGHUP:
+            leave_hung_up_terminal()
         if self.signum and sig == signal.SIGINT:  # Ctrl-C twice
             raise Interrupted(sig, again=True)
         self.signum = self.signum or sig
@@ -269,6 +296,8 @@ class _StopFlag:
     def restore(self) -> None:
         restore(self._previous)
         self._previous = []
+        if self.signum == signal.SIGHUP:
+            install(signal.SIG_IGN, (signal.SIGHUP,))
 
 
 def _peak_memory_gib(device: torch.device) -> tuple[float, float]:

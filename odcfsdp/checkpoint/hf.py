@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from ..models.llama import Llama, LlamaConfig
 from ..sharding.sharded_model import ShardedModel, sharded
+from .files import naming
 from .manifest import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -140,8 +141,9 @@ def export_lora_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     if _writes(model):
         out_dir.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(peft_model, state_dict={k.removeprefix(prefix): v for k, v in full.items()})
-        save_file({k: v.contiguous() for k, v in state.items()}, out_dir / "adapter_model.safetensors",
-                  metadata={"format": "pt"})
+        with naming(out_dir / "adapter_model.safetensors"):  # a failed write names its file
+            save_file({k: v.contiguous() for k, v in state.items()}, out_dir / "adapter_model.safetensors",
+                      metadata={"format": "pt"})
         peft_model.peft_config["default"].save_pretrained(out_dir)
     model.mesh.everyone.barrier()
     return out_dir
@@ -195,8 +197,9 @@ def export_hf(model: nn.Module, out_dir: str | Path, *, max_shard_bytes: int = 5
         nonlocal next_shard
         while next_shard < upto:
             names = shards[next_shard]
-            save_file({name_map(n): pending.pop(n) for n in names}, out_dir / files[next_shard],
-                      metadata={"format": "pt"})
+            with naming(out_dir / files[next_shard]):  # a failed write names its file
+                save_file({name_map(n): pending.pop(n) for n in names}, out_dir / files[next_shard],
+                          metadata={"format": "pt"})
             written.append(out_dir / files[next_shard])
             next_shard += 1
 

@@ -20,8 +20,8 @@ Save (collective), as numbered steps:
    written.
 
 A checkpoint is complete exactly when ``step_<k>/manifest.json`` exists, so a save
-killed at any point leaves the previous checkpoints as they were and a ``.tmp-``
-directory that loading ignores.
+killed at any point leaves the previous checkpoints as they were and a ``.tmp-`` directory
+that loading ignores and the run's next start removes (``sweep.py``, as rollbacks' ``.abandoned-``).
 
 Load reads, for each parameter shard this rank owns under its *current* plan, the
 overlapping slices of the writers' shards (safetensors reads slices without reading
@@ -51,7 +51,7 @@ from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
 from ..sharding.sharded_model import ShardedModel, sharded
 from ..torch_private import local_of
-from .files import crc32_of, fsync_path, write_json_durably
+from .files import crc32_of, fsync_path, naming, write_json_durably
 from .nonfinite import NonFiniteStateError, first_nonfinite
 from .manifest import (
     FORMAT, MANIFEST, VERSION, CheckpointError, check_files_bound, check_params, check_size, file_binding, rank_file,
@@ -235,8 +235,9 @@ def save_checkpoint(
         tensors["__rng__/cuda"] = torch.cuda.get_rng_state(mesh.device)
     path = tmp / rank_file(rank, mesh.replica)
     plan = _plan(model)
-    save_file(tensors, path, metadata={"rank": str(rank), "python_random": json.dumps(random.getstate()),
-                                       **file_binding(step, world, mesh.replicas, plan)})
+    with naming(path):  # a failed write names its file (safetensors' own error names none)
+        save_file(tensors, path, metadata={"rank": str(rank), "python_random": json.dumps(random.getstate()),
+                                           **file_binding(step, world, mesh.replicas, plan)})
     fsync_path(path)
     files = everyone.all_gather_object({"file": path.name, "bytes": path.stat().st_size, "crc32": crc32_of(path)})
 
@@ -257,7 +258,7 @@ def save_checkpoint(
             for p in later:
                 p.rename(p.with_name(f"{p.name.split('.')[0]}.abandoned-{token}"))
             warnings.warn(f"saved step {step} below existing checkpoints; moved {[p.name for p in later]} aside "
-                          f"as *.abandoned-{token} so that resuming picks this one")
+                          f"as *.abandoned-{token} so that resuming picks this one (the run's next start removes them)")
         if keep_last:
             for old in list_checkpoints(directory)[:-keep_last]:  # never the one just written: it is the newest
                 shutil.rmtree(old)

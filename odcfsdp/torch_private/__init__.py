@@ -49,6 +49,8 @@ _record_memory_history``, ``_snapshot``  replays the allocator's history ([peak-
 _apply_to_tensors``                   ``fully_shard``'s (dataclasses included)
 ``distributed_c10d._get_default_store``  ``default_store``: the watchdog's heartbeats through the
                                       process group's own store ([watchdog])
+``LRScheduler._last_lr``              ``set_last_lr``: a resumed run's new learning rate is what the
+                                      scheduler's ``get_last_lr()`` reports ([resume-setup])
 ``torch.distributed._composable.      ``register_fully_shard_state``: torch's ``fully_shard.state(m)``
 contract``: ``STATE_KEY``,            and its registry of composable APIs see a unit odcfsdp's
 ``REGISTRY_KEY``, ``RegistryItem``    ``fully_shard`` made, as one torch's made ([fully-shard] 5)
@@ -163,6 +165,11 @@ def called_from(name: str, depth: int, skip: int) -> bool:
     return False
 
 
+def set_last_lr(sched, lrs: list[float]) -> None:
+    """Make a scheduler's ``get_last_lr()`` return ``lrs`` (set where its own ``step`` sets them)."""
+    sched._last_lr = list(lrs)
+
+
 def register_fully_shard_state(module: torch.nn.Module, state: object) -> None:
     """Record ``state`` on ``module`` where torch's ``fully_shard`` (its ``contract`` decorator) records its own:
     torch's ``fully_shard.state(module)`` then returns it, and torch's composable registry lists ``fully_shard``
@@ -177,5 +184,5 @@ __all__ = ["DTensorSpec", "IncompatibleKeys", "TENSOR_GRAD", "TESTED_TORCH", "Te
            "called_from", "default_store", "in_backward", "standard_gamma",
            "is_traceable_wrapper_subclass", "local_of", "mark_parameter", "memory_snapshot", "optimizer_hooks_present",
            "profiler_enabled", "queue_end_of_backward", "record_memory_history", "register_foreach_types",
-           "register_fully_shard_state", "set_local", "tree_flatten", "version_of"]
+           "register_fully_shard_state", "set_last_lr", "set_local", "tree_flatten", "version_of"]
 
