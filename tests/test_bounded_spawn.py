@@ -140,3 +140,23 @@ def test_each_outcome_is_recorded_as_it_ends_and_a_hung_test_costs_only_itself(t
     md = (tmp_path / "report" / "gpu_tests.md").read_text()
     assert "- outcome: 1 passed, 2 failed, 0 errors, 1 skipped" in md, md
     assert '| timing | `{"zero_grad_s": [[0.001]]}` |' in md and "test_cases::test_hangs | failed" in md, md
+
+
+def _die_mid_collectives() -> None:
+    """Rank 1 SIGKILLs itself between all-reduces; rank 0 keeps reducing and fails at the closed connection."""
+    import os
+    import signal
+
+    for i in range(10_000):
+        if dist.get_rank() == 1 and i == 50:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_rank_that_died_first_is_named_not_the_survivor(attempt):
+    """A SIGKILLed rank's peer reports "connection closed" at once, often before the death can be seen: the error
+    names the rank that died, then the survivor's failure (it used to blame the survivor alone)."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(_die_mid_collectives, 2, timeout=120)
+    assert str(info.value).startswith("rank 1 was killed by SIGKILL without a result"), str(info.value)[:300]

@@ -124,7 +124,7 @@ def test_a_rank_that_dies_is_named_once(tmp_path):
             os.kill(r, signal.SIGKILL)
     assert proc.returncode == 1, err[-2000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert errors == ["error: rank(s) [1] exited with code(s) [-9] without a result (traceback in run/error.log)"], err
+    assert errors == ["error: rank 1 was killed by SIGKILL without a result (traceback in run/error.log)"], err
 
 
 def test_a_stalled_launcher_is_named_a_short_stall_is_ridden_out(tmp_path):
@@ -158,7 +158,7 @@ def test_a_failure_after_a_signal_is_an_error_not_an_interrupt():
     import traceback
 
     from odcfsdp.interrupts import Interrupted
-    from odcfsdp.launch.processes import _ended_by_signal
+    from odcfsdp.launch.rank_outcomes import ended_by_signal as _ended_by_signal
 
     def tb(exc: BaseException) -> str:
         try:
@@ -169,3 +169,108 @@ def test_a_failure_after_a_signal_is_an_error_not_an_interrupt():
     assert _ended_by_signal(tb(KeyboardInterrupt())) and _ended_by_signal(tb(Interrupted(15)))
     assert not _ended_by_signal(tb(OSError(28, "No space left on device")))
     assert not _ended_by_signal("RuntimeError: the watchdog stopped rank 1") and not _ended_by_signal("")
+
+
+# -- SIGHUP, a closed terminal (issue 44, item 6) ----------------------------------------------------------------------
+def job(tmp_path: Path, *args: str, nohup: bool = False, **streams) -> subprocess.Popen:
+    """``python -m odcfsdp.train`` as a shell's job: a process group of its own (the launcher, multiprocessing's fork
+    server and resource tracker), temporary files under tmp_path/tmp (the ranks' stacks directory), SIGHUP ignored
+    where ``nohup``."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    return subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.out_dir=run", *args], cwd=tmp_path,
+                            env={**os.environ, "TMPDIR": str(tmp_path / "tmp")}, start_new_session=True,
+                            preexec_fn=ignore, **{"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
+                                                  "text": True, **streams})
+
+
+def hang_up(proc: subprocess.Popen) -> None:
+    """What a shell does to its jobs when its terminal closes: SIGHUP to each job's whole process group."""
+    os.killpg(proc.pid, signal.SIGHUP)
+
+
+def test_sighup_mid_run_checkpoints_like_sigterm_and_resumes(tmp_path):
+    """SIGHUP to the job mid-run: every rank finishes its step, a checkpoint is saved, one line, exit code 0, no stacks
+    directory left; checkpoint.resume=auto goes on to the end. (It killed the launcher silently: nothing saved.)"""
+    common = ["run.steps=40", "data.micro_batch_tokens=1024"]
+    proc = job(tmp_path, *common)
+    wait_for(lambda: trained_steps(tmp_path) >= 2, proc, "training")
+    ranks = _ranks_of(proc.pid)
+    hang_up(proc)
+    err = finish(proc)
+    cut = trained_steps(tmp_path)
+    assert proc.returncode == 0, err[-2000:]
+    assert err.strip().splitlines()[-1] == (f"hung up (SIGHUP, terminal closed) after step {cut}: checkpoint saved in "
+                                            "run/checkpoints; continue with checkpoint.resume=auto"), err[-2000:]
+    assert "Traceback" not in err and "error" not in err.lower() and cut < 40
+    assert (tmp_path / "run" / "checkpoints" / f"step_{cut:08d}" / "manifest.json").is_file()
+    assert not list((tmp_path / "tmp").glob("odcfsdp-stacks-*"))  # the ranks' stacks directory went with the run
+    time.sleep(1)
+    assert not [r for r in ranks if _alive(r)]
+    again = job(tmp_path, *common, "checkpoint.resume=auto")
+    err = finish(again, timeout=300)
+    assert again.returncode == 0, err[-2000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))
+
+
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
+    """The job's output on a terminal that closes (a pty whose master end is closed: every write fails with EIO),
+    then the shell's SIGHUP: the run still saves its checkpoint and exits 0 (a progress line that failed on the dead
+    terminal used to fail rank 0)."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    proc = job(tmp_path, "run.steps=400", "data.micro_batch_tokens=1024", stdin=subprocess.DEVNULL, stdout=slave,
+               stderr=slave)
+    os.close(slave)
+    shown: list[bytes] = []
+
+    def drain() -> None:  # the terminal shows what the run writes, until it closes
+        try:
+            while block := os.read(master, 4096):
+                shown.append(block)
+        except OSError:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: trained_steps(tmp_path) >= 2, proc, "training")
+        os.close(master)
+        time.sleep(0.5)  # steps go on writing to the closed terminal before the hang-up reaches the job
+        hang_up(proc)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cut = trained_steps(tmp_path)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert rc == 0 and summary["end"] == f"hung up (SIGHUP, terminal closed) after step {cut}", b"".join(shown)[-2000:]
+    assert (tmp_path / "run" / "checkpoints" / f"step_{cut:08d}" / "manifest.json").is_file()
+    assert not (tmp_path / "run" / "error.log").exists() and not list((tmp_path / "tmp").glob("odcfsdp-stacks-*"))
+
+
+def test_sighup_during_start_up_ends_with_one_line(tmp_path):
+    """Once the ranks exist, before they train: one line naming SIGHUP, exit code 129, nothing trained, no rank
+    left."""
+    proc = job(tmp_path, "data.pool_tokens=30000000")
+    wait_for(lambda: len(_ranks_of(proc.pid)) == 2, proc, "two ranks")
+    ranks = _ranks_of(proc.pid)
+    hang_up(proc)
+    err = finish(proc)
+    assert trained_steps(tmp_path) == 0, "the signal came after training started: make the start-up longer"
+    assert proc.returncode == 129, err[-2000:]
+    assert err.strip().splitlines() == ["interrupted (SIGHUP): during start-up, before training: nothing to save"]
+    time.sleep(1)
+    assert not [r for r in ranks if _alive(r)]
+
+
+def test_under_nohup_a_hang_up_is_ignored(tmp_path):
+    """A job started with SIGHUP ignored (nohup) asked to outlive its terminal: it trains every step, exit code 0."""
+    proc = job(tmp_path, "run.steps=30", "data.micro_batch_tokens=1024", nohup=True)
+    wait_for(lambda: trained_steps(tmp_path) >= 2, proc, "training")
+    hang_up(proc)
+    err = finish(proc, timeout=300)
+    assert proc.returncode == 0 and trained_steps(tmp_path) == 30, err[-2000:]
+    assert "SIGHUP" not in err

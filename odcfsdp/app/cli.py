@@ -247,18 +247,21 @@ def check_config_dir(path: str | Path) -> None:
 def _flat_keys(node, prefix: str = "") -> list[str]:
     """Every leaf key path under ``node`` (``a.b.c``); a defaults-list entry ``{group: option}`` or
     ``"override group: option"`` is ``defaults.group``."""
+    if prefix == "defaults" and isinstance(node, (list, dict)):
+        entries = node if isinstance(node, list) else [node]
+        groups = [g for e in entries for g in (e if isinstance(e, dict) else [str(e).split(":")[0]])]
+        return [f"defaults.{_group(g)}" for g in groups]
     if isinstance(node, dict):
-        out = []
-        for k, v in node.items():
-            key = str(k).removeprefix("override ").strip().lstrip("/")  # "/hydra/x": the group hydra/x
-            out += _flat_keys(v, f"{prefix}.{key}" if prefix else key) if prefix != "defaults" else [f"defaults.{key}"]
-        return out or [prefix]
-    if isinstance(node, list) and prefix == "defaults":
-        return [k for item in node for k in (_flat_keys(item, prefix) if isinstance(item, dict)
-                                             else [f"defaults.{str(item).removeprefix('override ').split(':')[0].strip().lstrip('/')}"])]
+        return [k for key, v in node.items() for k in _flat_keys(v, f"{prefix}.{key}" if prefix else str(key))] \
+            or [prefix]
     if isinstance(node, list):
         return [k for item in node for k in _flat_keys(item, prefix)] or [prefix]
     return [prefix]
+
+
+def _group(entry) -> str:
+    """A defaults-list entry's group: ``override /hydra/launcher`` is ``hydra/launcher``."""
+    return str(entry).removeprefix("override ").strip().lstrip("/")
 
 
 def config_dirs(args: list[str]) -> list[str]:

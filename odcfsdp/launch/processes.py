@@ -19,7 +19,10 @@ A hang must cost one call, never a whole run of tests, and must say where every 
    for its Python stack, every thread's (``faulthandler`` on SIGUSR1, into a file per rank; a rank
    killed by a fatal signal writes its own there), and the stacks are added to the error;
 4. then it is killed, and joined with a bound: a process stuck in the GPU driver past SIGKILL is
-   reported and left, not waited for.
+   reported and left, not waited for;
+5. the error names the rank that died first: a killed rank's peers fail at once at the closed
+   connection, often before its death can be seen here, so a rank's failure waits up to a second
+   for a peer's death and then names the dead rank and its signal before the survivor's error.
 Workers die with the parent, however it dies, at once and quietly ([launcher-link] in
 ``launcher_link.py``): killing a ``python -m odcfsdp.train`` leaves no rank running.
 
@@ -64,11 +67,10 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
-import warnings
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -76,6 +78,9 @@ import torch.distributed as dist
 
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
+from .rank_outcomes import (DUMP_WAIT_S, KILL_WAIT_S, collect_stacks, dead_peers, died,  # noqa: F401 - the bounds,
+                            ended_by_signal, stop_ranks)  # read by tests here
+
 
 
 #: the process group's backends on GPUs: NCCL for CUDA tensors, gloo for CPU ones (host gradients under offload).
@@ -83,8 +88,6 @@ CUDA_BACKENDS = "cuda:nccl,cpu:gloo"
 #: the ranks' own guards fire at this fraction of spawn's timeout ([bounded-spawn] 2), the process group's and the
 #: store's at most after PROCESS_GROUP_TIMEOUT_S (a long run's collectives are watched by ODCShard's watchdog).
 GUARD_FRACTION, PROCESS_GROUP_TIMEOUT_S = 0.7, 120.0
-#: seconds a rank gets to write its stack, and a killed rank to exit ([bounded-spawn] 3-4).
-DUMP_WAIT_S, KILL_WAIT_S = 3.0, 10.0
 #: a -W option for multiprocessing's resource tracker: a killed launcher's queue is cleaned up without a warning
 TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
 _stack_file = None  # a worker's open stack file (faulthandler writes to its descriptor)
@@ -165,11 +168,28 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int], start
         received.append(sig)
         if sig == signal.SIGINT and received.count(sig) > 1:  # Ctrl-C twice: end now (spawn kills the ranks)
             raise Interrupted(sig, again=True)
-        for r, p in enumerate(procs):
+        for r, p in enumerate(procs):  # (a SIGHUP too: a starting worker may still ignore it, see _start_helpers)
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, sig if r in started or sig != signal.SIGINT else signal.SIGTERM)
+                os.kill(p.pid, sig if r in started or sig not in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM)
 
     return install(forward, signals)
+
+
+def _start_helpers(ctx) -> None:
+    """multiprocessing's resource tracker and fork server, started with SIGHUP ignored (the ranks reset it): a closed
+    terminal signals the launcher's whole process group, and a server it ended would take the ranks with it
+    ([launcher-link] 1) before the launcher passed the signal on. A SIGHUP in their few ms of start is lost."""
+    from multiprocessing import forkserver, resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():  # no handler there, nothing forwarded (install)
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+        if ctx.get_start_method() == "forkserver":
+            forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous or signal.SIG_DFL)
 
 
 def _record_stacks(path: str | None) -> None:
@@ -201,6 +221,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
     _record_stacks(stack_path)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the fork server's ignored SIGHUP (_start_helpers) is not ours
     try:
         if own_group:  # from here on a forwarded SIGINT is a KeyboardInterrupt reported below, not a traceback
             results.put((rank, None, b""))
@@ -243,49 +264,6 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
             dist.destroy_process_group()
 
 
-def _ended_by_signal(payload: str) -> bool:
-    """Whether a rank's failure traceback ends in the interrupt a forwarded signal raises, not in an error."""
-    last = payload.strip().splitlines()[-1] if payload.strip() else ""
-    return last.startswith(("KeyboardInterrupt", "odcfsdp.interrupts.Interrupted", "Interrupted"))
-
-
-def _collect_stacks(procs, paths: list[str], delivered: dict) -> str:
-    """Every rank that has not delivered a result: its Python stack, asked for with SIGUSR1 where it still
-    runs, read from its stack file ([bounded-spawn] 3). Empty when there is nothing to show."""
-    pending = [r for r in range(len(procs)) if r not in delivered and procs[r].pid is not None]
-    asked = [r for r in pending if procs[r].is_alive()]
-    for r in asked:
-        try:
-            os.kill(procs[r].pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    if asked:
-        time.sleep(DUMP_WAIT_S)
-    parts = []
-    for r in pending:
-        text = Path(paths[r]).read_text(errors="replace").strip() if Path(paths[r]).exists() else ""
-        state = "still running" if procs[r].is_alive() else f"exited with code {procs[r].exitcode}"
-        parts.append(f"--- rank {r} ({state}): Python stacks ---\n{text or '(none written)'}")
-    return "\n".join(parts)
-
-
-def _stop(procs, delivered: dict, world_size: int, paths: list[str]) -> None:
-    """Join the workers; kill those still alive, then join with a bound ([bounded-spawn] 4)."""
-    for r, p in enumerate(procs):
-        if p.pid is None:  # never started
-            continue
-        p.join(timeout=KILL_WAIT_S if len(delivered) == world_size else 0.5)
-        if p.is_alive() and len(delivered) == world_size:  # returned its result, then stuck on its way out
-            warnings.warn(f"rank {r} delivered its result but did not exit in {KILL_WAIT_S:g} s; killed. "
-                          f"{_collect_stacks(procs, paths, {})}", RuntimeWarning, stacklevel=3)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=KILL_WAIT_S)
-        if p.is_alive():
-            warnings.warn(f"rank {r} (pid {p.pid}) is still alive {KILL_WAIT_S:g} s after SIGKILL (stuck in a "
-                          "driver call?); left behind", RuntimeWarning, stacklevel=3)
-
-
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -302,8 +280,9 @@ def spawn(
     ``timeout`` bounds the call ([bounded-spawn]; None: ``default_spawn_timeout``); the ranks' own
     guards fire before it, and a failed call's error carries the Python stacks of the ranks that had
     not delivered.
-    Signals in ``forward`` (e.g. SIGTERM) received by this process while it waits are
-    passed on to every worker instead of ending this process (called from the main thread).
+    Signals in ``forward`` (e.g. SIGTERM, SIGHUP) received by this process while it waits are
+    passed on to every worker instead of ending this process (called from the main thread; with
+    SIGHUP, the fork server and resource tracker outlive a closed terminal, see ``_start_helpers``).
     With SIGINT among them the workers get their own process group, so that a terminal's Ctrl-C
     reaches them once, through this process, and a second Ctrl-C raises ``Interrupted`` here
     (the workers are killed). A worker that fails or dies after a forwarded signal raises
@@ -314,6 +293,8 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = default_spawn_timeout(backend) if timeout is None else timeout
     ctx = _context(backend, fn)
+    if signal.SIGHUP in forward:
+        _start_helpers(ctx)
     # The queue's semaphores are named ones, which multiprocessing's resource tracker removes if this process is
     # killed: it does, and warns about "leaked" semaphores; it starts with this process's -W options.
     if TRACKER_QUIET not in sys.warnoptions:
@@ -356,8 +337,7 @@ def spawn(
                 if dead and all(procs[r].exitcode in ended for r in dead):
                     raise Interrupted(received[0])
                 if dead:
-                    raise RuntimeError(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} "
-                                       "without a result")
+                    raise RuntimeError(died(procs, dead))
                 if time.monotonic() > deadline:
                     late = sorted(set(range(world_size)) - set(out))
                     raise TimeoutError(f"ranks {late} did not finish in {timeout}s")
@@ -365,20 +345,23 @@ def spawn(
             if ok is None:
                 started.add(rank)
                 continue
-            if not ok and received and _ended_by_signal(payload):
+            if not ok and received and ended_by_signal(payload):
                 raise Interrupted(received[0])
             if not ok:  # a real failure, even after a signal (e.g. the checkpoint a signal asks for could not be saved)
                 after = f" after {signal.Signals(received[0]).name}" if received else ""
+                dead = dead_peers(procs, out, rank)
+                if dead:  # the peer that died is the cause: this rank only lost its connection to it
+                    raise RuntimeError(f"{died(procs, dead)}; then rank {rank} failed{after}:\n{payload}")
                 raise RuntimeError(f"rank {rank} failed{after}:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     except (RuntimeError, TimeoutError) as e:  # [bounded-spawn] 3: where the others stood, before the kill
-        stacks = _collect_stacks(procs, paths, out)
+        stacks = collect_stacks(procs, paths, out)
         if stacks:  # a note on the error (pytest shows it; the CLI writes it to error.log), never the terminal
             e.add_note(stacks)
         raise
     finally:
         try:  # still forwarding while the workers exit: a second Ctrl-C here ends the wait (they die with us)
-            _stop(procs, out, world_size, paths)
+            stop_ranks(procs, out, world_size, paths)
         finally:
             restore(forwarded)
             stacks_dir.cleanup()

@@ -139,7 +139,6 @@ class ODCShard(nn.Module):
         if not named:
             raise ValueError("the module has no parameters to shard")
         check_params(named)
-        on_meta = named[0][1].is_meta
         device = shard_device(named, device)
         param_dtype = compute_dtype(named, device, policy_param_dtype(mp_policy, param_dtype))
         self.precision = resolve_precision(mp_policy, param_dtype)

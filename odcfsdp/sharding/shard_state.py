@@ -23,7 +23,6 @@ fills.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterator, Sequence
 
 import torch
