@@ -53,7 +53,8 @@ _apply_to_tensors``                   ``fully_shard``'s (dataclasses included)
                                       scheduler's ``get_last_lr()`` reports ([resume-setup])
 ``torch.distributed._composable.      ``register_fully_shard_state``: torch's ``fully_shard.state(m)``
 contract``: ``STATE_KEY``,            and its registry of composable APIs see a unit odcfsdp's
-``REGISTRY_KEY``, ``RegistryItem``    ``fully_shard`` made, as one torch's made ([fully-shard] 5)
+``REGISTRY_KEY``, ``RegistryItem``;   ``fully_shard`` made, as one torch's made ([fully-shard] 5)
+``fsdp._fully_shard._fully_shard``
 ====================================  ==============================================================
 
 The explicit alternatives are public: ``begin_minibatch`` (the minibatch's micro-batch count) and
@@ -174,7 +175,8 @@ def register_fully_shard_state(module: torch.nn.Module, state: object) -> None:
     """Record ``state`` on ``module`` where torch's ``fully_shard`` (its ``contract`` decorator) records its own:
     torch's ``fully_shard.state(module)`` then returns it, and torch's composable registry lists ``fully_shard``
     for ``module`` (so torch's ``fully_shard`` refuses a second call on it, as on one of its own)."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    # from its own module: ``torch.distributed.fsdp.fully_shard`` may be odcfsdp's (``patch_fsdp2``)
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
 
     module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = state
     module.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
