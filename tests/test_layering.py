@@ -21,7 +21,7 @@ LAYERS = [
 ]
 # Inside ``app``, the same rule over its own modules (shifted above the library's layers).
 APP_LAYERS = [
-    ["metrics", "bundle", "plot"],
+    ["metrics", "bundle", "plot", "resume_setup"],
     ["specs"],
     ["shard_config", "sources"],
     ["validation"],

@@ -4,8 +4,8 @@ A save killed midway leaves ``step_<k>.tmp-<token>/`` (partial: loading ignores 
 checkpoints aside as ``step_<k>.abandoned-<token>/``, and a re-save cut between its two renames leaves
 ``step_<k>.old-<token>/`` (``save_checkpoint`` in ``sharded.py``). None of them is ever resumed from, so they
 would stay for good: ``sweep_leftovers`` removes them when the run starts again, holding the directory's lock
-([run-lock] in ``lock.py``: no other run can be writing one of them). An ``.old-`` copy is kept while it is the only copy of its
-step (``list_checkpoints`` lists it then), and the directory a run resumes from is never touched.
+([run-lock] in ``lock.py``: no other run can be writing one of them). An ``.old-`` copy is kept while it is the
+only copy of its step (``list_checkpoints`` lists it then), and the directory a run resumes from is never touched.
 """
 
 from __future__ import annotations

@@ -293,12 +293,12 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = default_spawn_timeout(backend) if timeout is None else timeout
     ctx = _context(backend, fn)
-    if signal.SIGHUP in forward:
-        _start_helpers(ctx)
     # The queue's semaphores are named ones, which multiprocessing's resource tracker removes if this process is
     # killed: it does, and warns about "leaked" semaphores; it starts with this process's -W options.
     if TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_QUIET)
+    if signal.SIGHUP in forward:  # after the -W option: the tracker it starts takes it
+        _start_helpers(ctx)
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
