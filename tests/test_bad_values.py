@@ -57,7 +57,7 @@ def test_an_infinite_timeout_means_no_watchdog_and_is_accepted():
     # 1e9 x 64 x 2 (embedding and head) parameters: 954 GiB of fp32 weights and gradients (the ranks tried to
     # allocate 102 GB at data.vocab_size=1e8)
     ("data.vocab_size=1000000000", "the model has 128.00B parameters (model.size=tiny, data.vocab_size=1000000000): "
-                                   "its fp32 weights and gradients alone need 954 GiB in all"),
+                                   "its fp32 weights and gradients alone need 954 GiB on this machine"),
 ])
 def test_the_cli_refuses_them_in_one_line_before_ranks_start(tmp_path, arg, message):
     out = [] if arg.startswith("run.out_dir") else [f"run.out_dir={tmp_path / 'run'}"]
@@ -208,17 +208,20 @@ def test_a_truncated_safetensors_file_is_named_up_front(tmp_path, files):
         check_weight_files(model)  # what load_hf calls first on every rank
 
 
-def test_a_disk_that_fills_up_mid_run_is_one_line_naming_the_file(tmp_path):
+@pytest.mark.parametrize("world", ["2", "1"])
+def test_a_disk_that_fills_up_mid_run_is_one_line_naming_the_file(tmp_path, world):
     """run.out_dir's disk full when a step's metrics are written (metrics.jsonl -> /dev/full, which refuses every
-    write with ENOSPC): exit code 1 and one error line naming the file, the report in error.log; were error.log
-    unwritable too, the report goes to a temporary file and the line says so (it was a traceback of its own)."""
+    write with ENOSPC): exit code 1 and one error line naming the file, the report in error.log, with spawned ranks
+    and in one process alike (run.world_size=1 printed Hydra's 23-line traceback and wrote no error.log); were
+    error.log unwritable too, the report goes to a temporary file and the line says so."""
     from pathlib import Path
 
     from odcfsdp.app.train import _write_report
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")
-    proc = cli("run.out_dir=run", "run.steps=3", "optim.warmup_steps=1", cwd=tmp_path, timeout=120)
+    proc = cli("run.out_dir=run", "run.steps=3", "optim.warmup_steps=1", f"run.world_size={world}", cwd=tmp_path,
+               timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("step ")]
     assert proc.returncode == 1 and errors == [
         "error: rank 0 failed: OSError: [Errno 28] No space left on device: 'run/metrics.jsonl' "

@@ -118,16 +118,19 @@ def _fits_memory(cfg: TrainConfig, cuda: bool) -> None:
     params = model_spec(cfg.model.name).parameters(cfg, vocab)
     if not params:
         return
-    ranks = cfg.run.world_size
+    # under torchrun the ranks are its (WORLD_SIZE), and this machine runs LOCAL_WORLD_SIZE of them
+    ranks = int(os.environ.get("WORLD_SIZE", cfg.run.world_size))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     on_gpu = cuda and not cfg.shard.offload_policy
-    have = _gpu_memory(ranks) if on_gpu else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    need = 8 * params / ranks if on_gpu else 8 * params  # the host holds every rank's shard
+    have = _gpu_memory(local) if on_gpu else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    need = 8 * params / ranks if on_gpu else 8 * params * local / ranks  # the host holds its ranks' shards
     if have and need > have:
-        where = f"each of {ranks} GPUs has {have / 2**30:.0f} GiB" if on_gpu else \
+        where = f"each of {local} GPUs has {have / 2**30:.0f} GiB" if on_gpu else \
             f"this machine has {have / 2**30:.0f} GiB of memory"
         raise ValueError(f"the model has {params / 1e9:.2f}B parameters (model.size={cfg.model.size}, data.vocab_size="
                          f"{cfg.data.vocab_size}): its fp32 weights and gradients alone need {need / 2**30:.0f} GiB "
-                         f"{'per GPU' if on_gpu else 'in all'} and {where}: choose a smaller model or vocabulary")
+                         f"{'per GPU' if on_gpu else 'on this machine'} and {where}: choose a smaller model or "
+                         "vocabulary, or more machines")
 
 
 def _resumes_alike(cfg: TrainConfig) -> list[str]:
@@ -228,5 +231,5 @@ def _checks(cfg: TrainConfig, torchrun: bool, made: list[Path]) -> list[str]:
             raise ValueError(f"run.world_size={r.world_size} ranks on a machine with {have} "
                              f"{'GPUs' if cuda else 'CPU cores'}: use at most {have} (each rank is a process "
                              "with its own copy of the data pipeline)")
-        _fits_memory(cfg, cuda)
+    _fits_memory(cfg, cuda)  # under torchrun too, for the ranks it placed here (the README's 8B line ran out of memory)
     return notes

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 if __name__ == "__main__":  # the command line: a signal while torch and Hydra load ends with one line
@@ -70,22 +71,42 @@ def _train_worker(cfg_dict: dict) -> list[dict] | NonFiniteError:
         return e
 
 
-def _write_report(out_dir: Path, report: str) -> str:
-    """Write a failure's whole report (the ranks' tracebacks and stacks) to ``out_dir/error.log``, else, where that
+def _write_report(out_dir: Path, report: str, name: str = "error.log") -> str:
+    """Write a failure's whole report (the ranks' tracebacks and stacks) to ``out_dir/name``, else, where that
     cannot be written (the disk that filled up and failed the run), to a temporary file; says where it went."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "error.log").write_text(report)
-        return f"traceback in {out_dir / 'error.log'}"
+        (out_dir / name).write_text(report)
+        return f"traceback in {out_dir / name}"
     except OSError as e:
         with contextlib.suppress(OSError):  # a partial report would pass for the whole one
-            (out_dir / "error.log").unlink(missing_ok=True)
+            (out_dir / name).unlink(missing_ok=True)
         try:
             with tempfile.NamedTemporaryFile("w", prefix="odcfsdp-error-", suffix=".log", delete=False) as f:
                 f.write(report)
-            return f"traceback in {f.name}: {out_dir / 'error.log'} could not be written ({e.strerror or e})"
+            return f"traceback in {f.name}: {out_dir / name} could not be written ({e.strerror or e})"
         except OSError:
-            return f"no traceback written: {out_dir / 'error.log'}: {e.strerror or e}"
+            return f"no traceback written: {out_dir / name}: {e.strerror or e}"
+
+
+def _failed_line(report: str, rank: int, where: str) -> str:
+    """The one line a failed rank's report comes to: its first line and its exception's, and where the rest is."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+    return f"{head} ({where})"
+
+
+def _train_here(cfg: TrainConfig, rank: int) -> None:
+    """Train in this process (``run.world_size=1``, or a rank torchrun started) with the error path of spawned ranks:
+    a failure is one line, its traceback in ``error.log`` (``error.rank<r>.log`` for a rank other than 0)."""
+    try:
+        train(cfg)
+    except Exception as e:  # noqa: BLE001 - every failure is reported alike; signals and stops are not Exceptions
+        if isinstance(e, (NonFiniteError, StartRefused, Interrupted)):
+            raise
+        report = f"rank {rank} failed:\n{traceback.format_exc()}"
+        where = _write_report(Path(cfg.run.out_dir), report, "error.log" if rank == 0 else f"error.rank{rank}.log")
+        raise RankError(_failed_line(report, rank, where)) from None
 
 
 def _lock_run_dirs(cfg: TrainConfig) -> list[DirLock]:
@@ -146,7 +167,7 @@ def run(cfg: TrainConfig) -> None:
     try:
         with _holding_run_dirs(cfg, torchrun):
             if torchrun or cfg.run.world_size <= 1:
-                train(cfg)
+                _train_here(cfg, dist.get_rank() if torchrun else 0)
             else:
                 _spawn_ranks(cfg)
     finally:
@@ -168,9 +189,7 @@ def _spawn_ranks(cfg: TrainConfig) -> None:
         install(signal.SIG_IGN, (signal.SIGHUP,))
     except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
         where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
-        raise RankError(f"{head} ({where})") from None
+        raise RankError(_failed_line(str(e), 0, where)) from None
     finally:
         if signal.SIGHUP in received:  # the lines that follow must not fail on a closed terminal
             leave_hung_up_terminal()
@@ -202,8 +221,9 @@ def _hydra_main(cfg) -> None:
         validate(cfg)
         notes = check_given(cfg, given_keys(list(HydraConfig.get().overrides.task)))
         notes += preflight(cfg, torchrun="RANK" in os.environ)
-    except ValueError as e:  # a configuration error: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # a configuration error: one clear line, no traceback (under torchrun: one per node,
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # whose ranks all read the same files and refuse alike)
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:
         for note in notes:
