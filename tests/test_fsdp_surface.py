@@ -254,6 +254,9 @@ class _WithMethod(Llama):
     Face's ``generate`` reads the embedding."""
 
     def last_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Reads the root's weights directly, after a forward of the whole model (as ``generate`` does between
+        tokens): the forward without grad must not free what the method still reads."""
+        self(ids)
         return self.embed_tokens.weight[ids[:, -1]] @ self.lm_head.weight.T
 
 
@@ -269,15 +272,29 @@ def _registered_method() -> dict:
     fully_shard(model)
     ids = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
     try:
-        unregistered = f"read {tuple(model.last_logits(ids).shape)}"
+        with torch.no_grad():  # as generate runs: its forwards free the root's groups
+            unregistered = f"read {tuple(model.last_logits(ids).shape)}"
     except Exception as e:  # noqa: BLE001 - what the unregistered method meets
         unregistered = type(e).__name__
     register_fsdp_forward_method(model, "last_logits")  # torch's own, as Hugging Face's Trainer calls it
     with torch.no_grad():
         got = model.last_logits(ids)
-        loss = causal_lm_loss(model(ids), ids)  # training forward after it: the root's groups as before
-    return {"unregistered": unregistered, "got": got, "want": plain.last_logits(ids).detach(),
-            "loss": loss, "plain_loss": causal_lm_loss(plain(ids), ids).detach()}
+    loss = causal_lm_loss(model(ids), ids)  # a training forward and backward after it: the groups as before
+    loss.backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    plain_loss = causal_lm_loss(plain(ids), ids)
+    plain_loss.backward()
+    with torch.no_grad():
+        want = plain.last_logits(ids)
+    state = fully_shard.state(model)
+    try:
+        state._fsdp_param_group
+        internals = "reachable"
+    except AttributeError as e:
+        internals = str(e)
+    return {"unregistered": unregistered, "got": got, "want": want, "loss": loss.detach(),
+            "plain_loss": plain_loss.detach(), "grads": grads,
+            "plain_grads": {n: p.grad for n, p in plain.named_parameters()}, "internals": internals}
 
 
 def test_torchs_register_fsdp_forward_method_gathers_the_unit_around_the_method():
@@ -290,3 +307,6 @@ def test_torchs_register_fsdp_forward_method_gathers_the_unit_around_the_method(
         assert not out["unregistered"].startswith("read"), out["unregistered"]
         torch.testing.assert_close(out["got"], out["want"])
         torch.testing.assert_close(out["loss"], out["plain_loss"])
+        for name, grad in out["plain_grads"].items():  # the held groups train as before (the mean over 2 ranks)
+            torch.testing.assert_close(out["grads"][name], grad, rtol=1e-5, atol=1e-6)
+        assert out["internals"].startswith("odcfsdp's UnitState has no '_fsdp_param_group': it is not FSDP2's")

@@ -66,8 +66,9 @@ FSDP_METHODS: dict[str, tuple[str, str]] = {
                                        "step instead"),
     "set_unshard_in_backward": ("refused", "a unit is gathered again in backward with its gradient buffers; "
                                            "skipping that gather is not supported (True, the default, is accepted)"),
-    "_get_fsdp_state": ("same", "the unit's ``UnitState`` (``fully_shard.state``); its ``_pre_forward`` and "
-                                "``_post_forward`` gather and free the unit around a method registered with torch's "
+    "_get_fsdp_state": ("same", "the unit's ``UnitState`` (``fully_shard.state``), not FSDP2's ``FSDPState``: its "
+                                "internals raise ``AttributeError`` saying so; its ``_pre_forward`` and "
+                                "``_post_forward`` gather and hold the unit around a method registered with torch's "
                                 "``register_fsdp_forward_method`` (Hugging Face's Trainer registers ``generate``)"),
     "_apply": ("refused", "moving or casting a sharded model detaches its shards: move or cast it before "
                           "fully_shard (to_empty(device=...) after a meta-device build is accepted)"),

@@ -168,6 +168,7 @@ class FlatGroup:
         # use (else keep it for backward) and after backward (else keep it until the step's finish)
         self.reshard_after_forward = True
         self.reshard_after_backward = True
+        self.held = 0  # methods registered with register_fsdp_forward_method running over it: stays gathered
         self.owner = None  # the settings of the fully_shard unit this group belongs to ([fully-shard])
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0

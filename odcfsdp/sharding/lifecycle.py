@@ -21,7 +21,8 @@ object that holds the minibatch: its pushes, meetings, gradients and state.
    [storage-resize] in ``group.py``); nothing of ours.
 4. ``reshard`` (a site's forward post-hook; ``end_forward`` at the root), ``odc::reshard``: once a
    group's last site has run, free its unsharded storage if its ``reshard_after_forward`` (always
-   without grad); the root's post-hook frees every such group then.
+   without grad); the root's post-hook frees every such group then. A group held by a method
+   registered with ``register_fsdp_forward_method`` (``generate``) stays gathered until it returns.
 5. ``pre_backward`` (the first gradient of a site's outputs), ``odc::pre_backward``: re-gather the
    site's groups and give each trained group a zeroed gradient buffer, which autograd accumulates
    into ([grad-buffers] in ``group.py``).
@@ -144,7 +145,7 @@ class StepLifecycle:
         with phase_range("reshard"):
             no_grad = not torch.is_grad_enabled()
             for g in site:
-                if g.forward_use_done() and (g.reshard_after_forward or no_grad):
+                if g.forward_use_done() and (g.reshard_after_forward or no_grad) and not g.held:
                     g.to_sharded()
 
     def end_forward(self) -> None:
@@ -156,7 +157,7 @@ class StepLifecycle:
         self.prefetch.finish_recording()
         no_grad = not torch.is_grad_enabled()
         for g in self.groups:
-            if g.reshard_after_forward or no_grad:
+            if (g.reshard_after_forward or no_grad) and not g.held:
                 g.to_sharded()
 
     # -- 5-7: backward ------------------------------------------------------------------------------
@@ -211,6 +212,7 @@ class StepLifecycle:
         the wrapper is idle: the next forward starts a pass. What was pushed stays in the accumulators."""
         for g in self.groups:
             g.drop_grad_buffer()
+            g.held = 0  # a registered method that raised never reached its post-forward
         self.comm.backward_done()
         self.reshard_all()
         self._set_phase(TrainingPhase.IDLE)

@@ -37,6 +37,11 @@ class UnitState:
     engine: EngineSettings = field(default_factory=EngineSettings)  # the engine's own settings (fully_shard's)
     modules: list = field(default_factory=list, repr=False)  # the call's modules (one, or FSDP2's list)
 
+    def __getattr__(self, name: str):
+        # only for names the dataclass lacks: FSDP2's FSDPState internals (_fsdp_param_group, _state_ctx, ...)
+        raise AttributeError(f"odcfsdp's UnitState has no {name!r}: it is not FSDP2's FSDPState (one ODC engine "
+                             "serves the whole model; its settings, managed_modules() and managed_params() are here)")
+
     def managed_modules(self) -> list[nn.Module]:
         """The modules this unit manages, found as FSDP2 finds them: its modules and their submodules, in
         ``modules()`` order, without descending into a module of another ``fully_shard`` call (that unit's)."""
@@ -63,16 +68,20 @@ class UnitState:
 
     # -- what torch's register_fsdp_forward_method calls on FSDP2's state around a registered method ----------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Gather ``module``'s unit before a method other than ``forward`` runs (it may read the unit's
-        parameters directly: Hugging Face's ``generate`` reads the embedding)."""
+        """Gather ``module``'s unit before a method other than ``forward`` runs and hold it until the method returns
+        (the method may read the unit's parameters directly between the forwards it calls, as Hugging Face's
+        ``generate`` reads the embedding; a forward without grad would otherwise free them)."""
         module.unshard()
+        for g in module._odc_groups():
+            g.held += 1
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """Free the unit's groups after the method, as its forward's post-hook would: those whose
         ``reshard_after_forward`` is True (not the root's own, by default: used again at once)."""
         for g in module._odc_groups():
-            if g.reshard_after_forward:
+            g.held -= 1
+            if g.reshard_after_forward and not g.held:
                 g.to_sharded()
         return output
 
