@@ -205,6 +205,23 @@ def test_a_killed_runs_lock_is_taken_over_and_sigterm_releases_it(tmp_path):
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
+def test_a_checkpoint_dir_inside_another_runs_out_dir_is_refused(tmp_path):
+    """A run's own checkpoint directory inside its run.out_dir is locked too: another run whose checkpoint.dir points
+    there (its run.out_dir elsewhere) is refused in one line, exit code 2 (both ran, and moved each other's saves)."""
+    first = start(tmp_path, "run.steps=400", "checkpoint.interval=1", "data.micro_batch_tokens=1024")
+    wait_for(lambda: trained_steps(tmp_path) >= 1, first, "training")
+    blocked = subprocess.run([sys.executable, "-m", "odcfsdp.train", "run.out_dir=other",
+                              "checkpoint.dir=run/checkpoints", "run.steps=2"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    first.send_signal(signal.SIGTERM)
+    err = finish(first)
+    assert first.returncode == 0, err[-2000:]
+    lines = blocked.stderr.strip().splitlines()
+    assert blocked.returncode == 2 and len(lines) == 1, blocked.stderr[-2000:]
+    assert lines[0].startswith(f"error: checkpoint.dir='run/checkpoints' is in use by run pid {first.pid} (started ")
+    assert not (tmp_path / "other" / "metrics.jsonl").exists() and not list(tmp_path.glob(f"**/{LOCK_FILE}"))
+
+
 def test_every_way_out_releases_the_lock(tmp_path):
     """An error (a non-finite loss: exit code 3), a Ctrl-C during start-up (130), a rank's failure (1: a damaged
     checkpoint to resume): the lock file is gone each time (success and SIGTERM: above)."""

@@ -115,8 +115,8 @@ def _lock_run_dirs(cfg: TrainConfig) -> list[DirLock]:
     with nothing held."""
     out_dir, ck_dir = Path(cfg.run.out_dir), checkpoint_dir(cfg)
     dirs = [("run.out_dir", out_dir)]
-    if not ck_dir.resolve().is_relative_to(out_dir.resolve()):
-        dirs.append(("checkpoint.dir", ck_dir))  # two runs sharing it would move and prune each other's saves
+    if ck_dir.resolve() != out_dir.resolve():  # its own lock, even inside run.out_dir: another run's checkpoint.dir
+        dirs.append(("checkpoint.dir", ck_dir))  # may point there, and two runs would move and prune each other's saves
     locks: list[DirLock] = []
     try:
         for key, path in dirs:
@@ -146,6 +146,10 @@ def _holding_run_dirs(cfg: TrainConfig, torchrun: bool):
                 locks = _lock_run_dirs(cfg)
             except ValueError as e:
                 refusal = str(e)
+            except Exception as e:  # noqa: BLE001 - under torchrun the others wait for this verdict: give them one
+                if not torchrun:
+                    raise
+                refusal = f"run.out_dir={cfg.run.out_dir!r} could not be locked: {e}"
         if torchrun:
             verdict = [refusal]
             dist.broadcast_object_list(verdict, src=0)

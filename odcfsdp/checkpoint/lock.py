@@ -3,7 +3,9 @@
 Design note [run-lock]
 ----------------------
 Two runs started into one directory both ran: their ``metrics.jsonl`` lines interleaved, and one run's saves moved
-the other's checkpoints aside (issue 44). A directory now holds one run at a time, also when two start at once:
+the other's checkpoints aside (issue 44). A directory now holds one run at a time, also when two start at once. A run
+locks its ``run.out_dir`` and its checkpoint directory (wherever it is, inside ``run.out_dir`` too: another run's
+``checkpoint.dir`` may point there):
 
 1. the lock is ``fcntl.flock`` on ``<dir>/run.lock``, asked for without waiting: of any number of processes that
    ask at the same instant exactly one gets it (the kernel decides), and the others are refused in one line naming
