@@ -269,7 +269,7 @@ def test_the_cli_runs_no_code_from_its_arguments_or_presets(tmp_path, args, mess
 def test_a_config_dir_of_plain_presets_trains_and_odcfsdps_presets_pass_the_rule(tmp_path):
     """A user's --config-dir with a preset of odcfsdp's keys (and a hydra key a run takes) trains; the presets
     odcfsdp ships pass the same check, and the check reads a ``defaults`` override and a ``_target_``."""
-    from odcfsdp.app.cli import check_config_dir
+    from odcfsdp.app.cli import check_config_dir, check_overrides
 
     check_config_dir(Path(__file__).resolve().parents[1] / "configs")
     (tmp_path / "mine" / "experiment").mkdir(parents=True)
@@ -285,6 +285,14 @@ def test_a_config_dir_of_plain_presets_trains_and_odcfsdps_presets_pass_the_rule
     (tmp_path / "mine" / "experiment" / "bad.yaml").write_text("model:\n  x:\n    _target_: os.system\n")
     with pytest.raises(ValueError, match="bad.yaml: model.x._target_: the command line takes no keys that import"):
         check_config_dir(tmp_path / "mine")
+    (tmp_path / "mine" / "experiment" / "bad.yaml").unlink()
+    (tmp_path / "mine" / "hydra" / "job_logging").mkdir(parents=True)  # logging.config imports its handlers' classes
+    (tmp_path / "mine" / "hydra" / "job_logging" / "x.yaml").write_text("handlers:\n  h:\n    class: os.system\n")
+    with pytest.raises(ValueError, match="x.yaml: a preset of Hydra's own groups configures Hydra"):
+        check_config_dir(tmp_path / "mine")
+    assert check_overrides(["hydra/job_logging=disabled"]) == ["hydra/job_logging=disabled"]
+    with pytest.raises(ValueError, match="hydra/job_logging=x: refused, a logging config of your own"):
+        check_overrides(["hydra/job_logging=x"])
 
 
 def test_help_into_a_closed_pipe_ends_quietly():

@@ -31,6 +31,9 @@ def test_changes_are_refused_applied_or_accepted_by_kind():
     assert refused == [("model.overrides", {}, {"n_layers": 3}), ("data.path", "a.jsonl", "b.jsonl")]
     assert applied == [("optim.lr", 0.01, 0.02), ("optim.kwargs", {}, {"eps": 1}), ("run.steps", 60, 90)]
     assert setup_changes(saved, saved) == ([], [])  # lora.alpha without adapters, world size, prefetch: not a word
+    amsgrad = {**now, "model": saved["model"], "data": saved["data"], "optim": {**saved["optim"], "kwargs": {
+        "amsgrad": True}}}
+    assert setup_changes(saved, amsgrad)[0] == [("optim.kwargs", {}, {"amsgrad": True})]  # the state's shape changes
 
 
 def test_a_resume_with_a_new_learning_rate_applies_it_and_says_so(tmp_path):

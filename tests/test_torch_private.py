@@ -105,9 +105,19 @@ def test_dtensor_spec_tree_flatten_and_wrapper_subclasses():
 
 
 def test_torchs_fully_shard_state_finds_a_registered_state():
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard  # never patched
 
     module, state = torch.nn.Linear(2, 2), object()
     assert torch_fully_shard.state(module) is None
     tp.register_fully_shard_state(module, state)
     assert torch_fully_shard.state(module) is state
+
+
+def test_pyproject_states_the_oldest_tested_torch():
+    """The supported range starts at the oldest torch this module was tested with (issue 43: the range was
+    torch>=2.4, tested on 2.11 and 2.13 only)."""
+    import re
+
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    assert re.search(r'"torch>=([\d.]+)"', text).group(1) == tp.TESTED_TORCH[0]
+    assert torch.__version__.split("+")[0].rsplit(".", 1)[0] in tp.TESTED_TORCH  # this torch is a tested one

@@ -199,6 +199,9 @@ def _type_name(key: str) -> str:
 HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.output_subdir", "hydra.job.chdir",
               "hydra.job.name", "hydra.verbose", "hydra.mode", "hydra/job_logging", "hydra/hydra_logging")
 
+#: Hydra's own logging configs, the only ones a run takes (a logging config names handler classes it imports)
+HYDRA_LOGGING = ("default", "disabled", "none", "stdout")
+
 #: Hydra's flags that run code or pick another primary config, with why each is refused
 REFUSED_FLAGS = {
     "--experimental-rerun": "it unpickles a file and runs it",
@@ -219,6 +222,10 @@ def _refused_hydra(arg: str) -> str | None:
     hydra = key.startswith(("hydra.", "hydra/"))
     if "_target_" in key:
         return f"{name}: the command line takes no {'hydra ' if hydra else ''}keys that import or run code"
+    value = arg.split("=", 1)[1] if "=" in arg else ""
+    if key in ("hydra/job_logging", "hydra/hydra_logging") and value not in HYDRA_LOGGING:
+        return (f"{name}={value}: refused, a logging config of your own names classes to import; Hydra's own are "
+                f"{', '.join(HYDRA_LOGGING)}")
     if hydra and not key.startswith(HYDRA_KEYS):
         return (f"{name}: refused, it would import code, set the ranks' environment or read configs from "
                 f"elsewhere (the hydra keys a run takes: {', '.join(HYDRA_KEYS)})")
@@ -234,6 +241,9 @@ def check_config_dir(path: str | Path) -> None:
     if not root.is_dir():
         raise ValueError(f"--config-dir {str(path)!r} is not a directory")
     for file in sorted(root.rglob("*.y*ml")):
+        if file.relative_to(root).parts[0] == "hydra":
+            raise ValueError(f"{file}: a preset of Hydra's own groups configures Hydra (a logging config imports the "
+                             "classes it names): presets set odcfsdp's keys")
         try:
             preset = yaml.safe_load(file.read_text())
         except (OSError, yaml.YAMLError) as e:

@@ -9,7 +9,8 @@ key, with the new run's, before any rank starts:
    the optimizer's class and its parameter groups, the seed). The error names every such key with
    both values, in one line: resume with the saved values, or start a run of its own;
 2. *applied on purpose*: a hyper-parameter (``APPLIED``: the learning rate and its schedule, weight
-   decay, betas, eps, the optimizer's keyword arguments, clipping, the length of the run). One
+   decay, betas, eps, the optimizer's numeric keyword arguments (a switch such as ``amsgrad``
+   changes what its state holds: refused), clipping, the length of the run). One
    ``note:`` line says so. The optimizer's state dict would otherwise bring the old values back
    (torch's ``load_state_dict`` restores every group's hyper-parameters, and the scheduler its base
    learning rates), so after the load ``apply_hyperparameters`` writes the new run's values, those
@@ -65,7 +66,21 @@ def setup_changes(saved: dict, now: dict) -> tuple[list[tuple[str, Any, Any]], l
     if not old.get("model.lora.r") and not new.get("model.lora.r"):  # no adapters: their settings are unread
         unread |= {k for k in new if k.startswith("model.lora.")}
     changed = [(k, old[k], new[k]) for k in old if k in new and k not in unread and old[k] != new[k]]
-    return [c for c in changed if _under(c[0], REFUSED)], [c for c in changed if _under(c[0], APPLIED)]
+    refused = [c for c in changed if _under(c[0], REFUSED)]
+    applied = [c for c in changed if _under(c[0], APPLIED)]
+    kwargs = [c for c in applied if c[0] == "optim.kwargs"]
+    if kwargs and _structural(*kwargs[0][1:]):  # amsgrad, foreach...: the loaded state has another shape
+        refused.append(kwargs[0])
+        applied.remove(kwargs[0])
+    return refused, applied
+
+
+def _structural(old: dict, new: dict) -> bool:
+    """Whether an optimizer keyword that changed is a switch (a bool or a name: ``amsgrad``, ``foreach``), which
+    changes what the optimizer's state holds, not a number the loaded state can go on with."""
+    keys = {k for k in {*old, *new} if old.get(k) != new.get(k)}
+    return any(not isinstance(v, (int, float)) or isinstance(v, bool)
+               for k in keys for v in (old.get(k), new.get(k)) if v is not None)
 
 
 def _show(value: Any) -> str:

@@ -89,7 +89,7 @@ def _write_report(out_dir: Path, report: str, name: str = "error.log") -> str:
             return f"no traceback written: {out_dir / name}: {e.strerror or e}"
 
 
-def _failed_line(report: str, rank: int, where: str) -> str:
+def _failed_line(report: str, where: str) -> str:
     """The one line a failed rank's report comes to: its first line and its exception's, and where the rest is."""
     lines = [line.strip() for line in report.splitlines() if line.strip()]
     head = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
@@ -101,12 +101,12 @@ def _train_here(cfg: TrainConfig, rank: int) -> None:
     a failure is one line, its traceback in ``error.log`` (``error.rank<r>.log`` for a rank other than 0)."""
     try:
         train(cfg)
-    except Exception as e:  # noqa: BLE001 - every failure is reported alike; signals and stops are not Exceptions
-        if isinstance(e, (NonFiniteError, StartRefused, Interrupted)):
+    except Exception as e:  # noqa: BLE001 - every failure is reported alike (signals are BaseExceptions: not here)
+        if isinstance(e, (NonFiniteError, StartRefused)):
             raise
         report = f"rank {rank} failed:\n{traceback.format_exc()}"
         where = _write_report(Path(cfg.run.out_dir), report, "error.log" if rank == 0 else f"error.rank{rank}.log")
-        raise RankError(_failed_line(report, rank, where)) from None
+        raise RankError(_failed_line(report, where)) from None
 
 
 def _lock_run_dirs(cfg: TrainConfig) -> list[DirLock]:
@@ -193,7 +193,7 @@ def _spawn_ranks(cfg: TrainConfig) -> None:
         install(signal.SIG_IGN, (signal.SIGHUP,))
     except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
         where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
-        raise RankError(_failed_line(str(e), 0, where)) from None
+        raise RankError(_failed_line(str(e), where)) from None
     finally:
         if signal.SIGHUP in received:  # the lines that follow must not fail on a closed terminal
             leave_hung_up_terminal()

@@ -109,6 +109,12 @@ class GroupState(enum.Enum):
     """The unsharded buffer holds the full values; modules hold the unsharded parameters."""
 
 
+def reshard_all(groups) -> None:
+    """Free every group's unsharded buffer (the modules hold their shards again)."""
+    for g in groups:
+        g.to_sharded()
+
+
 class FlatGroup:
     """A flat group of parameters sharded row-wise over the ranks of a transport.
 

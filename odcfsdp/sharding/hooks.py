@@ -158,9 +158,9 @@ class HookDriver:
         self.lifecycle.begin_forward()
         if self.device is None:
             return None
-        # as FSDP2's root: tensors given on another device (the host) move to the model's, without blocking
-        return apply_to_tensors(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True),
-                                (args, kwargs))
+        # as FSDP2's root: tensors given on another device (the host) move to the model's (a blocking copy, as
+        # FSDP2's: the caller may reuse a pinned host buffer at once)
+        return apply_to_tensors(lambda t: t if t.device == self.device else t.to(self.device), (args, kwargs))
 
     def _root_post_forward(self) -> None:
         self.lifecycle.end_forward()

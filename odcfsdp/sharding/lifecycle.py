@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..torch_private import in_backward, queue_end_of_backward
-from .group import FlatGroup
+from .group import FlatGroup, reshard_all
 from .minibatch import Minibatch
 from .phase_range import phase_range
 from .prefetch import PrefetchSchedule
@@ -98,11 +98,6 @@ class StepLifecycle:
         self.minibatch = minibatch
         self.checks = checks
         self.phase = TrainingPhase.IDLE
-
-    @property
-    def busy(self) -> bool:
-        """A forward or backward pass is in flight."""
-        return self.phase is not TrainingPhase.IDLE
 
     # -- 1-4: forward ---------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -203,8 +198,7 @@ class StepLifecycle:
 
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (the modules hold shards)."""
-        for g in self.groups:
-            g.to_sharded()
+        reshard_all(self.groups)
 
     def reset(self) -> None:
         """After an exception aborted a forward or a backward (FSDP2's ``reset_iter_state``): the pass's gradient

@@ -50,7 +50,7 @@ class Meetings:
         self.mesh = mesh
         self.transport_name = transport_name
         self.uneven_micro_batches = uneven_micro_batches
-        self.carry_len = 0  # what every meeting carries (the float8 amaxes, [float8-gather]): set by the engine
+        self.carry_len = 0  # what every meeting carries (the float8 amaxes, [float8-gather]): set by the ``Minibatch``
 
     def meet(self, kind: Meeting, minibatch: int, skipped_passes: int, pushes: int) -> int:
         """One meeting of all ranks; returns the pushes of every rank. Raises alike on every rank if they disagree.

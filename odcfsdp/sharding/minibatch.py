@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .group import FlatGroup
+from .group import FlatGroup, reshard_all
 from .meetings import Meeting, Meetings
 from .mesh import ShardMesh
 from .optimizer_events import install_optimizer_hooks
@@ -272,7 +272,7 @@ class Minibatch:
         """Step 10: reshard, publish the masters of the trained groups and of ``changed`` ones (default: those
         whose master changed), drop ``.grad``, zero the accumulators around one meeting of ``kind``."""
         with phase_range("finish"):
-            self._reshard_all()
+            reshard_all(self.groups)
             if changed is None:
                 changed = [g for g in self.groups if g.layout.requires_grad or g.master_changed]
             for g in changed:
@@ -293,7 +293,7 @@ class Minibatch:
     def rows_changing(self) -> Iterator[None]:
         """Context in which master rows may change (collective; pending gradients are dropped): reshard, this
         rank's pushes complete, one meeting; then step 10 with every group around a meeting of its own."""
-        self._reshard_all()
+        reshard_all(self.groups)
         self.comm.pushes_done()
         self.meet(Meeting.CHANGE)
         yield
@@ -309,10 +309,6 @@ class Minibatch:
             if self._divided_by != 1.0:
                 g.accumulator.mul_(self._divided_by)
         self._divided_by = 1.0
-
-    def _reshard_all(self) -> None:
-        for g in self.groups:
-            g.to_sharded()
 
 
 #: (state, event) -> the transition, a method of ``Minibatch``: the table of [step-protocol] (``protocol.py``).

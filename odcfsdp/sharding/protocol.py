@@ -5,7 +5,7 @@ Design note [step-protocol]
 During a minibatch rows do not change, so any rank gathers any row at any time, and
 pushes are adds that need no order: ranks do not meet. They meet where the standard
 PyTorch loop already needs every rank's gradients, without any call of odcfsdp's own
-(the steps are [lifecycle] 8-10 in ``lifecycle.py``; this note says when they run):
+(the steps are [lifecycle] 8-10, ``Minibatch``'s in ``minibatch.py``; this note says when they run):
 
 1. *sync* ([lifecycle] 8), where a pass over the parameters first reads a sharded parameter's
    ``.grad`` after the rank's micro-batches (``clip_grad_norm_``, or the optimizer's
