@@ -12,7 +12,7 @@ import pytest
 from odcfsdp.app.resume_setup import setup_changes
 from test_train import cli
 
-BASE = ["run.world_size=1", "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.interval=2",
+BASE = ["run.world_size=1", "optim.schedule=cosine", "optim.warmup_steps=1", "checkpoint.interval=2",
         "optim.lr=0.01"]
 
 
@@ -37,8 +37,9 @@ def test_changes_are_refused_applied_or_accepted_by_kind():
 
 
 def test_a_resume_with_a_new_learning_rate_applies_it_and_says_so(tmp_path):
-    """Steps 3-4 after a checkpoint at step 2: resumed with optim.lr=0.05, the run logs and trains at 0.05 (its
-    losses leave the unchanged resume's, which are the uninterrupted run's), and one note line says so."""
+    """Steps 3-4 after a checkpoint at step 2: resumed with optim.lr=0.05, the run's learning rate is the new
+    schedule's (warmup and cosine: what a run started with 0.05 has at those steps), its losses leave the unchanged
+    resume's (which are the uninterrupted run's), and one note line says so."""
     first = cli(*BASE, "run.steps=2", f"run.out_dir={tmp_path / 'a'}", cwd=tmp_path, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     for name in ("same", "new"):
@@ -53,14 +54,17 @@ def test_a_resume_with_a_new_learning_rate_applies_it_and_says_so(tmp_path):
     new = cli(*BASE, "run.steps=4", "checkpoint.resume=auto", "optim.lr=0.05", f"run.out_dir={tmp_path / 'new'}",
               cwd=tmp_path, timeout=300)
     whole = cli(*BASE, "run.steps=4", f"run.out_dir={tmp_path / 'whole'}", cwd=tmp_path, timeout=300)
-    for proc in (same, new, whole):
+    fresh = cli(*BASE, "run.steps=4", "optim.lr=0.05", f"run.out_dir={tmp_path / 'fresh'}", cwd=tmp_path, timeout=300)
+    for proc in (same, new, whole, fresh):
         assert proc.returncode == 0, proc.stderr[-2000:]
     notes = [line for line in new.stderr.splitlines() if line.startswith("note: resuming")]
     assert notes == ["note: resuming with optim.lr=0.05 (was 0.01), run.steps=4 (was 2): applied from the "
                      "checkpoint's step on"], new.stderr
     assert [r["loss"] for r in _rows(tmp_path / "same")] == [r["loss"] for r in _rows(tmp_path / "whole")]
     rows = _rows(tmp_path / "new")
-    assert [r["lr"] for r in rows[2:]] == [0.05, 0.05]
+    # the new schedule at the resumed steps: what a run started with optim.lr=0.05 has there (warmup and cosine)
+    assert [r["lr"] for r in rows[2:]] == [r["lr"] for r in _rows(tmp_path / "fresh")[2:]]
+    assert rows[2]["lr"] != _rows(tmp_path / "same")[2]["lr"]
     assert rows[2]["loss"] == _rows(tmp_path / "same")[2]["loss"]  # step 3's forward ran on step 2's weights
     assert rows[3]["loss"] != _rows(tmp_path / "same")[3]["loss"]  # step 3's update used the new rate
 
