@@ -9,7 +9,9 @@
 # left to tests_copy_engine), tests_copy_engine (issue 31's copy-engine hang taken apart: the gather with and
 # without its side streams, each case bounded), fully_shard (issues 34, 42: tests/test_gpu_fully_shard.py, a
 # torchtitan-style script through torch's fully_shard and ours, uneven counts against one process, a CPU-built model
-# moved to the CUDA mesh), comm, optim (one GPU is enough),
+# moved to the CUDA mesh), trl (issue 42 item 6: tests/test_gpu_trl.py, TRL's SFTTrainer through accelerate's FSDP2
+# plugin on torch's fully_shard and, after odcfsdp.patch_fsdp2, on ours, 5 steps to 1e-5; needs trl and datasets,
+# carried as wheels: skipped without them), comm, optim (one GPU is enough),
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, e2e_longtail_8b, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
@@ -45,7 +47,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -76,6 +78,11 @@ section_cmd() {  # section, gpus in lane, port, dir
     fully_shard)  # issue 34: the torchtitan-style script through torch's fully_shard and odcfsdp's, and uneven counts
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu_fully_shard.py -q -p no:cacheprovider $(per_test_bound 240)" \
+           "--junitxml=$dir/gpu_tests.xml $extra" ;;
+    trl)  # issue 42 item 6: SFTTrainer on accelerate's FSDP2 plugin, torch's fully_shard and ours (after
+      # odcfsdp.patch_fsdp2), two cases of two torchrun launches each, every launch bounded at 180 s by the test
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
+           "tests/test_gpu_trl.py -q -p no:cacheprovider $(per_test_bound 420)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     comm) echo "$run -m benchmarks.comm_bench --iters 20 --out $dir --commit $COMMIT $extra" ;;
     optim) echo "python3 -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;

@@ -166,3 +166,43 @@ def test_settings_made_on_blocks_before_the_root_call_are_kept_and_units_cast_th
     block = nn.Linear(8, 8)
     fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     assert block(torch.ones(2, 8)).dtype == torch.bfloat16  # the fp32 input cast to bf16 by the unit's hook
+
+
+class _FusedHead(torch.nn.Module):
+    """A loss that reads the head's weight without calling the head (TRL's fused LM head): the head's gradient is
+    produced before the backward of the site whose group holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids):
+        h = self.norm(self.emb(ids))
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, self.head.weight).flatten(0, 1),
+                                                 ids.flatten())
+
+
+def _fused_head_grads() -> dict:
+    import odcfsdp
+
+    torch.manual_seed(0)
+    model = odcfsdp.fully_shard(_FusedHead())
+    ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))  # the same on both ranks
+    model(ids).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_a_weight_read_outside_its_module_gets_its_gradient():
+    """The head's gradient arrived before its group's buffer and was overwritten: the head trained on zeros while
+    the loss looked right (found under TRL's SFTTrainer with an untied head). Against one plain process."""
+    from odcfsdp.launch import spawn
+
+    torch.manual_seed(0)
+    plain = _FusedHead()
+    plain(torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))).backward()
+    for grads in spawn(_fused_head_grads, 2):
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+        assert grads["head.weight"].abs().sum() > 0

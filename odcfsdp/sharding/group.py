@@ -39,7 +39,11 @@ accumulated: autograd runs gradient accumulation first among the nodes that are
 ready together, which FSDP2 relies on too. A gradient that reaches a parameter after
 its group was pushed (a parameter used outside its site, after the site's backward)
 lands in a fresh ``.grad``; the end-of-backward callback collects it
-(``collect_late_grads``) and pushes it too, so nothing is lost, only pushed late.
+(``collect_late_grads``) and pushes it too, so nothing is lost, only pushed late. One that
+arrives *before* its group's buffer exists (a parameter read outside its site, in the
+forward of a site whose backward comes later: TRL's fused head reads ``lm_head.weight``)
+is added into the buffer when it is made (``prepare_grad``): it was overwritten, and
+the head trained on a zero gradient.
 
 Design note [masters]
 ---------------------
@@ -296,7 +300,10 @@ class FlatGroup:
                                        device=self.unsharded.device)
         for i, sp in enumerate(self.params):
             if sp.trained:
-                sp.unsharded.grad = self.layout.param_view(self.grad_buffer, i)
+                view = self.layout.param_view(self.grad_buffer, i)
+                if sp.unsharded.grad is not None:  # arrived before the buffer: the parameter was read outside its
+                    view.add_(sp.unsharded.grad)  # site (TRL's fused head reads lm_head.weight), and is kept
+                sp.unsharded.grad = view
 
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
         """Add a gradient of parameter ``i`` that autograd left outside the buffer (see ``prepare_grad``)."""
