@@ -296,3 +296,50 @@ def test_lora_on_the_head_falls_back_to_logits_and_loss(tmp_path):
     logits = model(mb.tokens, mb.positions, doc_lengths=mb.doc_lengths)
     assert loss.dim() == 0
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[0], mb.targets[0], reduction="sum"))
+
+
+def _save_with_full_values(out: str) -> dict:
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from odcfsdp import fully_shard
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    try:
+        model.save_pretrained(out)
+        alone = "written"
+    except RuntimeError as e:
+        alone = str(e)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:  # as Hugging Face's Trainer saves an FSDP2 model: the main process, full values
+        model.save_pretrained(out, state_dict=full)
+    dist.barrier()
+    return {"alone": alone}
+
+
+def test_save_pretrained_writes_a_full_state_dict_and_refuses_shards(tmp_path):
+    """Hugging Face's Trainer saves an FSDP2 model as save_pretrained(dir, state_dict=full values): with odcfsdp's
+    fully_shard that was refused, so TRL's default save_steps ended a run. Given full values it writes them (loaded
+    back by plain transformers: the plain model's weights); alone it still refuses to write one rank's shards."""
+    import transformers
+
+    from odcfsdp.launch import spawn
+
+    outs = spawn(_save_with_full_values, 2, str(tmp_path / "saved"))
+    assert all(o["alone"].startswith("save_pretrained of a wrapped model would write this rank's shards") for o in outs)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    want, got = plain.state_dict(), loaded.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
