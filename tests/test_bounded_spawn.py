@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from odcfsdp.launch.processes import DUMP_WAIT_S, GUARD_FRACTION, KILL_WAIT_S, spawn
+from odcfsdp.launch.processes import GUARD_FRACTION, spawn
+from odcfsdp.launch.rank_outcomes import DUMP_WAIT_S, KILL_WAIT_S
 
 
 def _sleep_forever_on(rank_to_hang: int) -> int:

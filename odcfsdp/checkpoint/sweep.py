@@ -14,8 +14,10 @@ import re
 import shutil
 from pathlib import Path
 
+from .manifest import MANIFEST
+from .sharded import _ASIDE  # the previous copy of a step saved twice: the save's own pattern
+
 _PARTIAL = re.compile(r"^step_\d{8}\.(tmp|abandoned)-[0-9a-f]+$")
-_ASIDE = re.compile(r"^(step_\d{8})\.old-[0-9a-f]+$")
 
 
 def leftovers(directory: str | Path, keep: str | Path | None = None) -> list[Path]:
@@ -29,7 +31,7 @@ def leftovers(directory: str | Path, keep: str | Path | None = None) -> list[Pat
         aside = _ASIDE.match(p.name)
         if not p.is_dir() or p.resolve() == kept:
             continue
-        if _PARTIAL.match(p.name) or (aside and (directory / aside.group(1) / "manifest.json").is_file()):
+        if _PARTIAL.match(p.name) or (aside and (directory / f"step_{aside.group(1)}" / MANIFEST).is_file()):
             found.append(p)
     return found
 

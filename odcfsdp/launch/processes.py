@@ -78,8 +78,7 @@ import torch.distributed as dist
 
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
-from .rank_outcomes import (DUMP_WAIT_S, KILL_WAIT_S, collect_stacks, dead_peers, died,  # noqa: F401 - the bounds,
-                            ended_by_signal, stop_ranks)  # read by tests here
+from .rank_outcomes import collect_stacks, dead_peers, died, ended_by_signal, stop_ranks
 
 
 
