@@ -17,8 +17,9 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
 # FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has); or with one lever off: pushes unbounded
 # (each gradient buffer freed with record_stream, not one site in flight, [streams] 2); or one group per decoder
-# layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups")
+# layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group);
+# or the optimizer's state parked on the host between steps ([parking]).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups", "park")
 
 
 def variant(text: str) -> str:

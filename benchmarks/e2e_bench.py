@@ -58,6 +58,7 @@ from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
+from odcfsdp.optim import ParkedOptimizerState
 from odcfsdp.models.attention import warm_attention
 
 NO_DECAY = ("*norm*",)
@@ -123,10 +124,14 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
 
 
 def optimizer_for(method: str, model: nn.Module, device: torch.device, args) -> torch.optim.Optimizer:
-    """The same ``torch.optim.AdamW`` for every method: fused on GPUs (``-unfused``: torch's foreach kernels)."""
+    """The same ``torch.optim.AdamW`` for every method: fused on GPUs (``-unfused``: torch's foreach kernels);
+    odc's ``park`` variant keeps its state on the host between steps ([parking])."""
     fused = device.type == "cuda" and not method.endswith("-unfused")
-    return torch.optim.AdamW(param_groups(model, no_decay=NO_DECAY), lr=args.lr, betas=(0.9, 0.95),
-                             weight_decay=0.1, fused=fused or None)
+    opt = torch.optim.AdamW(param_groups(model, no_decay=NO_DECAY), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1, fused=fused or None)
+    if method.startswith("odc") and "park" in method.partition("-")[2].split("+"):
+        ParkedOptimizerState(opt)
+    return opt
 
 
 @functools.lru_cache(maxsize=2)

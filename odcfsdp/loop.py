@@ -12,7 +12,8 @@ A step, as numbered steps:
    size);
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
    optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
-   with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]);
+   with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]); optimizer state parked on the
+   host ([parking]) starts back before the last micro-batch's backward;
 4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
 
 ``evaluate`` is the held-out loss between steps: the same packing and loss, without
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 from .data.balance import CostModel, plan_minibatch
 from .data.packing import Sample, empty_micro_batch, pack
+from .optim.parking import prefetch_parked, settle_parked
 from .sharding.collectives import all_gather_tensor
 
 
@@ -103,6 +105,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
                 # ([linear-cross-entropy]): no micro-batch holds its full logits.
                 loss = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths,
                              targets=micro.targets) / minibatch.global_targets
+            if k == last:  # optimizer state parked on the host comes back under the last (smallest) backward
+                prefetch_parked(optimizer)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum += loss.detach()
     t_issued = time.perf_counter()
@@ -121,6 +125,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
+    else:
+        settle_parked(optimizer)  # the skipped step's prefetched state goes back to the host
     optimizer.zero_grad()  # also what drops a non-finite minibatch's gradients (the update is not applied)
     if cuda:  # the current stream only: ODCShard's accumulator zeroing goes on under the next forward ([streams] 5)
         torch.cuda.current_stream(device).synchronize()

@@ -18,9 +18,10 @@ BALANCED = ["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--batch", "
 
 @pytest.fixture(scope="module")
 def variants_run(tmp_path_factory) -> dict:
-    """One process: odc and FSDP2 with the lean and offload variants (the runs by method)."""
+    """One process: odc and FSDP2 with the lean, offload and park variants (the runs by method)."""
     out = tmp_path_factory.mktemp("variants")
-    e2e_bench.main([*BALANCED, "--steps", "2", "--warmup", "1", "--variants", "lean", "offload", "--out", str(out)])
+    e2e_bench.main([*BALANCED, "--steps", "2", "--warmup", "1", "--variants", "lean", "offload", "park",
+                    "--out", str(out)])
     return {r["method"]: r for r in json.loads((out / "e2e_bench.json").read_text())["rows"]}
 
 
@@ -70,9 +71,11 @@ def test_compiled_layers_with_recomputation_train_the_same_model(tmp_path):
 def test_memory_variants_train_the_same_model(variants_run):
     """``--variants``: odc with the fp32 masters gathered and bf16 gradient accumulators trains what odc trains
     (on CPU the compute is fp32, so only the bf16 sums differ: losses within bf16 rounding); with ``offload`` odc and
-    FSDP2 (``fsdp2-offload``, the baseline) step on host masters and train what they train without it."""
+    FSDP2 (``fsdp2-offload``, the baseline) step on host masters and train what they train without it; with ``park``
+    odc's optimizer state waits on the host between steps and odc trains exactly what it trains."""
     runs = variants_run
-    assert set(runs) == {"odc", "odc-lean", "odc-offload", "fsdp2", "fsdp2-offload"}
+    assert set(runs) == {"odc", "odc-lean", "odc-offload", "odc-park", "fsdp2", "fsdp2-offload"}
+    assert runs["odc-park"]["losses"] == runs["odc"]["losses"]  # [parking]: the same state, moved and back
     for a, b in zip(runs["odc-lean"]["losses"], runs["odc"]["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b)
     for method in ("odc", "fsdp2"):

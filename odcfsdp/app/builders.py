@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..data.balance import CostModel
-from ..optim import optimizer_class, optimizer_keywords, param_groups
+from ..optim import ParkedOptimizerState, optimizer_class, optimizer_keywords, param_groups
 from ..schedule import warmup_cosine
 from ..sharding import ODCShard
 from ..sharding.hsdp import hybrid_mesh
@@ -87,10 +87,13 @@ def optimizer_arguments(cfg: TrainConfig, device: torch.device, cls: type[torch.
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):
     """``optim.name``'s ``torch.optim`` class over ``param_groups`` (no decay for ``optim.no_decay``) and its
-    ``LambdaLR`` schedule (default: ``torch.optim.AdamW``)."""
+    ``LambdaLR`` schedule (default: ``torch.optim.AdamW``); with ``optim.park_state`` its state is kept on the
+    host between steps."""
     o = cfg.optim
     cls = optimizer_class(o.name)
     opt = cls(param_groups(model, no_decay=list(o.no_decay)), **optimizer_arguments(cfg, device, cls))
+    if o.park_state:
+        ParkedOptimizerState(opt)  # its hooks park the state after each step ([parking])
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
     return opt, sched

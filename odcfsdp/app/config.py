@@ -186,6 +186,9 @@ class OptimConfig:
     """parameter-name globs without decay"""
     fused: bool | None = None
     """torch's fused optimizer kernels, where the optimizer has them; None: on CUDA"""
+    park_state: bool = False
+    """keep the optimizer's state in host memory between steps (odcfsdp.optim.ParkedOptimizerState): 8 bytes per
+    parameter and rank less on the GPU during forward and backward (AdamW), for copies over PCIe at each step"""
 
 
 @dataclass

@@ -97,6 +97,9 @@ def validate(cfg) -> None:
     if cfg.shard.offload_policy and cfg.shard.gather_masters:
         raise ValueError("shard.gather_masters=true keeps the masters where peers read them; shard.offload_policy "
                          "moves them to host memory: choose one")
+    if cfg.shard.offload_policy and cfg.optim.park_state:
+        raise ValueError("optim.park_state=true parks the optimizer's state on the host between steps; with "
+                         "shard.offload_policy=cpu it lives there already: leave optim.park_state off")
     choice("shard.float8", cfg.shard.float8, FLOAT8_CHOICES)
     choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     positive("shard.group_bytes", cfg.shard.group_bytes)

@@ -47,11 +47,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..optim.parking import owned_loads
 from ..sharding.layout import overlapping_shards, shard_range
 from ..sharding.param import as_global
 from ..sharding.sharded_model import ShardedModel, sharded
-from ..torch_private import local_of
 from .files import crc32_of, fsync_path, naming, write_json_durably
+from .optimizer_state import jsonable, optimizer_params, optimizer_tensors
 from .nonfinite import NonFiniteStateError, first_nonfinite
 from .manifest import (
     FORMAT, MANIFEST, VERSION, CheckpointError, check_files_bound, check_params, check_size, file_binding, rank_file,
@@ -72,68 +73,6 @@ def _plan(model: ShardedModel) -> list[dict]:
 def _model_slots(model: ShardedModel) -> dict:
     return {s.name: (s.shape, str(lay.dtype).removeprefix("torch."), lay.requires_grad)
             for lay in model.layouts for s in lay.slots}
-
-
-def _jsonable(value):
-    """A hyper-parameter as JSON (tensors as numbers, tuples as lists); None if it has no JSON form."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (list, tuple)):
-        items = [_jsonable(v) for v in value]
-        return None if any(i is None and v is not None for i, v in zip(items, value)) else items
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return None
-
-
-def _optimizer_params(model: ShardedModel, optimizer) -> list[list]:
-    """The optimizer's parameter groups as lists of the model's ``ShardedParam``s (every parameter must be the
-    model's)."""
-    groups = []
-    for group in optimizer.param_groups:
-        sps = []
-        for p in group["params"]:
-            sp = model.shard_state.param_of(p)
-            if sp is None:
-                raise CheckpointError("the optimizer holds a parameter that is not one of the model's shards; build it "
-                                      "from the ODCShard model's parameters (e.g. odcfsdp.param_groups(model))")
-            sps.append(sp)
-        groups.append(sps)
-    return groups
-
-
-def _optimizer_tensors(model: ShardedModel, optimizer, copy: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(manifest entry, {file key: this rank's shard}) of the optimizer's state (no shards without ``copy``).
-
-    Per-parameter states are scalars or tensors of the parameter's shape (element-wise
-    optimizers), stored sharded like the parameter; any other tensor state (Adafactor's
-    row and column factors) has no shard layout here, so it is refused, the same on every
-    rank (the shapes agree), before the save starts.
-    """
-    groups = _optimizer_params(model, optimizer)
-    scalars, keys, tensors = {}, set(), {}
-    for sps in groups:
-        for sp in sps:
-            for key, value in optimizer.state.get(sp.sharded, {}).items():
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == sp.shape and value.dim() > 0:
-                    local = local_of(value)
-                    if copy:
-                        tensors[f"{sp.name}/{key}"] = local.detach().reshape(-1).cpu()
-                    keys.add(key)
-                elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    raise CheckpointError(
-                        f"{type(optimizer).__name__} state {key!r} of {sp.name} has shape {tuple(value.shape)}, not "
-                        f"the parameter's {sp.shape}: sharded checkpoints hold element-wise optimizer state only "
-                        "(AdamW, Adam, SGD, RMSprop, Adagrad, ...); save the model alone (optimizer=None) for this one")
-                else:
-                    scalars.setdefault(sp.name, {})[key] = _jsonable(value)
-    entry = {
-        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-        "param_groups": [{**{k: _jsonable(v) for k, v in g.items() if k != "params"},
-                          "params": [sp.name for sp in sps]} for g, sps in zip(optimizer.param_groups, groups)],
-        "tensor_states": sorted(keys), "scalar_states": scalars,
-    }
-    return entry, tensors
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -196,7 +135,7 @@ def save_checkpoint(
     model = sharded(model)  # an ODCShard or a fully_shard model ([sharded-model])
     mesh, everyone = model.mesh, model.mesh.everyone  # HSDP: replica 0 writes the shards, every rank its RNG
     # Every rank checks the optimizer's state (a refusal comes alike everywhere); replica 0 copies it.
-    opt_entry, opt_tensors = (None, {}) if optimizer is None else _optimizer_tensors(model, optimizer,
+    opt_entry, opt_tensors = (None, {}) if optimizer is None else optimizer_tensors(model, optimizer,
                                                                                     copy=mesh.replica == 0)
     masters = [(sp.name, shard) for sp, shard in model.shard_state.shards()]
     bad = first_nonfinite(masters + [(k.rpartition("/")[0] + f" ({k.rpartition('/')[2]})", v)
@@ -247,7 +186,7 @@ def save_checkpoint(
             "param_dtype": str(model.param_dtype).removeprefix("torch."),
             "params": plan,
             "aliases": model.aliases, "optimizer": opt_entry,
-            "scheduler": None if scheduler is None else {k: _jsonable(v) for k, v in scheduler.state_dict().items()},
+            "scheduler": None if scheduler is None else {k: jsonable(v) for k, v in scheduler.state_dict().items()},
             "files": files, "config": config, "extra": extra or {},
         }
         write_json_durably(tmp / MANIFEST, manifest)
@@ -357,7 +296,7 @@ def _load_optimizer(path: Path, manifest: dict, files: "_Files", model: ShardedM
                     old_seg: dict[str, int]) -> None:
     """Rebuild this rank's optimizer state from the checkpoint and hand it to ``optimizer.load_state_dict``."""
     saved = manifest["optimizer"]
-    groups = _optimizer_params(model, optimizer)
+    groups = optimizer_params(model, optimizer)
     if manifest["version"] == 1:  # odcfsdp's own AdamW: exp_avg / exp_avg_sq rows, one step count
         saved = {"param_groups": [{k: v for k, v in g.items() if k != "params"} | {"params": [sp.name for sp in sps]}
                                   for g, sps in zip(optimizer.param_groups, groups)],
@@ -387,7 +326,8 @@ def _load_optimizer(path: Path, manifest: dict, files: "_Files", model: ShardedM
         hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
         param_groups.append({**hyper, "params": list(range(index, index + len(g["params"])))})
         index += len(g["params"])
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    with owned_loads(optimizer):  # the state built here is the optimizer's alone: parked as it is ([parking])
+        optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 def _restore_rng(f, device: torch.device) -> None:

@@ -1,6 +1,9 @@
-"""Optimizer helpers. ODCShard models train with any element-wise ``torch.optim`` optimizer."""
+"""Optimizer helpers. ODCShard models train with any element-wise ``torch.optim`` optimizer; ``ParkedOptimizerState``
+keeps its state in host memory between steps ([parking])."""
 
 from .by_name import optimizer_class, optimizer_keywords
 from .param_groups import DEFAULT_NO_DECAY, param_groups
+from .parking import ParkedOptimizerState, parking_of, prefetch_parked, settle_parked, unparked
 
-__all__ = ["DEFAULT_NO_DECAY", "optimizer_class", "optimizer_keywords", "param_groups"]
+__all__ = ["DEFAULT_NO_DECAY", "ParkedOptimizerState", "optimizer_class", "optimizer_keywords", "param_groups",
+           "parking_of", "prefetch_parked", "settle_parked", "unparked"]

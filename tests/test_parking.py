@@ -1,0 +1,164 @@
+"""The optimizer's state parked on the host between steps ([parking]) trains, saves and loads exactly as resident
+state does: against the same run without parking, bit for bit, on one CPU process (ODCShard's collective path)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from odcfsdp.checkpoint import load_checkpoint, save_checkpoint
+from odcfsdp.optim import ParkedOptimizerState, parking_of, prefetch_parked, settle_parked, unparked
+from odcfsdp.optim.parking import Where
+from odcfsdp.torch_private import local_of
+
+from checkpoint_state import CFG, assert_same_state, build, full_state
+
+
+def _state_tensors(opt) -> list[torch.Tensor]:
+    return [local_of(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def _state_bytes(opt) -> int:
+    return sum(t.nbytes for t in _state_tensors(opt))
+
+
+def _steps(model, opt, steps: int, seed: int = 1, prefetch: bool = True, skip: tuple[int, ...] = ()) -> list[float]:
+    """Two micro-batches a step; parked state prefetched before the second backward, as ``train_step`` does."""
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        for k in range(2):
+            x = torch.randint(0, CFG.vocab_size, (2, 9), generator=g)
+            loss = model(x).float().pow(2).mean()
+            if k == 1 and prefetch:
+                prefetch_parked(opt)
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if step in skip:
+            settle_parked(opt)
+        else:
+            opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _full(model, opt) -> dict:
+    with unparked(opt):
+        return full_state(model, opt)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_parked_state_trains_like_resident_state(prefetch):
+    """Losses and final state to the bit; between steps the device storage is empty and the host holds it all."""
+    model, opt = build()
+    ref_model, ref_opt = build()
+    parking = ParkedOptimizerState(opt)
+    assert parking_of(opt) is parking
+    losses = _steps(model, opt, 4, prefetch=prefetch, skip=(2,))
+    assert losses == _steps(ref_model, ref_opt, 4, skip=(2,))
+    assert parking.where is Where.PARKED
+    assert parking.parked_bytes == _state_bytes(ref_opt) > 0
+    assert all(t.untyped_storage().nbytes() == 0 for t in _state_tensors(opt))
+    assert_same_state(_full(model, opt), full_state(ref_model, ref_opt))
+    assert parking.where is Where.PARKED  # unparked() parks it again
+
+
+def test_a_skipped_step_frees_its_prefetch():
+    model, opt = build()
+    parking = ParkedOptimizerState(opt)
+    _steps(model, opt, 1)
+    prefetch_parked(opt)
+    assert parking.where is Where.ARRIVING and parking.parked_bytes == 0
+    settle_parked(opt)
+    assert parking.where is Where.PARKED and parking.parked_bytes > 0
+
+
+def test_state_dict_and_load_state_dict_see_the_parked_state():
+    """``state_dict()`` while parked holds the values (the state then stays resident until the next step parks it);
+    ``load_state_dict`` parks what it loaded, and training goes on as from the resident run."""
+    model, opt = build()
+    ref_model, ref_opt = build()
+    ParkedOptimizerState(opt)
+    _steps(model, opt, 2)
+    _steps(ref_model, ref_opt, 2)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert parking_of(opt).where is Where.RESIDENT
+    for i, state in ref_sd["state"].items():
+        for key, value in state.items():
+            assert torch.equal(sd["state"][i][key], value), (i, key)
+    model2, opt2 = build()
+    parking2 = ParkedOptimizerState(opt2)
+    _steps(model2, opt2, 1, seed=5)  # state to replace
+    model2.load_state_dict(ref_model.state_dict())
+    handed = copy.deepcopy(ref_sd)  # torch would share the `step` tensors of ref_opt's own dict
+    opt2.load_state_dict(handed)
+    assert parking2.where is Where.PARKED
+    for i, state in ref_sd["state"].items():  # torch kept the handed tensors: parking copied them, not emptied them
+        assert all(torch.equal(handed["state"][i][k], v) for k, v in state.items())
+    _steps(model2, opt2, 2, seed=3)
+    _steps(ref_model, ref_opt, 2, seed=3)
+    assert_same_state(_full(model2, opt2), full_state(ref_model, ref_opt))
+
+
+def test_checkpoints_of_parked_state_resume_exactly(tmp_path):
+    """A checkpoint saved from parked state holds the resident run's values; loaded into a parked optimizer,
+    the run continues exactly as the uninterrupted resident one."""
+    model, opt = build()
+    ref_model, ref_opt = build()
+    ParkedOptimizerState(opt)
+    _steps(model, opt, 2)
+    _steps(ref_model, ref_opt, 2)
+    save_checkpoint(tmp_path / "parked", model, opt, step=2)
+    assert parking_of(opt).where is Where.PARKED
+    save_checkpoint(tmp_path / "resident", ref_model, ref_opt, step=2)
+    from safetensors.torch import load_file
+    a = load_file(tmp_path / "parked" / "step_00000002" / "rank00000.safetensors")
+    b = load_file(tmp_path / "resident" / "step_00000002" / "rank00000.safetensors")
+    assert a.keys() == b.keys() and any(k.endswith("/exp_avg_sq") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("__rng__"))
+    model2, opt2 = build(seed=7)
+    parking2 = ParkedOptimizerState(opt2)
+    load_checkpoint(tmp_path / "parked" / "step_00000002", model2, opt2)
+    assert parking2.where is Where.PARKED
+    _steps(model2, opt2, 2, seed=3)
+    _steps(ref_model, ref_opt, 2, seed=3)
+    assert_same_state(_full(model2, opt2), full_state(ref_model, ref_opt))
+
+
+def test_one_parking_per_optimizer_and_close_restores():
+    model, opt = build()
+    parking = ParkedOptimizerState(opt)
+    with pytest.raises(ValueError, match="already parked"):
+        ParkedOptimizerState(opt)
+    _steps(model, opt, 1)
+    parking.close()
+    assert parking_of(opt) is None and _state_bytes(opt) > 0
+    ref_model, ref_opt = build()
+    _steps(ref_model, ref_opt, 1)
+    _steps(model, opt, 1, seed=2)
+    _steps(ref_model, ref_opt, 1, seed=2)
+    assert_same_state(full_state(model, opt), full_state(ref_model, ref_opt))
+
+
+def test_cli_runs_with_parked_state_resume_like_the_resident_run(tmp_path):
+    """``optim.park_state=true`` on 2 ranks (DTensor state, sharded checkpoints): stopped after step 2 and resumed,
+    its losses and gradient norms equal the resident run's, and its final checkpoint holds the same shards."""
+    from safetensors.torch import load_file
+    from test_train import run_ranks
+
+    base = {"run": {"steps": 4, "seed": 3}, "balance": {"kind": "lb_micro"}, "shard": {"comm": "collective"},
+            "data": {"batch_size": 4, "micro_batch_tokens": 128, "lengths": {"max_len": 100}},
+            "checkpoint": {"interval": 2}}
+    resident = run_ranks(base, tmp_path / "resident")
+    parked = {**base, "optim": {"park_state": True}}
+    run_ranks({**parked, "run": {**base["run"], "stop_after": 2}}, tmp_path / "parked")
+    rest = run_ranks({**parked, "checkpoint": {"interval": 2, "resume": "auto"}}, tmp_path / "parked")
+    assert [(r["loss"], r["grad_norm"]) for r in rest] == [(r["loss"], r["grad_norm"]) for r in resident[2:]]
+    for rank in range(2):
+        a = load_file(tmp_path / "resident" / "checkpoints" / "step_00000004" / f"rank{rank:05d}.safetensors")
+        b = load_file(tmp_path / "parked" / "checkpoints" / "step_00000004" / f"rank{rank:05d}.safetensors")
+        assert a.keys() == b.keys() and any(k.endswith("/exp_avg") for k in a)
+        assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("__rng__"))
