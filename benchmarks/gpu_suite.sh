@@ -69,7 +69,8 @@ section_cmd() {  # section, gpus in lane, port, dir
       local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py" \
-           "tests/test_gpu.py -q -p no:cacheprovider $(per_test_bound 300) --junitxml=$dir/gpu_tests.xml $select" \
+           "tests/test_gpu.py tests/test_gpu_parking.py -q -p no:cacheprovider $(per_test_bound 300)" \
+           "--junitxml=$dir/gpu_tests.xml $select" \
            "$extra" ;;
     tests_copy_engine)  # 4 cases on 2 GPUs, each bounded at 90 s by spawn: at most ~7 min if every one hangs
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
@@ -170,12 +171,13 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     levers_8b_balanced|levers_8b_longtail)  # issue 41: odc's memory levers, each on top of the default, against
       # FSDP2 and FSDP2 with sync off until the last micro-batch (first, so no order favours odc), every method in
-      # processes of its own, peak by category; balanced:
+      # processes of its own, peak by category (LEVERS: the odc variants; park: its optimizer state on the host
+      # between steps, [parking]); balanced:
       # 2 x 4K per GPU; longtail: 4 samples of 8K-64K per GPU, odc with LB-Mini only (FSDP2 with LB-Micro)
       local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="unbounded_pushes unit_groups gather_masters"
       v=${LEVERS:-$v}  # LEVERS: other variants (e.g. "unit_groups gather_masters+unit_groups")
       [ "$s" = levers_8b_longtail ] && w=longtail b=$((4 * n)) st="--steps 3 --warmup 1 --balancers lb_mini" \
-        v="gather_masters"
+        v=${LEVERS:-park gather_masters}
       echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads $w --batch $b $st" \
            "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants $v --memory-breakdown" \
            "--keep-going" \
