@@ -13,7 +13,7 @@ A step, as numbered steps:
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
    optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
    with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]); optimizer state parked on the
-   host ([parking]) starts back before the last micro-batch's backward;
+   host ([parking]) starts back once the last backward is queued;
 4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
 
 ``evaluate`` is the held-out loss between steps: the same packing and loss, without
@@ -105,11 +105,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
                 # ([linear-cross-entropy]): no micro-batch holds its full logits.
                 loss = model(micro.tokens, micro.positions, doc_lengths=micro.doc_lengths,
                              targets=micro.targets) / minibatch.global_targets
-            if k == last:  # optimizer state parked on the host comes back under the last (smallest) backward
-                prefetch_parked(optimizer)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum += loss.detach()
     t_issued = time.perf_counter()
+    # Optimizer state parked on the host ([parking]) starts back now: the host has queued the last backward and freed
+    # its activations, so the state is allocated below the step's peak; its copies overlap the backward's tail.
+    prefetch_parked(optimizer)
     if cuda:
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()

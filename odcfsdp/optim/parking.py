@@ -13,10 +13,12 @@ read (2P/N). Parking the state during forward and backward frees more than that:
    next forward (PCIe, which one-sided gathers and pushes over NVLink do not use). The tensors stay the
    optimizer's own objects: only their storage is emptied (``untyped_storage().resize_(0)``, as FSDP2 frees
    its unsharded parameters).
-2. **Prefetch** (``prefetch_parked(optimizer)``, which ``odcfsdp.loop.train_step`` calls before the last
-   micro-batch's backward). The storage is allocated again on the current stream and the copies back run on
-   the side stream under that backward. Balancers order a rank's micro-batches largest first, so the last
-   backward is the smallest and its peak is far below the minibatch's.
+2. **Prefetch** (``prefetch_parked(optimizer)``, which ``odcfsdp.loop.train_step`` calls once the host has queued
+   the minibatch's last backward). The storage is allocated again on the current stream and the copies back run on
+   the side stream after it. By then the host has freed every activation of the backward (its frees are stream
+   ordered), so the state is allocated below the step's peak. Called before the last backward instead, it would
+   hold the state through that backward, which may be the peak's (a rank with one micro-batch): measured, the
+   peak stayed where it was without parking.
 3. **Unpark** (the step pre-hook). The current stream waits for the copies back (issuing them first if no
    prefetch came), then the step runs on the state as if it had never moved: the same tensors, the same
    values, bit for bit.
@@ -25,9 +27,9 @@ Whatever reads the state between steps sees it resident: ``optimizer.state_dict(
 then stays on the device until the next step parks it again), ``load_state_dict`` parks the loaded state,
 and odcfsdp's checkpoints read and write it inside ``unparked(optimizer)``. A step skipped for a non-finite
 gradient norm leaves a prefetch unused: ``settle_parked`` frees it again (no copy: the host holds the same
-values). What it costs: the copies back that the last backward does not cover (about 8P/N bytes over PCIe per
-step) and 8P/N of pinned host memory per rank. On CPU the same steps run with plain host copies (no
-saving, the same semantics: what the CPU tests check).
+values). What it costs: the copies each way, about 8P/N bytes over PCIe per step (the park overlaps the next
+forward; the copies back overlap the sync meeting and ``clip_grad_norm_``), and 8P/N of pinned host memory per
+rank. On CPU the same steps run with plain host copies (no saving, the same semantics: what the CPU tests check).
 """
 
 from __future__ import annotations
