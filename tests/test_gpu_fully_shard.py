@@ -59,9 +59,9 @@ def test_the_root_moves_host_inputs_to_the_models_device():
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
     torch.manual_seed(0)
     plain = Llama(cfg).cuda()
-    torch.manual_seed(0)
     with torch.device("cuda"):
         model = Llama(cfg)
+    model.load_state_dict(plain.state_dict())  # the same weights (CUDA's generator is not the CPU's)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)

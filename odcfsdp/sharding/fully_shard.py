@@ -116,6 +116,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     for engine_root in absorbed:
         _absorb(engine_root)
     named = [(n, p) for n, p in root.named_parameters() if p not in ignored_all]
+    kind = _mesh_kind(settings)
+    if any(not p.is_meta and p.device.type != kind for _, p in named):  # a CPU-built root over units already moved
+        _move_to(root, [(n, p) for n, p in named if not p.is_meta], kind)  # (before the one-device check)
     check_params(named)
     for m in {root, *modules}:
         m._odc_settings = settings
@@ -232,12 +235,15 @@ def _move_to(module: nn.Module, named, kind: str) -> torch.device:
     return device
 
 
+def _mesh_kind(settings: UnitState) -> str:
+    """As FSDP2: the mesh's device type (the default mesh's: CUDA where there is one)."""
+    return settings.mesh.device_type if settings.mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _build(module: nn.Module, named, settings: UnitState, below: list, absorbs: bool) -> ShardEngine:
     """Step 4 of [fully-shard]: one engine over ``module``, the modules ``below`` hooked as units."""
     on_meta = named[0][1].is_meta
-    # as FSDP2: the mesh's device type (the default mesh's: CUDA where there is one), the current device of it
-    kind = settings.mesh.device_type if settings.mesh is not None else (
-        "cuda" if torch.cuda.is_available() else "cpu")
+    kind = _mesh_kind(settings)
     device = None
     if on_meta:
         device = torch.device(kind)
