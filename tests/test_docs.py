@@ -144,13 +144,16 @@ def test_readme_is_at_most_16_kb():
 
 
 def test_readme_starts_with_the_two_commands():
-    """The two commands at the README's top, exactly: install and run the main job, install and run the tests."""
-    assert README.read_text().startswith(
-        "# odcfsdp\n\n```bash\n"
-        "pip install -e . && python -m odcfsdp.train          # install, then train a tiny model on 2 CPU ranks "
-        "(default config)\n"
-        "pip install -e \".[test]\" && python -m pytest         # install, then run the test suite\n```\n\n"
-        "No GPU? Run `pip install torch --index-url https://download.pytorch.org/whl/cpu` first")
+    """The two commands at the README's top: install and run the main job, install and run the tests; CI runs the
+    second verbatim (.ci/run)."""
+    text = README.read_text()
+    assert text.startswith("# odcfsdp\n\n```bash\n")
+    lines = text.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    commands = [line.split("  #", 1)[0].strip() for line in lines]
+    assert commands == ["pip install -e . && python -m odcfsdp.train",
+                        'pip install -e ".[test]" && python -m pytest -n 2 --dist loadfile']
+    assert commands[1] + "\n" in (README.parent / ".ci" / "run").read_text().splitlines(keepends=True)
+    assert "No GPU? Run `pip install torch --index-url https://download.pytorch.org/whl/cpu` first" in text
 
 
 def _readme_example(steps: int) -> str:

@@ -25,7 +25,10 @@ def start(tmp_path: Path, *args: str) -> subprocess.Popen:
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert proc.poll() is None and time.monotonic() < deadline, f"{what} did not happen"
+        if proc.poll() is not None:  # the run ended first: say how
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            raise AssertionError(f"{what} did not happen: the run exited {proc.returncode}: {err[-2000:]}")
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout}s"
         time.sleep(0.02)
 
 

@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
+from .tempdir import pin_multiprocessing_tempdir
 from .rank_outcomes import collect_stacks, dead_peers, died, ended_by_signal, stop_ranks
 
 
@@ -292,6 +293,7 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = default_spawn_timeout(backend) if timeout is None else timeout
     ctx = _context(backend, fn)
+    pin_multiprocessing_tempdir()  # where the fork server's socket goes: a deep $TMPDIR is too long a path for it
     # The queue's semaphores are named ones, which multiprocessing's resource tracker removes if this process is
     # killed: it does, and warns about "leaked" semaphores; it starts with this process's -W options.
     if TRACKER_QUIET not in sys.warnoptions:
