@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from odcfsdp.checkpoint import load_checkpoint, save_checkpoint
-from odcfsdp.optim import ParkedOptimizerState, prefetch_parked, settle_parked, unparked
+from odcfsdp.optim import ParkedOptimizerState, unparked
 
-from checkpoint_state import CFG, build
+from checkpoint_state import build
+from test_parking import parked_steps
 
 pytestmark = pytest.mark.gpu
 one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -23,26 +24,6 @@ def _cuda_build(seed: int = 0):
     with torch.device("cuda"):
         model, _ = build(seed=seed)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-
-
-def _steps(model, opt, steps: int, seed: int = 1, skip: tuple[int, ...] = ()) -> list[float]:
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        for k in range(3):
-            x = torch.randint(0, CFG.vocab_size, (4, 33), generator=g).cuda()
-            loss = model(x).float().pow(2).mean()
-            if k == 2:
-                prefetch_parked(opt)
-            loss.backward()
-            losses.append(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if step in skip:
-            settle_parked(opt)
-        else:
-            opt.step()
-        opt.zero_grad()
-    return [x.item() for x in losses]
 
 
 def _state(model, opt) -> dict:
@@ -68,8 +49,8 @@ def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_pa
     model, opt = _cuda_build()
     ref_model, ref_opt = _cuda_build()
     parking = ParkedOptimizerState(opt)
-    losses = _steps(model, opt, 5, skip=(3,))
-    assert losses == _steps(ref_model, ref_opt, 5, skip=(3,))
+    losses = parked_steps(model, opt, 5, skip=(3,), micro=3, shape=(4, 33))
+    assert losses == parked_steps(ref_model, ref_opt, 5, skip=(3,), micro=3, shape=(4, 33))
     _assert_equal(_state(model, opt), _state(ref_model, ref_opt))
     torch.cuda.synchronize()
     state_bytes = sum(v.nbytes for s in ref_opt.state.values() for v in s.values() if v.dim() > 0)
@@ -84,7 +65,7 @@ def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_pa
     model2, opt2 = _cuda_build(seed=9)
     ParkedOptimizerState(opt2)
     load_checkpoint(tmp_path / "step_00000005", model2, opt2)
-    assert _steps(model2, opt2, 2, seed=4) == _steps(ref_model, ref_opt, 2, seed=4)
+    assert parked_steps(model2, opt2, 2, seed=4) == parked_steps(ref_model, ref_opt, 2, seed=4)
     _assert_equal(_state(model2, opt2), _state(ref_model, ref_opt))
     path = os.environ.get("ODC_RESULTS")
     if path:

@@ -24,25 +24,28 @@ def _state_bytes(opt) -> int:
     return sum(t.nbytes for t in _state_tensors(opt))
 
 
-def _steps(model, opt, steps: int, seed: int = 1, prefetch: bool = True, skip: tuple[int, ...] = ()) -> list[float]:
-    """Two micro-batches a step; parked state prefetched before the second backward, as ``train_step`` does."""
+def parked_steps(model, opt, steps: int, seed: int = 1, prefetch: bool = True, skip: tuple[int, ...] = (),
+                 micro: int = 2, shape: tuple[int, int] = (2, 9)) -> list[float]:
+    """``micro`` micro-batches a step on the model's device; parked state prefetched once the last backward is
+    queued, as ``train_step`` does; the steps in ``skip`` are skipped as for a non-finite norm."""
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     losses = []
     for step in range(steps):
-        for k in range(2):
-            x = torch.randint(0, CFG.vocab_size, (2, 9), generator=g)
+        for _ in range(micro):
+            x = torch.randint(0, CFG.vocab_size, shape, generator=g).to(device)
             loss = model(x).float().pow(2).mean()
-            if k == 1 and prefetch:
-                prefetch_parked(opt)
             loss.backward()
-            losses.append(loss.item())
+            losses.append(loss.detach())
+        if prefetch:
+            prefetch_parked(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if step in skip:
             settle_parked(opt)
         else:
             opt.step()
         opt.zero_grad()
-    return losses
+    return [x.item() for x in losses]
 
 
 def _full(model, opt) -> dict:
@@ -57,8 +60,8 @@ def test_parked_state_trains_like_resident_state(prefetch):
     ref_model, ref_opt = build()
     parking = ParkedOptimizerState(opt)
     assert parking_of(opt) is parking
-    losses = _steps(model, opt, 4, prefetch=prefetch, skip=(2,))
-    assert losses == _steps(ref_model, ref_opt, 4, skip=(2,))
+    losses = parked_steps(model, opt, 4, prefetch=prefetch, skip=(2,))
+    assert losses == parked_steps(ref_model, ref_opt, 4, skip=(2,))
     assert parking.where is Where.PARKED
     assert parking.parked_bytes == _state_bytes(ref_opt) > 0
     assert all(t.untyped_storage().nbytes() == 0 for t in _state_tensors(opt))
@@ -69,7 +72,7 @@ def test_parked_state_trains_like_resident_state(prefetch):
 def test_a_skipped_step_frees_its_prefetch():
     model, opt = build()
     parking = ParkedOptimizerState(opt)
-    _steps(model, opt, 1)
+    parked_steps(model, opt, 1)
     prefetch_parked(opt)
     assert parking.where is Where.ARRIVING and parking.parked_bytes == 0
     settle_parked(opt)
@@ -82,8 +85,8 @@ def test_state_dict_and_load_state_dict_see_the_parked_state():
     model, opt = build()
     ref_model, ref_opt = build()
     ParkedOptimizerState(opt)
-    _steps(model, opt, 2)
-    _steps(ref_model, ref_opt, 2)
+    parked_steps(model, opt, 2)
+    parked_steps(ref_model, ref_opt, 2)
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
     assert parking_of(opt).where is Where.RESIDENT
     for i, state in ref_sd["state"].items():
@@ -91,15 +94,15 @@ def test_state_dict_and_load_state_dict_see_the_parked_state():
             assert torch.equal(sd["state"][i][key], value), (i, key)
     model2, opt2 = build()
     parking2 = ParkedOptimizerState(opt2)
-    _steps(model2, opt2, 1, seed=5)  # state to replace
+    parked_steps(model2, opt2, 1, seed=5)  # state to replace
     model2.load_state_dict(ref_model.state_dict())
     handed = copy.deepcopy(ref_sd)  # torch would share the `step` tensors of ref_opt's own dict
     opt2.load_state_dict(handed)
     assert parking2.where is Where.PARKED
     for i, state in ref_sd["state"].items():  # torch kept the handed tensors: parking copied them, not emptied them
         assert all(torch.equal(handed["state"][i][k], v) for k, v in state.items())
-    _steps(model2, opt2, 2, seed=3)
-    _steps(ref_model, ref_opt, 2, seed=3)
+    parked_steps(model2, opt2, 2, seed=3)
+    parked_steps(ref_model, ref_opt, 2, seed=3)
     assert_same_state(_full(model2, opt2), full_state(ref_model, ref_opt))
 
 
@@ -109,8 +112,8 @@ def test_checkpoints_of_parked_state_resume_exactly(tmp_path):
     model, opt = build()
     ref_model, ref_opt = build()
     ParkedOptimizerState(opt)
-    _steps(model, opt, 2)
-    _steps(ref_model, ref_opt, 2)
+    parked_steps(model, opt, 2)
+    parked_steps(ref_model, ref_opt, 2)
     save_checkpoint(tmp_path / "parked", model, opt, step=2)
     assert parking_of(opt).where is Where.PARKED
     save_checkpoint(tmp_path / "resident", ref_model, ref_opt, step=2)
@@ -123,8 +126,8 @@ def test_checkpoints_of_parked_state_resume_exactly(tmp_path):
     parking2 = ParkedOptimizerState(opt2)
     load_checkpoint(tmp_path / "parked" / "step_00000002", model2, opt2)
     assert parking2.where is Where.PARKED
-    _steps(model2, opt2, 2, seed=3)
-    _steps(ref_model, ref_opt, 2, seed=3)
+    parked_steps(model2, opt2, 2, seed=3)
+    parked_steps(ref_model, ref_opt, 2, seed=3)
     assert_same_state(_full(model2, opt2), full_state(ref_model, ref_opt))
 
 
@@ -133,13 +136,13 @@ def test_one_parking_per_optimizer_and_close_restores():
     parking = ParkedOptimizerState(opt)
     with pytest.raises(ValueError, match="already parked"):
         ParkedOptimizerState(opt)
-    _steps(model, opt, 1)
+    parked_steps(model, opt, 1)
     parking.close()
     assert parking_of(opt) is None and _state_bytes(opt) > 0
     ref_model, ref_opt = build()
-    _steps(ref_model, ref_opt, 1)
-    _steps(model, opt, 1, seed=2)
-    _steps(ref_model, ref_opt, 1, seed=2)
+    parked_steps(ref_model, ref_opt, 1)
+    parked_steps(model, opt, 1, seed=2)
+    parked_steps(ref_model, ref_opt, 1, seed=2)
     assert_same_state(full_state(model, opt), full_state(ref_model, ref_opt))
 
 
