@@ -64,12 +64,14 @@ section_cmd() {  # section, gpus in lane, port, dir
   local var="ARGS_$s"; extra=${!var:-}
   local run="torchrun --nproc-per-node=$n --master-port=$port"
   case $s in
-    tests)  # on 2+ GPUs the one-GPU inductor compile tests (about 190 s) are left to a one-GPU lane, and the
+    tests)  # (test_torch_private: the private-API adapter under the host's torch, the oldest of TESTED_TORCH)
+      # on 2+ GPUs the one-GPU inductor compile tests (about 190 s) are left to a one-GPU lane, and the
       # copy-engine gather's 2-GPU tests to tests_copy_engine, to fit the limit with room for one bounded hang
       local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py" \
-           "tests/test_gpu.py tests/test_gpu_parking.py -q -p no:cacheprovider $(per_test_bound 300)" \
+           "tests/test_gpu.py tests/test_gpu_parking.py tests/test_torch_private.py -q -p no:cacheprovider" \
+           "$(per_test_bound 300)" \
            "--junitxml=$dir/gpu_tests.xml $select" \
            "$extra" ;;
     tests_copy_engine)  # 4 cases on 2 GPUs, each bounded at 90 s by spawn: at most ~7 min if every one hangs
