@@ -194,6 +194,9 @@ def _spawn_ranks(cfg: TrainConfig) -> None:
     except RuntimeError as e:  # a rank failed: one line here, the whole report in the run dir
         where = _write_report(Path(cfg.run.out_dir), "\n".join([str(e), *getattr(e, "__notes__", [])]))
         raise RankError(_failed_line(str(e), where)) from None
+    except OSError as e:  # the ranks could not be started (no process, no socket): one line too
+        where = _write_report(Path(cfg.run.out_dir), traceback.format_exc())
+        raise RankError(f"could not start the ranks: {e} ({where})") from None
     finally:
         if signal.SIGHUP in received:  # the lines that follow must not fail on a closed terminal
             leave_hung_up_terminal()
