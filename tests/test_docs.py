@@ -296,3 +296,36 @@ def test_every_design_note_reference_names_a_note_and_one_of_its_items():
     beyond = [f"{where}: [{name}] {item} (the note has {notes[name]} items)" for where, _, name, item in refs
               if name in notes and item and int(item) > notes[name]]
     assert dangling == [] and beyond == []
+
+
+def test_design_layout_names_every_file_of_the_packages_it_lists():
+    """docs/design.md's layout: a package whose row names files names all of them (a subpackage by its folder), and
+    every file a row names exists there; every package of odcfsdp has a row (issue 43 item 4)."""
+    text = (DOCS / "design.md").read_text()
+    block = text.split("## Layout of the checkout", 1)[1].split("```", 2)[1]
+    rows: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        m = re.match(r"^  (\w+)/\s", line)
+        if m:
+            current = m.group(1)
+            rows[current] = line
+        elif line.startswith("    ") and current is not None:
+            rows[current] += " " + line
+        else:
+            current = None
+    package = README.parent / "odcfsdp"
+    subpackages = sorted(p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert sorted(rows) == subpackages
+    problems = []
+    for name, row in rows.items():
+        named = set(re.findall(r"(\w+)\.py\b", row))
+        if not named:
+            continue  # a row that says what the package does, not file by file
+        folder = package / name
+        files = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        folders = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        problems += [f"{name}/{f}.py is not in the layout" for f in sorted(files - named)]
+        problems += [f"{name}/{d}/ is not in the layout" for d in sorted(folders) if f"{d}/" not in row]
+        problems += [f"{name}/{f}.py is in the layout but not in the package" for f in sorted(named - files)]
+    assert problems == [], "\n".join(problems)
