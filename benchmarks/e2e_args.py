@@ -18,13 +18,24 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has); or with one lever off: pushes unbounded
 # (each gradient buffer freed with record_stream, not one site in flight, [streams] 2); or one group per decoder
 # layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group);
-# or the optimizer's state parked on the host between steps ([parking]).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups", "park")
+# or the optimizer's state parked on the host between steps ([parking]): all of it (park), or a share (park60:
+# the first 60% of its bytes).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups", "park", "parkNN")
+
+
+def park_fraction(lever: str) -> float | None:
+    """The share of the optimizer's state a ``park`` or ``parkNN`` lever parks (NN percent, 01-99); None otherwise."""
+    if lever == "park":
+        return 1.0
+    digits = lever[4:]
+    if lever.startswith("park") and len(digits) == 2 and digits.isdigit() and digits != "00":
+        return int(digits) / 100
+    return None
 
 
 def variant(text: str) -> str:
     """A ``--variants`` entry: one of VARIANTS, or several joined by '+' (argparse's error names the bad one)."""
-    bad = [v for v in text.split("+") if v not in VARIANTS]
+    bad = [v for v in text.split("+") if v not in VARIANTS and park_fraction(v) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
     return text

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks import e2e_baselines, e2e_isolate, harness
-from benchmarks.e2e_args import parse
+from benchmarks.e2e_args import park_fraction, parse
 from benchmarks.e2e_hf import bench_model, decoder_layers
 from benchmarks.e2e_report import baseline, kernel_summary, step_profiler, write_outputs
 from odcfsdp import ODCShard, param_groups
@@ -125,12 +125,13 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
 
 def optimizer_for(method: str, model: nn.Module, device: torch.device, args) -> torch.optim.Optimizer:
     """The same ``torch.optim.AdamW`` for every method: fused on GPUs (``-unfused``: torch's foreach kernels);
-    odc's ``park`` variant keeps its state on the host between steps ([parking])."""
+    odc's ``park`` variant keeps its state on the host between steps, ``parkNN`` NN percent of it ([parking])."""
     fused = device.type == "cuda" and not method.endswith("-unfused")
     opt = torch.optim.AdamW(param_groups(model, no_decay=NO_DECAY), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=fused or None)
-    if method.startswith("odc") and "park" in method.partition("-")[2].split("+"):
-        ParkedOptimizerState(opt)
+    shares = [park_fraction(lever) for lever in method.partition("-")[2].split("+")] if method.startswith("odc") else []
+    if any(shares):
+        ParkedOptimizerState(opt, max(f for f in shares if f))
     return opt
 
 

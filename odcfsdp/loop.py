@@ -13,7 +13,7 @@ A step, as numbered steps:
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
    optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
    with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]); optimizer state parked on the
-   host ([parking]) starts back once the last backward is queued;
+   host ([parking]) starts back once the micro-batches are done;
 4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
 
 ``evaluate`` is the held-out loss between steps: the same packing and loss, without
@@ -108,12 +108,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum += loss.detach()
     t_issued = time.perf_counter()
-    # Optimizer state parked on the host ([parking]) starts back now: the host has queued the last backward and freed
-    # its activations, so the state is allocated below the step's peak; its copies overlap the backward's tail.
-    prefetch_parked(optimizer)
     if cuda:
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
+    # Optimizer state parked on the host ([parking] 2) starts back now, with every activation freed: its copies
+    # run under the meeting and clipping below (a rank that waits there for a slower one hides them).
+    prefetch_parked(optimizer)
     # The global gradient norm, which clipping needs anyway, is the non-finite guard: a NaN or inf
     # in any rank's loss or gradient makes it non-finite on every rank alike, with no extra meeting.
     if max_norm is not None:

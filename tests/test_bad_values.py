@@ -25,6 +25,7 @@ BAD = [  # (overrides, the one line's message)
     ({"run": {"timeout_s": float("nan")}}, "run.timeout_s=nan must be a number > 0"),
     ({"run": {"warmup_steps": -2}}, "run.warmup_steps=-2 must be >= 0"),
     ({"run": {"out_dir": ""}}, "run.out_dir is empty"),
+    ({"optim": {"park_state": True, "park_fraction": 1.5}}, "optim.park_fraction=1.5: the share of the optimizer's"),
     ({"model": {"overrides": {"dim": 100, "n_heads": 3}}}, "model.overrides: dim=100 must be divisible by n_heads=3"),
     ({"model": {"overrides": {"n_kv_heads": 3}}}, "model.overrides: n_heads=4 must be divisible by n_kv_heads=3"),
     ({"model": {"overrides": {"n_layers": 0}}}, "model.overrides: n_layers=0 must be >= 1"),

@@ -3,6 +3,7 @@ thing, and the reports are written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -18,10 +19,10 @@ BALANCED = ["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--batch", "
 
 @pytest.fixture(scope="module")
 def variants_run(tmp_path_factory) -> dict:
-    """One process: odc and FSDP2 with the lean, offload and park variants (the runs by method)."""
+    """One process: odc and FSDP2 with the lean, offload, park and park50 variants (the runs by method)."""
     out = tmp_path_factory.mktemp("variants")
     e2e_bench.main([*BALANCED, "--steps", "2", "--warmup", "1", "--variants", "lean", "offload", "park",
-                    "--out", str(out)])
+                    "park50", "--out", str(out)])
     return {r["method"]: r for r in json.loads((out / "e2e_bench.json").read_text())["rows"]}
 
 
@@ -72,11 +73,12 @@ def test_memory_variants_train_the_same_model(variants_run):
     """``--variants``: odc with the fp32 masters gathered and bf16 gradient accumulators trains what odc trains
     (on CPU the compute is fp32, so only the bf16 sums differ: losses within bf16 rounding); with ``offload`` odc and
     FSDP2 (``fsdp2-offload``, the baseline) step on host masters and train what they train without it; with ``park``
-    odc's optimizer state waits on the host between steps and odc trains exactly what it trains."""
+    odc's optimizer state (``park50``: half of it) waits on the host between steps and odc trains what it trains."""
     runs = variants_run
-    assert set(runs) == {"odc", "odc-lean", "odc-offload", "odc-park", "fsdp2", "fsdp2-offload"}
-    for a, b in zip(runs["odc-park"]["losses"], runs["odc"]["losses"]):  # [parking]: the state moved and back (shm
-        assert abs(a - b) <= 1e-5 * abs(b)  # sums in any order: not to the bit between runs)
+    assert set(runs) == {"odc", "odc-lean", "odc-offload", "odc-park", "odc-park50", "fsdp2", "fsdp2-offload"}
+    for park in ("odc-park", "odc-park50"):  # [parking]: the state (half of it) moved and back (shm sums in any
+        for a, b in zip(runs[park]["losses"], runs["odc"]["losses"]):  # order: not to the bit between runs)
+            assert abs(a - b) <= 1e-5 * abs(b), park
     for a, b in zip(runs["odc-lean"]["losses"], runs["odc"]["losses"]):
         assert abs(a - b) <= 1e-2 * abs(b)
     for method in ("odc", "fsdp2"):
@@ -171,3 +173,13 @@ def test_balancers_filter_odc_runs_and_keep_the_baseline():
     assert e2e_bench.runs_for(["longtail"], ["fsdp2", "odc"], variants=["gather_masters"], only=["lb_mini"]) == [
         ("longtail", "fsdp2", "lb_micro"), ("longtail", "odc", "lb_mini"), ("longtail", "odc-gather_masters", "lb_mini")]
     assert ("longtail", "odc", "lb_micro") in e2e_bench.runs_for(["longtail"], ["odc"])
+
+
+def test_park_variants_name_their_share_and_bad_ones_are_refused():
+    from benchmarks.e2e_args import park_fraction, variant
+
+    assert [park_fraction(v) for v in ("park", "park60", "park05", "park00", "park100", "parkxx", "lean")] == [
+        1.0, 0.6, 0.05, None, None, None, None]
+    assert variant("park60+gather_masters") == "park60+gather_masters"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'park100'"):
+        variant("park100")

@@ -69,6 +69,34 @@ def test_parked_state_trains_like_resident_state(prefetch):
     assert parking.where is Where.PARKED  # unparked() parks it again
 
 
+def test_a_share_of_the_state_parks_and_the_rest_stays():
+    """``fraction=0.5``: the first state tensors up to half the bytes are parked, the others keep their storage,
+    and training is the resident run's to the bit; a bad share is refused."""
+    model, opt = build()
+    ref_model, ref_opt = build()
+    parking = ParkedOptimizerState(opt, fraction=0.5)
+    losses = parked_steps(model, opt, 3, skip=(1,))
+    assert losses == parked_steps(ref_model, ref_opt, 3, skip=(1,))
+    total = _state_bytes(ref_opt)
+    sizes = [t.nbytes for t in _state_tensors(opt)]
+    emptied = [t.untyped_storage().nbytes() == 0 for t in _state_tensors(opt)]
+    assert emptied == sorted(emptied, reverse=True) and any(emptied) and not all(emptied)  # a prefix is parked
+    assert parking.parked_bytes == sum(n for n, e in zip(sizes, emptied) if e)
+    assert total / 2 <= parking.parked_bytes < total / 2 + max(sizes)
+    assert_same_state(_full(model, opt), full_state(ref_model, ref_opt))
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        ParkedOptimizerState(build()[1], fraction=0.0)
+
+
+def test_park_fraction_without_park_state_is_reported_not_used():
+    from odcfsdp.app.config import config_from
+    from odcfsdp.app.validation import unused_key
+
+    assert unused_key(config_from({"optim": {"park_fraction": 0.5}}), "optim.park_fraction") == (
+        "only optim.park_state=true reads it", False)
+    assert unused_key(config_from({"optim": {"park_state": True, "park_fraction": 0.5}}), "optim.park_fraction") is None
+
+
 def test_a_skipped_step_frees_its_prefetch():
     model, opt = build()
     parking = ParkedOptimizerState(opt)
@@ -80,18 +108,23 @@ def test_a_skipped_step_frees_its_prefetch():
 
 
 def test_state_dict_and_load_state_dict_see_the_parked_state():
-    """``state_dict()`` while parked holds the values (the state then stays resident until the next step parks it);
-    ``load_state_dict`` parks what it loaded, and training goes on as from the resident run."""
+    """``state_dict()`` while parked holds the values and leaves the state parked; the dict keeps them across later
+    steps (copies, not the parked tensors); ``load_state_dict`` parks what it loaded, and training goes on as from
+    the resident run."""
     model, opt = build()
     ref_model, ref_opt = build()
     ParkedOptimizerState(opt)
     parked_steps(model, opt, 2)
     parked_steps(ref_model, ref_opt, 2)
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
-    assert parking_of(opt).where is Where.RESIDENT
-    for i, state in ref_sd["state"].items():
+    assert parking_of(opt).where is Where.PARKED
+    kept = copy.deepcopy(ref_sd)
+    parked_steps(model, opt, 1, seed=11)  # parks the state again: the dict's tensors must not be the parked ones
+    for i, state in kept["state"].items():  # (torch's `step` scalars are the optimizer's own, as without parking)
         for key, value in state.items():
-            assert torch.equal(sd["state"][i][key], value), (i, key)
+            assert value.dim() == 0 or torch.equal(sd["state"][i][key], value), (i, key)
+    parked_steps(ref_model, ref_opt, 1, seed=11)
+    ref_sd = ref_opt.state_dict()
     model2, opt2 = build()
     parking2 = ParkedOptimizerState(opt2)
     parked_steps(model2, opt2, 1, seed=5)  # state to replace
@@ -131,6 +164,36 @@ def test_checkpoints_of_parked_state_resume_exactly(tmp_path):
     assert_same_state(_full(model2, opt2), full_state(ref_model, ref_opt))
 
 
+def test_a_parked_optimizer_is_freed_with_its_host_buffers():
+    """Nothing global holds a parked optimizer: dropped, it and its parking are collected."""
+    import gc
+    import weakref
+
+    model, opt = build()
+    parking = weakref.ref(ParkedOptimizerState(opt))
+    parked_steps(model, opt, 1)
+    assert parking() is parking_of(opt) and parking().parked_bytes > 0
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and parking() is None
+
+
+def test_state_sharing_a_parameters_storage_stays_resident():
+    """A state tensor that is a parameter's storage (an optimizer keeping it as its own) is not emptied with the
+    state: the parameter keeps its values, the other state tensors are parked."""
+    model, opt = build()
+    parking = ParkedOptimizerState(opt)
+    parked_steps(model, opt, 1)
+    p = next(iter(opt.state))
+    with unparked(opt):
+        opt.state[p]["alias"] = p.detach()
+    parked_steps(model, opt, 1, seed=2)
+    assert local_of(p).untyped_storage().nbytes() == local_of(p).nbytes
+    assert parking.where is Where.PARKED and parking.parked_bytes > 0
+    assert all(torch.equal(local_of(p), local_of(v)) for v in [opt.state[p]["alias"]])
+
+
 def test_one_parking_per_optimizer_and_close_restores():
     model, opt = build()
     parking = ParkedOptimizerState(opt)
@@ -144,6 +207,17 @@ def test_one_parking_per_optimizer_and_close_restores():
     parked_steps(model, opt, 1, seed=2)
     parked_steps(ref_model, ref_opt, 1, seed=2)
     assert_same_state(full_state(model, opt), full_state(ref_model, ref_opt))
+
+
+def test_the_cli_key_parks_the_optimizers_state():
+    """``optim.park_state=true`` gives the trainer's optimizer a parking (and the default none)."""
+    from odcfsdp.app.builders import build_optimizer
+    from odcfsdp.app.config import config_from
+
+    model, _ = build()
+    for park in (True, False):
+        opt, _ = build_optimizer(config_from({"optim": {"park_state": park}}), model, torch.device("cpu"))
+        assert (parking_of(opt) is not None) == park
 
 
 def test_cli_runs_with_parked_state_resume_like_the_resident_run(tmp_path):

@@ -93,7 +93,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devi
     cls = optimizer_class(o.name)
     opt = cls(param_groups(model, no_decay=list(o.no_decay)), **optimizer_arguments(cfg, device, cls))
     if o.park_state:
-        ParkedOptimizerState(opt)  # its hooks park the state after each step ([parking])
+        ParkedOptimizerState(opt, o.park_fraction)  # its hooks park the state after each step ([parking])
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
     return opt, sched

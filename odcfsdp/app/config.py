@@ -189,6 +189,9 @@ class OptimConfig:
     park_state: bool = False
     """keep the optimizer's state in host memory between steps (odcfsdp.optim.ParkedOptimizerState): 8 bytes per
     parameter and rank less on the GPU during forward and backward (AdamW), for copies over PCIe at each step"""
+    park_fraction: float = 1.0
+    """park_state=true: the share of the state's bytes parked, in (0, 1] (the rest stays on the GPU): park only
+    what does not fit, and copy only that"""
 
 
 @dataclass

@@ -100,6 +100,9 @@ def validate(cfg) -> None:
     if cfg.shard.offload_policy and cfg.optim.park_state:
         raise ValueError("optim.park_state=true parks the optimizer's state on the host between steps; with "
                          "shard.offload_policy=cpu it lives there already: leave optim.park_state off")
+    if not 0.0 < cfg.optim.park_fraction <= 1.0:
+        raise ValueError(f"optim.park_fraction={cfg.optim.park_fraction}: the share of the optimizer's state parked "
+                         "on the host is in (0, 1]")
     choice("shard.float8", cfg.shard.float8, FLOAT8_CHOICES)
     choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     positive("shard.group_bytes", cfg.shard.group_bytes)
@@ -174,6 +177,8 @@ def unused_key(cfg, key: str) -> tuple[str, bool] | None:
         return "LoRA is off (model.lora.r > 0 turns it on)", False
     if key == "optim.min_lr_ratio" and cfg.optim.schedule != "cosine":
         return "only optim.schedule=cosine reads it", False
+    if key == "optim.park_fraction" and not cfg.optim.park_state:
+        return "only optim.park_state=true reads it", False
     if key == "run.max_skipped" and cfg.run.on_nonfinite != "skip":
         return "only run.on_nonfinite=skip reads it", False
     return None

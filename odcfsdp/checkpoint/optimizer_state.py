@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optim.parking import unparked
+from ..optim.parking import parked_copy
 from ..sharding.sharded_model import ShardedModel
 from ..torch_private import local_of
 from .manifest import CheckpointError
@@ -46,26 +46,27 @@ def optimizer_tensors(model: ShardedModel, optimizer, copy: bool = True) -> tupl
     optimizers), stored sharded like the parameter; any other tensor state (Adafactor's
     row and column factors) has no shard layout here, so it is refused, the same on every
     rank (the shapes agree), before the save starts. State parked in host memory between steps
-    ([parking]) is read on its device and parked again.
+    ([parking]) is read from its host copies, and stays parked.
     """
     groups = optimizer_params(model, optimizer)
     scalars, keys, tensors = {}, set(), {}
-    with unparked(optimizer):
-        for sps in groups:
-            for sp in sps:
-                for key, value in optimizer.state.get(sp.sharded, {}).items():
-                    if isinstance(value, torch.Tensor) and tuple(value.shape) == sp.shape and value.dim() > 0:
-                        if copy:
-                            tensors[f"{sp.name}/{key}"] = local_of(value).detach().reshape(-1).to("cpu", copy=True)
-                        keys.add(key)
-                    elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                        raise CheckpointError(
-                            f"{type(optimizer).__name__} state {key!r} of {sp.name} has shape {tuple(value.shape)}, "
-                            f"not the parameter's {sp.shape}: sharded checkpoints hold element-wise optimizer state "
-                            "only (AdamW, Adam, SGD, RMSprop, Adagrad, ...); save the model alone (optimizer=None) "
-                            "for this one")
-                    else:
-                        scalars.setdefault(sp.name, {})[key] = jsonable(value)
+    for sps in groups:
+        for sp in sps:
+            for key, value in optimizer.state.get(sp.sharded, {}).items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == sp.shape and value.dim() > 0:
+                    if copy:
+                        host = parked_copy(optimizer, value)
+                        local = host if host is not None else local_of(value).detach()
+                        tensors[f"{sp.name}/{key}"] = local.reshape(-1).to("cpu", copy=True)
+                    keys.add(key)
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                    raise CheckpointError(
+                        f"{type(optimizer).__name__} state {key!r} of {sp.name} has shape {tuple(value.shape)}, "
+                        f"not the parameter's {sp.shape}: sharded checkpoints hold element-wise optimizer state "
+                        "only (AdamW, Adam, SGD, RMSprop, Adagrad, ...); save the model alone (optimizer=None) "
+                        "for this one")
+                else:
+                    scalars.setdefault(sp.name, {})[key] = jsonable(value)
     entry = {
         "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "param_groups": [{**{k: jsonable(v) for k, v in g.items() if k != "params"},

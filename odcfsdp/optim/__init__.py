@@ -3,7 +3,7 @@ keeps its state in host memory between steps ([parking])."""
 
 from .by_name import optimizer_class, optimizer_keywords
 from .param_groups import DEFAULT_NO_DECAY, param_groups
-from .parking import ParkedOptimizerState, parking_of, prefetch_parked, settle_parked, unparked
+from .parking import ParkedOptimizerState, parked_copy, parking_of, prefetch_parked, settle_parked, unparked
 
 __all__ = ["DEFAULT_NO_DECAY", "ParkedOptimizerState", "optimizer_class", "optimizer_keywords", "param_groups",
-           "parking_of", "prefetch_parked", "settle_parked", "unparked"]
+           "parked_copy", "parking_of", "prefetch_parked", "settle_parked", "unparked"]

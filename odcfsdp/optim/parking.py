@@ -13,35 +13,38 @@ read (2P/N). Parking the state during forward and backward frees more than that:
    next forward (PCIe, which one-sided gathers and pushes over NVLink do not use). The tensors stay the
    optimizer's own objects: only their storage is emptied (``untyped_storage().resize_(0)``, as FSDP2 frees
    its unsharded parameters).
-2. **Prefetch** (``prefetch_parked(optimizer)``, which ``odcfsdp.loop.train_step`` calls once the host has queued
-   the minibatch's last backward). The storage is allocated again on the current stream and the copies back run on
-   the side stream after it. By then the host has freed every activation of the backward (its frees are stream
-   ordered), so the state is allocated below the step's peak. Called before the last backward instead, it would
-   hold the state through that backward, which may be the peak's (a rank with one micro-batch): measured, the
-   peak stayed where it was without parking.
+2. **Prefetch** (``prefetch_parked(optimizer)``, which ``odcfsdp.loop.train_step`` calls once the micro-batches
+   are done on the device). The storage is allocated again on the current stream and the copies back run on
+   the side stream after it, under the meeting and ``clip_grad_norm_``: a rank that waits there for a slower
+   one hides them, the slowest rank does not. Allocated earlier, during the last backward, the state would
+   sit beside that backward's activations, which may make the peak (a rank with one micro-batch): measured,
+   the peak then stayed where it was without parking. The copies back cost about 8P/N bytes over PCIe a step.
 3. **Unpark** (the step pre-hook). The current stream waits for the copies back (issuing them first if no
    prefetch came), then the step runs on the state as if it had never moved: the same tensors, the same
    values, bit for bit.
 
-Whatever reads the state between steps sees it resident: ``optimizer.state_dict()`` unparks first (the state
-then stays on the device until the next step parks it again), ``load_state_dict`` parks the loaded state,
-and odcfsdp's checkpoints read and write it inside ``unparked(optimizer)``. A step skipped for a non-finite
-gradient norm leaves a prefetch unused: ``settle_parked`` frees it again (no copy: the host holds the same
-values). What it costs: the copies each way, about 8P/N bytes over PCIe per step (the park overlaps the next
-forward; the copies back overlap the sync meeting and ``clip_grad_norm_``), and 8P/N of pinned host memory per
-rank. On CPU the same steps run with plain host copies (no saving, the same semantics: what the CPU tests check).
+Whatever reads the state between steps reads the host copies, and the state stays parked: ``state_dict()``
+returns copies of them (host tensors, DTensors where the state is: a dict held across later steps keeps its
+values, as a parked tensor's emptied storage would not), and odcfsdp's checkpoints read them with
+``parked_copy``. ``load_state_dict`` parks what it loaded; ``unparked(optimizer)`` brings the state to its
+device for code that must touch ``optimizer.state`` itself. A step skipped for a non-finite gradient norm leaves
+a prefetch unused: ``settle_parked`` frees it again (no copy: the host holds the same values). Only tensors that
+are their whole storage and share it with no parameter or gradient are parked. It costs 8P/N of pinned host
+memory per rank. On CPU the same steps run with plain host copies (no saving, the same semantics: what the CPU
+tests check).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
-from ..torch_private import local_of
+from ..torch_private import TENSOR_GRAD, local_of
+
+_ATTRIBUTE = "_odc_parking"  # the optimizer's ParkedOptimizerState, held by the optimizer: freed with it
 
 
 class Where(enum.Enum):
@@ -52,109 +55,131 @@ class Where(enum.Enum):
     ARRIVING = "arriving"  # device storage allocated, copies back issued on the side stream
 
 
-_PARKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its ParkedOptimizerState
+class _Parked(NamedTuple):
+    value: torch.Tensor  # the optimizer's state tensor (a DTensor for sharded parameters)
+    local: torch.Tensor  # its local tensor, whose storage is emptied
+    host: torch.Tensor  # the host copy
 
 
 class ParkedOptimizerState:
     """Keep ``optimizer``'s element-wise state tensors in host memory between steps ([parking]).
 
     Build it once, after the optimizer; it registers the optimizer's step and state-dict hooks and parks the
-    state after every step (nothing before the first step, which creates the state). ``prefetch()`` before
-    the minibatch's last backward hides the copies back under it; without it the step's pre-hook copies the
-    state back before the step runs.
+    state after every step (nothing before the first step, which creates the state). ``prefetch()`` once the
+    micro-batches are done starts the copies back under the meeting; without it the step's pre-hook copies the
+    state back before the step runs. The optimizer holds it (``parking_of``): both are freed together.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` whose per-parameter state tensors are element-wise (shaped
             like their parameter: AdamW, Adam, SGD's momentum, ...); scalars (``step``) stay where they are.
+        fraction: the share of the state's bytes to park, in (0, 1]: the first state tensors in parameter order
+            until their bytes reach it (the rest stays resident). Parking only what does not fit costs only
+            its copies.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        if optimizer in _PARKED:
+    def __init__(self, optimizer: torch.optim.Optimizer, fraction: float = 1.0):
+        if parking_of(optimizer) is not None:
             raise ValueError("this optimizer's state is already parked between steps (one ParkedOptimizerState "
                              "per optimizer)")
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction={fraction}: the share of the optimizer's state to park is in (0, 1]")
         self.optimizer = optimizer
+        self.fraction = fraction
         self.where = Where.RESIDENT
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of param, state key) -> host copy
-        self._parked: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device local tensor, its host copy)
-        self._stream: torch.cuda.Stream | None = None
+        self._parked: list[_Parked] = []
+        self._host_of: dict[int, torch.Tensor] = {}  # id of a parked local tensor -> its host copy
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [optimizer.register_step_pre_hook(lambda *_: self.unpark()),
                          optimizer.register_step_post_hook(lambda *_: self.park()),
-                         optimizer.register_state_dict_pre_hook(lambda *_: self.unpark()),
+                         optimizer.register_state_dict_post_hook(lambda _opt, sd: self._copies_in(sd)),
                          optimizer.register_load_state_dict_pre_hook(self._before_load),
                          optimizer.register_load_state_dict_post_hook(lambda *_: self._after_load())]
         self._loaded: set[int] = set()  # storages of the tensors handed to load_state_dict
         self.owns_loads = False  # set by owned_loads(): the loaded state dict is nobody else's
-        _PARKED[optimizer] = self
+        setattr(optimizer, _ATTRIBUTE, self)
 
     @property
     def parked_bytes(self) -> int:
         """Bytes of state the device does not hold now (0 unless parked)."""
-        return sum(host.nbytes for _, host in self._parked) if self.where is Where.PARKED else 0
+        return sum(e.host.nbytes for e in self._parked) if self.where is Where.PARKED else 0
 
-    def _state_tensors(self) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
-        seen: set[int] = set()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:
-                        continue
-                    local = local_of(value)
-                    storage = local.untyped_storage()
-                    # only a tensor that is its whole storage can be emptied and filled again
-                    if storage.nbytes() != local.nbytes or storage.data_ptr() in seen or local.nbytes == 0:
-                        continue
-                    seen.add(storage.data_ptr())
-                    yield (id(p), key), local
+    def host_copy(self, value: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor holding ``value``'s values while it is parked or arriving (read it, never write it);
+        None for a tensor that is not parked (resident state, scalars)."""
+        return self._host_of.get(id(local_of(value))) if self.where is not Where.RESIDENT else None
+
+    def _state_tensors(self) -> Iterator[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # a state tensor sharing a parameter's or a gradient's storage must not be emptied with the state
+        # (the C-level .grad slot: a sharded parameter's .grad property is an event, [grad-protocol])
+        seen = {local_of(t).untyped_storage().data_ptr() for p in params
+                for t in (p, TENSOR_GRAD.__get__(p)) if t is not None}
+        for p in params:
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:
+                    continue
+                local = local_of(value)
+                storage = local.untyped_storage()
+                # only a tensor that is its whole storage can be emptied and filled again
+                if storage.nbytes() != local.nbytes or storage.data_ptr() in seen or local.nbytes == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                yield (id(p), key), value, local
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _copies(self, entries: list[_Parked], back: bool) -> None:
+        """Each entry's host copy from its device tensor (``back``: the other way), on the side stream of each
+        CUDA device after the work its current stream has queued."""
+        for device in {e.local.device for e in entries}:
+            mine = [e for e in entries if e.local.device == device]
+            if device.type != "cuda":
+                for e in mine:
+                    (e.local if back else e.host).copy_(e.host if back else e.local)
+                continue
+            side = self._side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))  # the step's results; the blocks' earlier users
+            with torch.cuda.stream(side):
+                for e in mine:
+                    (e.local if back else e.host).copy_(e.host if back else e.local, non_blocking=True)
+
+    def _empty(self, entries: list[_Parked]) -> None:
+        for e in entries:
+            if e.local.is_cuda:
+                e.local.record_stream(self._side_stream(e.local.device))  # reused once the copy is done
+            e.local.untyped_storage().resize_(0)
+
+    def _set_parked(self, entries: list[_Parked]) -> None:
+        self._parked = entries
+        self._host_of = {id(e.local): e.host for e in entries}
+        self.where = Where.PARKED
 
     def park(self) -> None:
         """Step 1: copy the state to the host and free its device storage (after a step: the post-hook)."""
         if self.where is not Where.RESIDENT:
             return
-        found = list(self._state_tensors())
+        found = _share(list(self._state_tensors()), self.fraction)
         if not found:
             return
         if any(key not in self._host or self._host[key].shape != local.shape or self._host[key].dtype != local.dtype
-               for key, local in found):
-            self._host = _host_buffers(found)
-        entries = [(local, self._host[key]) for key, local in found]
-        cuda = entries[0][0].is_cuda
-        if cuda:
-            side = self._side_stream(entries[0][0].device)
-            side.wait_stream(torch.cuda.current_stream(entries[0][0].device))  # the step's results
-            with torch.cuda.stream(side):
-                for local, host in entries:
-                    host.copy_(local, non_blocking=True)
-        else:
-            for local, host in entries:
-                host.copy_(local)
-        for local, _ in entries:
-            if cuda:
-                local.record_stream(side)  # the block is reused only once the copy is done
-            local.untyped_storage().resize_(0)
-        self._parked = entries
-        self.where = Where.PARKED
+               for key, _, local in found):
+            self._host = _host_buffers([(key, local) for key, _, local in found])
+        entries = [_Parked(value, local, self._host[key]) for key, value, local in found]
+        self._copies(entries, back=False)
+        self._empty(entries)
+        self._set_parked(entries)
 
     def prefetch(self) -> None:
         """Step 2: allocate the state's device storage and start the copies back (on CUDA, on a side stream)."""
         if self.where is not Where.PARKED:
             return
-        for local, host in self._parked:
-            local.untyped_storage().resize_(host.nbytes)
-        if self._parked[0][0].is_cuda:
-            device = self._parked[0][0].device
-            side = self._side_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))  # the new blocks may be ones the stream just freed
-            with torch.cuda.stream(side):
-                for local, host in self._parked:
-                    local.copy_(host, non_blocking=True)
-        else:
-            for local, host in self._parked:
-                local.copy_(host)
+        for e in self._parked:
+            e.local.untyped_storage().resize_(e.host.nbytes)
+        self._copies(self._parked, back=True)
         self.where = Where.ARRIVING
 
     def unpark(self) -> None:
@@ -162,22 +187,31 @@ class ParkedOptimizerState:
         if self.where is Where.RESIDENT:
             return
         self.prefetch()
-        local = self._parked[0][0]
-        if local.is_cuda:  # the blocks were allocated on the current stream: only the wait is needed
-            torch.cuda.current_stream(local.device).wait_stream(self._side_stream(local.device))
-        self._parked = []
+        for device in self._streams.keys() & {e.local.device for e in self._parked}:
+            # the blocks were allocated on the current stream: only the wait is needed
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
+        self._parked, self._host_of = [], {}
         self.where = Where.RESIDENT
 
     def settle(self) -> None:
         """Free a prefetch no step used (a skipped step): the host still holds the same values, nothing is copied."""
         if self.where is not Where.ARRIVING:
             return
-        local = self._parked[0][0]
-        if local.is_cuda:
-            self._side_stream(local.device).synchronize()  # the copies back write into the storage freed here
-        for local, _ in self._parked:
-            local.untyped_storage().resize_(0)
+        for device in self._streams.keys() & {e.local.device for e in self._parked}:
+            self._streams[device].synchronize()  # the copies back write into the storage freed here
+        for e in self._parked:
+            e.local.untyped_storage().resize_(0)
         self.where = Where.PARKED
+
+    def _copies_in(self, state_dict: dict) -> dict:
+        # state_dict() hands out the optimizer's own per-parameter dicts: parked tensors are swapped for copies of
+        # their host values in new dicts, and the state stays parked
+        if self.where is Where.RESIDENT:
+            return state_dict
+        for index, state in list(state_dict["state"].items()):
+            state_dict["state"][index] = {key: _host_value(value, self.host_copy(value)) if torch.is_tensor(value)
+                                          else value for key, value in state.items()}
+        return state_dict
 
     def _before_load(self, _optimizer, state_dict: dict) -> None:
         # load_state_dict replaces the tensors: the old ones come back first, nothing is left half-parked
@@ -214,23 +248,37 @@ class ParkedOptimizerState:
 
     def _park_unchanged(self) -> None:
         # the host copies still hold the device values: free the storage without copying
-        entries = [(local, self._host[key]) for key, local in self._state_tensors() if key in self._host]
+        entries = [_Parked(value, local, self._host[key]) for key, value, local in self._state_tensors()
+                   if key in self._host]
         if not entries:
             return
-        if entries[0][0].is_cuda:
-            torch.cuda.current_stream(entries[0][0].device).synchronize()  # readers on the stream are done
-        for local, _ in entries:
-            local.untyped_storage().resize_(0)
-        self._parked = entries
-        self.where = Where.PARKED
+        for device in {e.local.device for e in entries if e.local.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # readers on the stream are done
+        for e in entries:
+            e.local.untyped_storage().resize_(0)
+        self._set_parked(entries)
 
     def close(self) -> None:
         """Bring the state back and remove the hooks: the optimizer is as it was without parking."""
         self.unpark()
         for handle in self._handles:
             handle.remove()
-        _PARKED.pop(self.optimizer, None)
+        if getattr(self.optimizer, _ATTRIBUTE, None) is self:
+            delattr(self.optimizer, _ATTRIBUTE)
         self._host.clear()
+
+
+def _share(found: list, fraction: float) -> list:
+    """The first state tensors of ``found`` until their bytes reach ``fraction`` of all of them."""
+    if fraction >= 1.0:
+        return found
+    goal, total, out = fraction * sum(local.nbytes for *_, local in found), 0, []
+    for item in found:
+        if total >= goal:
+            break
+        out.append(item)
+        total += item[-1].nbytes
+    return out
 
 
 def _host_buffers(found: list[tuple[tuple[int, str], torch.Tensor]]) -> dict[tuple[int, str], torch.Tensor]:
@@ -239,7 +287,7 @@ def _host_buffers(found: list[tuple[tuple[int, str], torch.Tensor]]) -> dict[tup
     by_dtype: dict[torch.dtype, int] = {}
     for _, local in found:
         by_dtype[local.dtype] = by_dtype.get(local.dtype, 0) + local.numel()
-    pinned = found[0][1].is_cuda
+    pinned = any(local.is_cuda for _, local in found)
     flat = {dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in by_dtype.items()}
     out, offset = {}, dict.fromkeys(by_dtype, 0)
     for key, local in found:
@@ -249,21 +297,42 @@ def _host_buffers(found: list[tuple[tuple[int, str], torch.Tensor]]) -> dict[tup
     return out
 
 
+def _host_value(value: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """A copy of a parked state tensor's values on the host, a DTensor if ``value`` is one (on its mesh, as
+    torch's ``get_optimizer_state_dict(cpu_offload=True)`` gives); ``value`` itself if it is not parked."""
+    if host is None:
+        return value
+    copy = host.clone()
+    if local_of(value) is value:
+        return copy
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
+
+
 def parking_of(optimizer: torch.optim.Optimizer) -> ParkedOptimizerState | None:
     """The optimizer's ``ParkedOptimizerState``, if its state is parked between steps."""
-    return _PARKED.get(optimizer)
+    return getattr(optimizer, _ATTRIBUTE, None)
+
+
+def parked_copy(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> torch.Tensor | None:
+    """The host tensor holding a state tensor's values while the optimizer's state is parked (read only); None for
+    a resident tensor or an optimizer without parking."""
+    parking = parking_of(optimizer)
+    return parking.host_copy(value) if parking is not None else None
 
 
 def prefetch_parked(optimizer: torch.optim.Optimizer) -> None:
     """Start bringing a parked optimizer's state back ([parking] 2); nothing for any other optimizer."""
-    parking = _PARKED.get(optimizer)
+    parking = parking_of(optimizer)
     if parking is not None:
         parking.prefetch()
 
 
 def settle_parked(optimizer: torch.optim.Optimizer) -> None:
     """After a skipped step: free an unused prefetch again; nothing for an optimizer without parking."""
-    parking = _PARKED.get(optimizer)
+    parking = parking_of(optimizer)
     if parking is not None:
         parking.settle()
 
@@ -272,7 +341,7 @@ def settle_parked(optimizer: torch.optim.Optimizer) -> None:
 def unparked(optimizer: torch.optim.Optimizer, changes: bool = False) -> Iterator[None]:
     """The optimizer's state resident inside the block (for readers and writers of ``optimizer.state``), parked
     again after it if it was; a no-op for an optimizer without parking."""
-    parking = _PARKED.get(optimizer)
+    parking = parking_of(optimizer)
     with parking.resident(changes) if parking is not None else contextlib.nullcontext():
         yield
 
@@ -281,7 +350,7 @@ def unparked(optimizer: torch.optim.Optimizer, changes: bool = False) -> Iterato
 def owned_loads(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Inside the block, ``optimizer.load_state_dict`` takes state dicts that nobody else holds: a parked optimizer
     parks their tensors as they are instead of copying them first (odcfsdp's checkpoint loader)."""
-    parking = _PARKED.get(optimizer)
+    parking = parking_of(optimizer)
     if parking is None:
         yield
         return
