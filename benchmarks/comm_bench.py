@@ -35,8 +35,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from odcfsdp.sharding.layout import plan_groups
-from odcfsdp.sharding.mesh import ShardMesh
+from odcfsdp.sharding.placement.layout import plan_groups
+from odcfsdp.sharding.placement.mesh import ShardMesh
 from odcfsdp.sharding.transport import make_transport
 from odcfsdp.sharding.transport.collective import CollectiveTransport
 

@@ -9,7 +9,7 @@ import sys
 from benchmarks import e2e_isolate, harness
 from benchmarks.e2e_hf import resolve_args
 from odcfsdp.models.attention import ATTENTION_BACKENDS
-from odcfsdp.sharding.float8 import FLOAT8_GATHER_DEFAULT
+from odcfsdp.sharding.groups.float8 import FLOAT8_GATHER_DEFAULT
 
 DESCRIPTION = "End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs."
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off

@@ -71,7 +71,7 @@ def torchao_float8(model: nn.Module, recipe: str | None) -> None:
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from odcfsdp.sharding.float8 import float8_eligible
+    from odcfsdp.sharding.groups.float8 import float8_eligible
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
                                  enable_fsdp_float8_all_gather=recipe == "tensorwise")

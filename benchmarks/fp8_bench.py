@@ -7,7 +7,7 @@ probability 0.9, else a random token). Methods:
 
 * ``odc_bf16``: ``ODCShard(model, units=(DecoderLayer,))``, bf16 compute;
 * ``odc_float8_tensorwise`` / ``odc_float8_rowwise``: the same with ``float8=`` ([float8] in
-  ``odcfsdp/sharding/float8.py``: torchao's ``Float8Linear``, bf16 rows gathered);
+  ``odcfsdp/sharding/groups/float8.py``: torchao's ``Float8Linear``, bf16 rows gathered);
 * ``odc_float8_gather``: tensorwise with ``float8_gather=True`` ([float8-gather]: the owners cast, float8 rows
   gathered, each layer's weight already cast);
 * ``fsdp2_float8``: torchtitan's way: torchao's ``convert_to_float8_training`` (tensorwise, same layers) with
@@ -107,7 +107,7 @@ def wrap(method: str, model, device: torch.device, param_dtype: torch.dtype = to
     ``param_dtype`` the dtype parameters are gathered and computed in on CUDA, for both."""
     from odcfsdp import ODCShard
     from odcfsdp.models.llama import DecoderLayer
-    from odcfsdp.sharding.float8 import convert_float8_linears, float8_eligible
+    from odcfsdp.sharding.groups.float8 import convert_float8_linears, float8_eligible
 
     if method.startswith("odc"):
         gather = method == "odc_float8_gather"

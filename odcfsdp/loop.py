@@ -6,10 +6,10 @@ A step, as numbered steps:
    source; every rank computes the same balancing plan from the samples' lengths (no
    communication) and takes its share of micro-batches;
 2. ``train_step``: each micro-batch is packed, moved to the device and run forward and backward (with ``ODCShard``,
-   [lifecycle] 1-7 in ``sharding/lifecycle.py``); the model returns its loss summed over target tokens (the head fused
-   with the cross-entropy, [linear-cross-entropy]), divided here by the number of target tokens of the whole minibatch
-   (ranks' shares differ), then scaled by ``loss_scale`` (methods that average gradients over ranks pass the world
-   size);
+   [lifecycle] 1-7 in ``sharding/runtime/lifecycle.py``); the model returns its loss summed over target tokens (the
+   head fused with the cross-entropy, [linear-cross-entropy]), divided here by the number of target tokens of the whole
+   minibatch (ranks' shares differ), then scaled by ``loss_scale`` (methods that average gradients over ranks pass
+   the world size);
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
    optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
    with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]); optimizer state parked on the
@@ -38,7 +38,7 @@ import torch.nn as nn
 from .data.balance import CostModel, plan_minibatch
 from .data.packing import Sample, empty_micro_batch, pack
 from .optim.parking import prefetch_parked, settle_parked
-from .sharding.collectives import all_gather_tensor
+from .sharding.placement.collectives import all_gather_tensor
 
 
 @dataclass

@@ -299,33 +299,38 @@ def test_every_design_note_reference_names_a_note_and_one_of_its_items():
 
 
 def test_design_layout_names_every_file_of_the_packages_it_lists():
-    """docs/design.md's layout: a package whose row names files names all of them (a subpackage by its folder), and
-    every file a row names exists there; every package of odcfsdp has a row (issue 43 item 4)."""
+    """docs/design.md's layout: a package whose row names files names all of them (a subpackage by its folder, or by
+    a row of its own indented under the package's, which then names its files), and every file a row names exists
+    there; every package of odcfsdp has a row (issue 43 item 4)."""
     text = (DOCS / "design.md").read_text()
     block = text.split("## Layout of the checkout", 1)[1].split("```", 2)[1]
-    rows: dict[str, str] = {}
-    current = None
+    rows: dict[str, str] = {}  # "sharding", "sharding/runtime", ...
+    current = parent = None
     for line in block.splitlines():
-        m = re.match(r"^  (\w+)/\s", line)
-        if m:
-            current = m.group(1)
+        top, sub = re.match(r"^  (\w+)/\s", line), re.match(r"^    (\w+)/\s", line)
+        if top:
+            current = parent = top.group(1)
+            rows[current] = line
+        elif sub and parent is not None:
+            current = f"{parent}/{sub.group(1)}"
+            rows[parent] += f" {sub.group(1)}/"
             rows[current] = line
         elif line.startswith("    ") and current is not None:
             rows[current] += " " + line
         else:
-            current = None
+            current = parent = None
     package = README.parent / "odcfsdp"
     subpackages = sorted(p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert sorted(rows) == subpackages
+    assert sorted(r for r in rows if "/" not in r) == subpackages
     problems = []
     for name, row in rows.items():
-        named = set(re.findall(r"(\w+)\.py\b", row))
+        named = set(re.findall(r"(\w+)\.py\b", row.split("/", 1)[1] if "/" in name else row))
+        folder = package / name
+        folders = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        problems += [f"{name}/{d}/ is not in the layout" for d in sorted(folders) if f"{d}/" not in row]
         if not named:
             continue  # a row that says what the package does, not file by file
-        folder = package / name
-        files = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
-        folders = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        files = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"} | ({"__init__"} & named)
         problems += [f"{name}/{f}.py is not in the layout" for f in sorted(files - named)]
-        problems += [f"{name}/{d}/ is not in the layout" for d in sorted(folders) if f"{d}/" not in row]
         problems += [f"{name}/{f}.py is in the layout but not in the package" for f in sorted(named - files)]
     assert problems == [], "\n".join(problems)

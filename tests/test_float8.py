@@ -1,4 +1,4 @@
-"""Issue 35: float8 training through torchao ([float8] in odcfsdp/sharding/float8.py).
+"""Issue 35: float8 training through torchao ([float8] in odcfsdp/sharding/groups/float8.py).
 
 Without torchao only the refusals run (CPU, an old GPU, no torchao: one line naming the fix, before any rank starts);
 with it, the conversion's choice of layers and a float8 model trained under ODCShard on 2 CPU ranks against the same
@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from odcfsdp.app import preflight
 from odcfsdp.app.config import config_from, validate
-from odcfsdp.sharding import float8
-from odcfsdp.sharding.float8 import convert_float8_linears, float8_problem
+from odcfsdp.sharding.groups import float8
+from odcfsdp.sharding.groups.float8 import convert_float8_linears, float8_problem
 from test_train import cli
 
 #: every dim a multiple of 16, so every linear but the head is converted

@@ -1,4 +1,4 @@
-"""Issue 35 part 2: the float8 parameter gather with tensorwise scaling ([float8-gather] in odcfsdp/sharding/float8.py).
+"""Issue 35 part 2: the float8 parameter gather with tensorwise scaling ([float8-gather] in odcfsdp/sharding/groups/float8.py).
 
 On 2 CPU ranks (torch's CPU ``_scaled_mm`` takes tensorwise scales), test_float8's Llama whose linears are torchao's
 tensorwise ``Float8Linear``s, under ``ODCShard(float8="tensorwise", float8_gather=True)`` over ``shm`` and
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from odcfsdp.launch import spawn
-from odcfsdp.sharding import float8
-from odcfsdp.sharding.layout import FLOAT8_DTYPE, plan_groups
+from odcfsdp.sharding.groups import float8
+from odcfsdp.sharding.placement.layout import FLOAT8_DTYPE, plan_groups
 from test_float8 import CONFIG, _batches, _float8_llama, _train
 
 pytest.importorskip("torchao")
@@ -82,7 +82,7 @@ def _train_fsdp2(batches) -> list[float]:
 
     from odcfsdp.models import causal_lm_loss
     from odcfsdp.models.llama import DecoderLayer
-    from odcfsdp.sharding.float8 import float8_eligible
+    from odcfsdp.sharding.groups.float8 import float8_eligible
 
     model = _float8_llama(None)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), enable_fsdp_float8_all_gather=True)

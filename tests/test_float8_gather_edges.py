@@ -1,4 +1,4 @@
-"""Issue 35 part 2, the float8 gather's edges ([float8-gather] in odcfsdp/sharding/float8.py): checkpoints, gather_masters,
+"""Issue 35 part 2, the float8 gather's edges ([float8-gather] in odcfsdp/sharding/groups/float8.py): checkpoints, gather_masters,
 the switch and rowwise layers in one process, ranks at different meetings, frozen weights, HSDP, and the default's
 cost for models without float8. On CPU, against the same references as tests/test_float8_gather.py (whose helpers
 these use): one plain process, and what a checkpoint holds.
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from odcfsdp.launch import spawn
-from odcfsdp.sharding import float8
-from odcfsdp.sharding.layout import FLOAT8_DTYPE
+from odcfsdp.sharding.groups import float8
+from odcfsdp.sharding.placement.layout import FLOAT8_DTYPE
 from test_float8 import _batches, _float8_llama, _train
 from test_float8_gather import FLOAT8_WEIGHTS, TOKENS, _check_casts, _sharded
 
@@ -98,7 +98,7 @@ def test_rowwise_layers_and_the_switch_off_gather_param_dtype_in_one_process():
 
 
 def _meet_apart() -> str:
-    from odcfsdp.sharding.meetings import Meeting
+    from odcfsdp.sharding.placement.meetings import Meeting
 
     model = _sharded("shm")
     try:
@@ -147,7 +147,7 @@ def test_frozen_float8_weights_are_gathered_in_float8_too():
 
 
 def _train_hsdp(batches, tokens: int) -> tuple[list[float], int]:
-    from odcfsdp.sharding.hsdp import hybrid_mesh
+    from odcfsdp.sharding.placement.hsdp import hybrid_mesh
 
     model = _sharded("shm", mesh=hybrid_mesh(2, "cpu"))  # 2 replicas of 2 shards: amaxes meet within a shard group
     losses = _train(model, [[step[dist.get_rank()]] for step in batches], tokens)

@@ -10,8 +10,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from odcfsdp import fully_shard
 from odcfsdp.models import Llama, LlamaConfig, causal_lm_loss
-from odcfsdp.sharding.fsdp_surface import FSDP_METHODS, FSDPSurface
-from odcfsdp.sharding.odc_module import ODCModule
+from odcfsdp.sharding.api.fsdp_surface import FSDP_METHODS, FSDPSurface
+from odcfsdp.sharding.api.odc_module import ODCModule
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -124,7 +124,7 @@ def test_design_table_of_fsdp_methods_is_the_generated_one():
     """docs/design.md's table is ``fsdp_methods_table()`` verbatim (regenerate it when FSDP_METHODS changes)."""
     from pathlib import Path
 
-    from odcfsdp.sharding.fsdp_surface import fsdp_methods_table
+    from odcfsdp.sharding.api.fsdp_surface import fsdp_methods_table
 
     assert fsdp_methods_table() in (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
 

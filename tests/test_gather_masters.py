@@ -1,5 +1,5 @@
 """``ODCShard(gather_masters=True)``: peers gather the fp32 masters and cast while unpacking ([gather-masters] in
-odcfsdp/sharding/group.py): the same training, to the bit, without the resident bf16 rows."""
+odcfsdp/sharding/groups/group.py): the same training, to the bit, without the resident bf16 rows."""
 
 from __future__ import annotations
 

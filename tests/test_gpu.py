@@ -222,8 +222,8 @@ def _slow_zeroing_on_rank_0(barrier: bool, run: Run) -> dict:
 
     import torch.distributed as dist
 
-    from odcfsdp.sharding import streams
-    from odcfsdp.sharding.collectives import RankGroup
+    from odcfsdp.sharding.transport import streams
+    from odcfsdp.sharding.placement.collectives import RankGroup
 
     zero, all_reduce_sum = streams._zero, RankGroup.all_reduce_sum
 
@@ -261,7 +261,7 @@ def test_zeroing_aside_waits_for_every_owner(barrier, monkeypatch):
 
 def _late_zeroing(delayed_ranks: set[int], run: Run) -> dict:
     """``sharded_run`` with the accumulator zeroing of ``delayed_ranks`` held back ~0.5 s on their push stream."""
-    from odcfsdp.sharding import streams
+    from odcfsdp.sharding.transport import streams
 
     zero = streams._zero
 

@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP, [hsdp] in odcfsdp/sharding/hsdp.py) on CPU: a 2-D (replicate, shard) mesh, shm within
+"""Hybrid sharding (HSDP, [hsdp] in odcfsdp/sharding/placement/hsdp.py) on CPU: a 2-D (replicate, shard) mesh, shm within
 each shard group and gloo across replicas, against one plain process on the union of the data; where replicas meet;
 checkpoints across mesh shapes."""
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard
 from odcfsdp.launch import spawn
-from odcfsdp.sharding.hsdp import hybrid_mesh
+from odcfsdp.sharding.placement.hsdp import hybrid_mesh
 from parity import ParityModel, Run, causal_lm_loss, sharded_run
 from checkpoint_state import assert_same_state, build, full_state, train_steps
 from test_parity import check_against_reference

@@ -11,7 +11,7 @@ import torch
 
 from odcfsdp.kernels.chunks import group_chunk_table
 from odcfsdp.kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
-from odcfsdp.sharding.layout import plan_groups
+from odcfsdp.sharding.placement.layout import plan_groups
 
 SHAPES = [(1,), (37,), (5, 9), (64,), (3, 3, 3), (130,)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,7 +140,7 @@ def test_float8_cast_gives_each_segment_its_weights_scale(dtype):
     into a float8 row they equal torch's cast to the bit, checked on GPUs only (Triton's CPU interpreter emulates
     float8 rounding its own way, off by more than one float8 step)."""
     from odcfsdp.kernels.float8_cast import cast_segments_to_float8
-    from odcfsdp.sharding.float8_rows import FLOAT8_MAX, to_float8
+    from odcfsdp.sharding.groups.float8_rows import FLOAT8_MAX, to_float8
 
     if dtype != torch.float32 and DEVICE == "cpu":
         pytest.skip("the interpreter's float8 rounding is not the GPU's; the fp32 case checks the scales here")

@@ -30,6 +30,9 @@ APP_LAYERS = [
     ["trainer", "export"],
     ["train"],
 ]
+# Inside ``sharding``, its subpackages by responsibility, lowest first (docs/design.md, Layout): a module may import
+# only from its own subpackage or lower ones; ``sharding/__init__`` (the re-exports) sits above them all.
+SHARDING_LAYERS = ["placement", "transport", "groups", "runtime", "api"]
 #: at most this many modules directly under odcfsdp/ (the library's front; the application lives in app/)
 TOP_MODULES = 10
 
@@ -97,6 +100,23 @@ def test_lower_layers_never_import_higher_ones():
     assert not up, f"imports that run back up: {up}"
     unplaced = sorted({".".join(m.split(".")[1:3]) for m in graph if m.count(".") and _layer(m) is None})
     assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_sharding_subpackages_import_only_their_own_layer_or_lower_ones():
+    """sharding/ is its subpackages and the front door's re-exports; none imports one above it."""
+    mods = _modules()
+    graph = _imports(mods)
+    flat = sorted(p.name for p in (PACKAGE / "sharding").glob("*.py"))
+    assert flat == ["__init__.py"], f"modules directly under sharding/ (put each in a subpackage): {flat}"
+    assert sorted(p.parent.name for p in (PACKAGE / "sharding").glob("*/__init__.py")) == sorted(SHARDING_LAYERS)
+
+    def rank(m: str) -> int | None:
+        parts = m.split(".")
+        return SHARDING_LAYERS.index(parts[2]) if parts[:2] == ["odcfsdp", "sharding"] and len(parts) > 2 else None
+
+    up = [(m, d) for m, ds in graph.items() for d in ds
+          if rank(m) is not None and rank(d) is not None and rank(d) > rank(m)]
+    assert not up, f"sharding imports that run back up: {up}"
 
 
 def test_no_package_line_over_120_characters():

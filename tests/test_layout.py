@@ -1,5 +1,5 @@
 """The flat group layout against its closed form and torch.chunks dim-0 split (see [layout] in
-odcfsdp/sharding/layout.py)."""
+odcfsdp/sharding/placement/layout.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from odcfsdp.sharding.layout import ALIGN_BYTES, plan_groups
+from odcfsdp.sharding.placement.layout import ALIGN_BYTES, plan_groups
 
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
 

@@ -142,10 +142,10 @@ def _frame(path: str, name: str, line: int = 1) -> dict:
 MARKER = [_frame("/src/odcfsdp/memory/peak.py", "_probe_marker"), _frame("/src/odcfsdp/memory/peak.py", "probe")]
 FORWARD = [_frame("/src/odcfsdp/models/llama.py", "forward", 170),
            _frame("/usr/lib/torch/nn/modules/module.py", "_call_impl"),
-           _frame("/src/odcfsdp/sharding/shard.py", "forward")]  # outer frames never decide
+           _frame("/src/odcfsdp/sharding/api/shard.py", "forward")]  # outer frames never decide
 GATHER_STAGING = [_frame("/src/odcfsdp/sharding/transport/collective.py", "gather"),
-                  _frame("/src/odcfsdp/sharding/streams.py", "gather"),
-                  _frame("/src/odcfsdp/sharding/group.py", "to_unsharded")]  # innermost rule wins
+                  _frame("/src/odcfsdp/sharding/transport/streams.py", "gather"),
+                  _frame("/src/odcfsdp/sharding/groups/group.py", "to_unsharded")]  # innermost rule wins
 
 
 def _alloc(addr, size, frames):
@@ -161,13 +161,13 @@ def _snapshot() -> dict:
     trace = [
         _alloc(0x9000, 1, MARKER), _free(0x9000, 1, False), _free(0x9000, 1),     # probe 0: A is a master
         _alloc(0x8000, 800, FORWARD), _free(0x8000, 800, False), _free(0x8000, 800),   # freed before the peak
-        _alloc(0x1600, 2000, [_frame("/src/odcfsdp/sharding/group.py", "to_unsharded")]),
+        _alloc(0x1600, 2000, [_frame("/src/odcfsdp/sharding/groups/group.py", "to_unsharded")]),
         _alloc(0x3000, 3000, FORWARD),                                                  # labelled by probe 1
         _alloc(0x3c00, 250, FORWARD),
         _alloc(0x4000, 700, GATHER_STAGING),
         {"action": "segment_alloc", "addr": 0x6000, "size": 2 << 20, "stream": 0},  # ignored
         _free(0x3000, 3000, False),                          # requested only: still memory
-        _alloc(0x6000, 500, [_frame("/src/odcfsdp/sharding/group.py", "prepare_grad")]),   # the peak: 11750
+        _alloc(0x6000, 500, [_frame("/src/odcfsdp/sharding/groups/group.py", "prepare_grad")]),   # the peak: 11750
         _alloc(0x9000, 1, MARKER), _free(0x9000, 1, False), _free(0x9000, 1),     # probe 1: 0x3000 is a gradient
         _free(0x5000, 4000),                                 # E, alive since before the trace
         _free(0x3000, 3000), _free(0x3c00, 250), _free(0x4000, 700), _free(0x6000, 500),
@@ -180,7 +180,7 @@ def _snapshot() -> dict:
             {"size": 1024, "requested_size": 1000, "state": "active_allocated", "frames": []},           # A
             {"size": 512, "requested_size": 0, "state": "inactive", "frames": []},
             {"size": 2048, "requested_size": 2000, "state": "active_allocated",                            # C
-             "frames": [_frame("/src/odcfsdp/sharding/group.py", "to_unsharded")]},
+             "frames": [_frame("/src/odcfsdp/sharding/groups/group.py", "to_unsharded")]},
             {"size": 512, "requested_size": 300, "state": "active_allocated", "frames": []}]},            # D
         {"device": 0, "address": 0x7000, "total_size": 512, "stream": 0, "blocks": [
             {"size": 512, "requested_size": 100, "state": "active_allocated", "frames": []}]},            # I

@@ -185,7 +185,7 @@ def test_hsdp_misuse_is_refused(tmp_path):
     (replicate, shard) over ranks in order is refused."""
     run_case(tmp_path, """
     from torch.distributed.device_mesh import DeviceMesh
-    from odcfsdp.sharding.hsdp import hybrid_mesh
+    from odcfsdp.sharding.placement.hsdp import hybrid_mesh
 
     def body():
         model = ODCShard(llama(), 4096, comm="collective", mesh=hybrid_mesh(2, "cpu"))  # 2 x 1

@@ -1,5 +1,5 @@
 """``ODCShard(offload_policy=CPUOffloadPolicy())``: fp32 masters, optimizer state and step in host memory ([offload] in
-odcfsdp/sharding/group.py). On CPU the masters are a separate host copy (not the rows), gradients are copied into a
+odcfsdp/sharding/groups/group.py). On CPU the masters are a separate host copy (not the rows), gradients are copied into a
 host buffer at the sync and masters into the rows at the finish: the same training to the bit."""
 
 from __future__ import annotations

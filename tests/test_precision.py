@@ -1,5 +1,5 @@
 """``ODCShard(mp_policy=MixedPrecisionPolicy(...))``: FSDP2's mixed-precision policy, against plain PyTorch with the
-same semantics ([precision] in odcfsdp/sharding/precision.py)."""
+same semantics ([precision] in odcfsdp/sharding/groups/precision.py)."""
 
 from __future__ import annotations
 

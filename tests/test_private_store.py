@@ -63,7 +63,7 @@ SIBLINGS = textwrap.dedent("""
     sibling = subprocess.Popen(["sleep", "60"])
     os.kill(sibling.pid, signal.SIGSTOP)
     time.sleep(0.2)
-    check = "from odcfsdp.sharding.watchdog import stopped_sibling; import sys; print(stopped_sibling(int(sys.argv[1])))"
+    check = "from odcfsdp.sharding.placement.watchdog import stopped_sibling; import sys; print(stopped_sibling(int(sys.argv[1])))"
     for pid in (sibling.pid, int(sys.argv[1])):  # a stopped sibling; a stopped process of another parent
         print(subprocess.run([sys.executable, "-c", check, str(pid)], capture_output=True, text=True).stdout.strip())
     sibling.kill()
@@ -85,7 +85,7 @@ def test_the_watchdog_signals_only_stopped_siblings(tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
-    from odcfsdp.sharding.watchdog import stopped_sibling
+    from odcfsdp.sharding.placement.watchdog import stopped_sibling
 
     assert not stopped_sibling(os.getpid()) and not stopped_sibling(1)
 

@@ -305,7 +305,7 @@ def test_the_design_notes_transition_table_is_the_protocols():
     ``Minibatch`` method the table runs."""
     import re
 
-    from odcfsdp.sharding import minibatch, protocol
+    from odcfsdp.sharding.runtime import minibatch, protocol
 
     rows = re.findall(r"^(ACCUMULATING|EMPTY|READY) +([A-Z]+) +(_\w+)", protocol.__doc__, re.M)
     assert len(rows) == 8

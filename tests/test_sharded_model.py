@@ -24,7 +24,7 @@ def _script(ckpt: str, hf_dir: str) -> dict:
     from odcfsdp.checkpoint import export_hf, load_checkpoint, load_hf, save_checkpoint
     from odcfsdp.memory import memory_breakdown
     from odcfsdp.models import Llama
-    from odcfsdp.sharding.sharded_model import sharded
+    from odcfsdp.sharding.api.sharded_model import sharded
 
     rank = dist.get_rank()
     model = _blocks_then_root(_model())
@@ -67,7 +67,7 @@ def test_checkpoints_hf_files_and_the_memory_breakdown_take_a_fully_shard_model(
 
 
 def test_sharded_refuses_a_model_odcfsdp_did_not_shard():
-    from odcfsdp.sharding.sharded_model import sharded
+    from odcfsdp.sharding.api.sharded_model import sharded
 
     with pytest.raises(TypeError, match="^expected a model sharded by odcfsdp .* got Linear$"):
         sharded(torch.nn.Linear(2, 2))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from odcfsdp import ODCShard
 from odcfsdp.launch import spawn
-from odcfsdp.sharding.mesh import ShardMesh
+from odcfsdp.sharding.placement.mesh import ShardMesh
 from odcfsdp.sharding.transport.shm import ShmHeap, shm_dir, sweep_stale_heaps
 from parity import ParityModel
 

@@ -1,4 +1,4 @@
-"""The watchdog's liveness half ([watchdog] in odcfsdp/sharding/watchdog.py) under torchrun, through the Python API:
+"""The watchdog's liveness half ([watchdog] in odcfsdp/sharding/placement/watchdog.py) under torchrun, through the Python API:
 a rank blocked inside a gloo collective (where no Python exception reaches) still ends, naming the stopped rank.
 The meeting half and the spawned CLI run are tested in test_train.py (test_a_stuck_rank_...)."""
 

@@ -12,7 +12,7 @@ from ..data.balance import CostModel
 from ..optim import ParkedOptimizerState, optimizer_class, optimizer_keywords, param_groups
 from ..schedule import warmup_cosine
 from ..sharding import ODCShard
-from ..sharding.hsdp import hybrid_mesh
+from ..sharding.placement.hsdp import hybrid_mesh
 from ..sharding.transport import capabilities
 from .config import OPTIMIZER_KEYS, TrainConfig
 from .shard_config import shard_arguments

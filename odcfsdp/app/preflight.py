@@ -90,10 +90,10 @@ def _gpu_capability() -> tuple[int, int] | None:
 
 def _float8(cfg: TrainConfig, cuda: bool) -> None:
     """``shard.float8`` asks for what this machine has: a GPU of compute capability 8.9+ and torchao
-    ([float8] in ``odcfsdp/sharding/float8.py``); else one line naming the fix (``pip install odcfsdp[fp8]``)."""
+    ([float8] in ``odcfsdp/sharding/groups/float8.py``); else one line naming the fix (``pip install odcfsdp[fp8]``)."""
     if cfg.shard.float8 in (None, "none"):
         return
-    from ..sharding.float8 import INSTALL_HINT, float8_problem, torchao_installed
+    from ..sharding.groups.float8 import INSTALL_HINT, float8_problem, torchao_installed
 
     capability = _gpu_capability() if cuda else None
     if cuda and capability is None:  # the GPU is the ranks' to judge (ODCShard asks CUDA); torchao is not

@@ -34,7 +34,7 @@ import torch
 RUNTIME: dict[str, str] = {
     "module": "the model, built from model.*",
     "process_group": "not passed: mesh= names the ranks",
-    "mesh": "from shard.replicas (odcfsdp.sharding.hsdp.hybrid_mesh)",
+    "mesh": "from shard.replicas (odcfsdp.sharding.placement.hsdp.hybrid_mesh)",
     "device": "the run's device, for a model built on the meta device",
     "timeout": "run.timeout_s (the watchdog is the run's, not the sharding's)",
 }

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.llama import Llama, LlamaConfig
-from ..sharding.sharded_model import ShardedModel, sharded
+from ..sharding.api.sharded_model import ShardedModel, sharded
 from .files import naming
 from .manifest import CheckpointError
 

@@ -48,9 +48,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..optim.parking import owned_loads
-from ..sharding.layout import overlapping_shards, shard_range
-from ..sharding.param import as_global
-from ..sharding.sharded_model import ShardedModel, sharded
+from ..sharding.placement.layout import overlapping_shards, shard_range
+from ..sharding.groups.param import as_global
+from ..sharding.api.sharded_model import ShardedModel, sharded
 from .files import crc32_of, fsync_path, naming, write_json_durably
 from .optimizer_state import jsonable, optimizer_params, optimizer_tensors
 from .nonfinite import NonFiniteStateError, first_nonfinite

@@ -1,7 +1,7 @@
 """Chunk tables: how the gather / scatter-accumulate kernels split a group into programs.
 
 A group's row is a sequence of segments (one per parameter, see [layout] in
-``odcfsdp/sharding/layout.py``), each holding a shard of ``s_i`` elements followed by
+``odcfsdp/sharding/placement/layout.py``), each holding a shard of ``s_i`` elements followed by
 padding. Each shard is cut into chunks of at most ``block`` elements; program
 (chunk, r) moves one chunk of rank r's row. A chunk is four int64 values:
 
@@ -61,6 +61,6 @@ def chunk_table(
 
 
 def group_chunk_table(layout, block: int, device: torch.device | str = "cpu") -> ChunkTable:
-    """``chunk_table`` of a group's layout (``odcfsdp.sharding.layout.GroupLayout``)."""
+    """``chunk_table`` of a group's layout (``odcfsdp.sharding.placement.layout.GroupLayout``)."""
     return chunk_table([s.offset for s in layout.slots], [s.shard for s in layout.slots], layout.world_size, block,
                        device)

@@ -1,8 +1,8 @@
 """The owner's float8 cast of its row: every element of a group's master row scaled by its weight's scale, clamped
-to the float8 range and cast to e4m3, in one pass ([float8-gather] in ``sharding/float8.py``, step 3).
+to the float8 range and cast to e4m3, in one pass ([float8-gather] in ``sharding/groups/float8.py``, step 3).
 
-A group's row is its weights' segments one after another (``sharding/layout.py``), and each weight has one scale
-(tensorwise). ``cast_segments_to_float8`` gives each element its segment's scale by comparing its index with the
+A group's row is its weights' segments one after another (``sharding/placement/layout.py``), and each weight has one
+scale (tensorwise). ``cast_segments_to_float8`` gives each element its segment's scale by comparing its index with the
 segments' ends (a group has a few segments, so the comparison loop is short and the loads are scalar), so nothing
 of the row's size is built besides the float8 row itself: the pass reads 4 bytes and writes 1 per element.
 
@@ -12,7 +12,7 @@ three more passes. On one H200 at 4 layers of 8B shape that took 131 ms a step i
 kernel alone (``results/fp8/``), more than the step's matmuls.
 
 The arithmetic is torchao's ``hp_tensor_and_scale_to_float8``: fp32 multiply, clamp to +-448, round to nearest
-even; the bytes equal ``to_float8`` in ``sharding/float8_rows.py`` (tested on a GPU, to the bit:
+even; the bytes equal ``to_float8`` in ``sharding/groups/float8_rows.py`` (tested on a GPU, to the bit:
 ``tests/test_kernels.py::test_float8_cast_gives_each_segment_its_weights_scale``).
 """
 

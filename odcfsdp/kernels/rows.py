@@ -26,7 +26,8 @@ import triton.language as tl
 
 from .chunks import CHUNK_FIELDS, ChunkTable
 
-# uint8: float8 rows, gathered as bytes ([float8-gather] in sharding/float8.py): the kernels load and store by dtype
+# uint8: float8 rows, gathered as bytes ([float8-gather] in sharding/groups/float8.py): the kernels load and store
+# by dtype
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
               torch.float64: tl.float64, torch.uint8: tl.uint8}
 

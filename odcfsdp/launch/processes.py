@@ -38,7 +38,7 @@ The ranks' key-value store (hosted here, see ``spawn``) is written by the ranks 
    (the watchdog's arrivals and heartbeats, NCCL's bootstrap);
 3. the watchdog signals only a sibling: a process with its own rank's parent (the launcher,
    ``spawn``'s fork server or ``torchrun``'s agent), never another pid read from a store
-   (``_Heartbeat._kill_stopped`` in ``sharding/watchdog.py``).
+   (``_Heartbeat._kill_stopped`` in ``sharding/placement/watchdog.py``).
 4. the ranks' own sockets listen on loopback too: gloo's and NCCL's bootstrap pick their interface
    from the host name, which on a cloud host resolves to the NIC, so every rank would accept
    connections there for the whole run. ``spawn`` sets ``GLOO_SOCKET_IFNAME`` and
@@ -235,7 +235,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         if loopback:  # every rank is local: nothing listens on the NIC ([private-store] 4)
             os.environ.update(GLOO_SOCKET_IFNAME=loopback, NCCL_SOCKET_IFNAME=loopback)
         torch.set_num_threads(threads)
-        from ..sharding.watchdog import set_fatal_handler, set_wait_cap
+        from ..sharding.placement.watchdog import set_fatal_handler, set_wait_cap
 
         set_wait_cap(guard_s)  # every ODCShard's watchdog fires before spawn's bound ([bounded-spawn] 2)
 
@@ -301,7 +301,7 @@ def spawn(
     if signal.SIGHUP in forward:  # after the -W option: the tracker it starts takes it
         _start_helpers(ctx)
     results = ctx.Queue()
-    # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/watchdog.py)
+    # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/placement/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
     store = loopback_store(world_size)
     port, secret = store.port, secrets.token_hex(16)  # [private-store]

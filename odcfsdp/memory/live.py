@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from ..sharding.sharded_model import is_sharded, sharded
+from ..sharding.api.sharded_model import is_sharded, sharded
 from ..torch_private import is_traceable_wrapper_subclass
 
 

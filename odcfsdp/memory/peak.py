@@ -20,14 +20,14 @@ _MARKER = "_probe_marker"  # the function whose allocation marks a probe in the 
 #: that allocates and never calls a model's forward may have a rule (a forward's activations have the wrapper's
 #: forward, DDP's included, among their outer frames).
 FRAME_RULES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
-    ("unsharded_params", "odcfsdp/sharding/group.py", ("to_unsharded",)),
-    ("grad_buffers", "odcfsdp/sharding/group.py", ("prepare_grad", "add_grad", "collect_late_grads")),
+    ("unsharded_params", "odcfsdp/sharding/groups/group.py", ("to_unsharded",)),
+    ("grad_buffers", "odcfsdp/sharding/groups/group.py", ("prepare_grad", "add_grad", "collect_late_grads")),
     ("comm_buffers", "odcfsdp/sharding/transport/", None),
     ("comm_buffers", "odcfsdp/kernels/", None),
-    ("comm_buffers", "odcfsdp/sharding/streams.py", None),
-    ("comm_buffers", "odcfsdp/sharding/minibatch.py", None),  # the meetings, the sync, the finish
-    ("comm_buffers", "odcfsdp/sharding/mesh.py", None),
-    ("comm_buffers", "odcfsdp/sharding/collectives.py", None),
+    ("comm_buffers", "odcfsdp/sharding/transport/streams.py", None),
+    ("comm_buffers", "odcfsdp/sharding/runtime/minibatch.py", None),  # the meetings, the sync, the finish
+    ("comm_buffers", "odcfsdp/sharding/placement/mesh.py", None),
+    ("comm_buffers", "odcfsdp/sharding/placement/collectives.py", None),
     ("unsharded_params", "torch/distributed/fsdp/_fully_shard/_fsdp_param.py",
      ("alloc_storage", "init_unsharded_param", "init_all_gather_outputs", "alloc_all_gather_outputs")),
     ("comm_buffers", "torch/distributed/fsdp/_fully_shard/_fsdp_param.py", ("all_gather_inputs",)),  # bf16 casts

@@ -211,8 +211,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, doc_lengths=None):
         if self.compiled and hasattr(self.mlp.down_proj.weight, "_odc"):
-            # ODCShard's sharded form of a parameter (see odcfsdp.sharding.param) where the gathered one should be:
-            # its per-module hooks would run inside the compiled code, as graph breaks.
+            # ODCShard's sharded form of a parameter (see odcfsdp.sharding.groups.param) where the gathered one should
+            # be: its per-module hooks would run inside the compiled code, as graph breaks.
             raise RuntimeError("compiled decoder layers need all their parameters in hand when the layer starts: "
                                "with ODCShard, hook whole layers (units=(DecoderLayer,))")
         pre, post = _layer_parts(self.compiled)

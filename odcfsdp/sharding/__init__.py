@@ -1,19 +1,21 @@
-"""Flat-group sharding: layout, transports, groups, the engine, the ``ODCShard`` wrapper and ``fully_shard``."""
+"""Flat-group sharding, in five subpackages, lowest first: ``placement`` (the ranks and the flat group layout),
+``transport`` (how rows move), ``groups`` (the groups and their parameters), ``runtime`` (the engine, one step's
+lifecycle, the minibatch) and ``api`` (``ODCShard``, ``fully_shard``). The names users need are re-exported here."""
 
-from .engine import ShardEngine
-from .engine_settings import EngineSettings
-from .fsdp2_patch import patch_fsdp2
-from .fully_shard import ODCModule, fully_shard
-from .group import FlatGroup, GroupState
-from .lifecycle import StepLifecycle, TrainingPhase
-from .layout import GroupLayout, ParamSlot, plan_groups
-from .mesh import ShardMesh
-from .param import ODCLocalParameter, ODCParameter, ShardedParam
-from .minibatch import Minibatch
-from .protocol import GradState, StepEvent
-from .shard import ODCShard
-from .shard_state import ShardState
-from .sharded_model import FullyShardedView, is_sharded, sharded
+from .runtime.engine import ShardEngine
+from .api.engine_settings import EngineSettings
+from .api.fsdp2_patch import patch_fsdp2
+from .api.fully_shard import ODCModule, fully_shard
+from .groups.group import FlatGroup, GroupState
+from .runtime.lifecycle import StepLifecycle, TrainingPhase
+from .placement.layout import GroupLayout, ParamSlot, plan_groups
+from .placement.mesh import ShardMesh
+from .groups.param import ODCLocalParameter, ODCParameter, ShardedParam
+from .runtime.minibatch import Minibatch
+from .runtime.protocol import GradState, StepEvent
+from .api.shard import ODCShard
+from .runtime.shard_state import ShardState
+from .api.sharded_model import FullyShardedView, is_sharded, sharded
 
 __all__ = [
     "EngineSettings", "FullyShardedView", "is_sharded", "patch_fsdp2", "sharded",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mesh import ShardMesh
+from ..placement.mesh import ShardMesh
 from .base import Transport, TransportCaps
 from .collective import CollectiveTransport
 from .nvshmem import NvshmemTransport

@@ -34,8 +34,8 @@ from typing import Sequence
 
 import torch
 
-from ..layout import GroupLayout
-from ..mesh import ShardMesh
+from ..placement.layout import GroupLayout
+from ..placement.mesh import ShardMesh
 
 
 #: float8 dtypes, moved as bytes ([float8-gather] in ``float8.py``): gloo and the row kernels take no float8

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import GroupLayout
-from ..collectives import all_gather_tensor, reduce_scatter_tensor
+from ..placement.layout import GroupLayout
+from ..placement.collectives import all_gather_tensor, reduce_scatter_tensor
 from .base import Transport, TransportCaps, as_bytes
 
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..layout import GroupLayout
+from ..placement.layout import GroupLayout
 
 HEAP_ALIGN = 256  # bytes; keeps every row start aligned for vector access and cache lines
 

@@ -35,7 +35,7 @@ import torch
 from ...kernels.chunks import group_chunk_table
 from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
-from ..mesh import ShardMesh
+from ..placement.mesh import ShardMesh
 from .heap import SymmetricHeap
 from .base import FLOAT8_DTYPES, TransportCaps, as_bytes
 from .one_sided import OneSidedTransport

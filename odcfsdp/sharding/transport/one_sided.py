@@ -6,8 +6,8 @@ from abc import abstractmethod
 
 import torch
 
-from ..layout import GroupLayout
-from ..mesh import ShardMesh
+from ..placement.layout import GroupLayout
+from ..placement.mesh import ShardMesh
 from .base import Transport
 from .heap import SymmetricHeap, heap_plan
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..mesh import ShardMesh
+from ..placement.mesh import ShardMesh
 from .base import TransportCaps, as_bytes
 from .heap import SymmetricHeap
 from .one_sided import OneSidedTransport

@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..kernels.float8_cast import cast_segments_to_float8
-from .layout import FLOAT8_DTYPE, GroupLayout
+from ...kernels.float8_cast import cast_segments_to_float8
+from ..placement.layout import FLOAT8_DTYPE, GroupLayout
 
 #: torchao's ``float8_utils.EPS``: the least amax a scale is computed from (a zero weight gets a finite scale)
 EPS = 1e-12

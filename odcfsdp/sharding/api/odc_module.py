@@ -12,8 +12,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from .arguments import check_reshard_after_forward
-from .engine import ShardEngine
+from ..runtime.arguments import check_reshard_after_forward
+from ..runtime.engine import ShardEngine
 from .engine_settings import EngineSettings
 from .fsdp_surface import FSDPModule, FSDPSurface
 
@@ -227,7 +227,7 @@ class ODCModule(FSDPSurface):
         if "_odc_engine_owned" not in self.__dict__:
             raise RuntimeError("load_state_dict on a fully_shard unit: load the root's state dict (the module the "
                                "last fully_shard call was on), so every rank's rows change together")
-        from ..torch_private import IncompatibleKeys as _IncompatibleKeys
+        from ...torch_private import IncompatibleKeys as _IncompatibleKeys
 
         return _IncompatibleKeys(*self._odc_engine.shard_state.load_state_dict(self, state_dict, strict))
 

@@ -57,9 +57,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .group import FlatGroup
+from ..groups.group import FlatGroup
 from .lifecycle import Site, StepLifecycle
-from ..torch_private import apply_to_tensors, tree_flatten
+from ...torch_private import apply_to_tensors, tree_flatten
 
 
 def hook_sites(root: nn.Module, is_unit: Callable[[nn.Module], bool]

@@ -98,10 +98,10 @@ import enum
 import torch
 import torch.nn as nn
 
-from .layout import GroupLayout
+from ..placement.layout import GroupLayout
 from .param import ShardedParam
-from .streams import CommStreams
-from ..torch_private import version_of
+from ..transport.streams import CommStreams
+from ...torch_private import version_of
 
 
 class GroupState(enum.Enum):

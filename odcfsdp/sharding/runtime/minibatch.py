@@ -27,14 +27,14 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .group import FlatGroup, reshard_all
-from .meetings import Meeting, Meetings
-from .mesh import ShardMesh
-from .optimizer_events import install_optimizer_hooks
-from .param import ShardedParam
+from ..groups.group import FlatGroup, reshard_all
+from ..placement.meetings import Meeting, Meetings
+from ..placement.mesh import ShardMesh
+from ..groups.optimizer_events import install_optimizer_hooks
+from ..groups.param import ShardedParam
 from .phase_range import phase_range
 from .protocol import GradState, StepEvent, inside_zero_grad
-from .streams import CommStreams
+from ..transport.streams import CommStreams
 
 
 class Minibatch:

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from ..torch_private import profiler_enabled
+from ...torch_private import profiler_enabled
 
 
 def phase_range(name: str):

@@ -32,20 +32,20 @@ import torch
 import torch.nn as nn
 
 from .arguments import intact_problem, offload_target, registrations
-from .group import FlatGroup
+from ..groups.group import FlatGroup
 from .hooks import HookDriver
 from .lifecycle import StepLifecycle
-from .float8_rows import Float8Rows
-from .layout import FLOAT8_DTYPE, GroupLayout, plan_groups
+from ..groups.float8_rows import Float8Rows
+from ..placement.layout import FLOAT8_DTYPE, GroupLayout, plan_groups
 from .materialize import materialize_buffers
-from .mesh import ShardMesh
-from .precision import Precision, register_casts
+from ..placement.mesh import ShardMesh
+from ..groups.precision import Precision, register_casts
 from .prefetch import PrefetchSchedule
 from .minibatch import Minibatch
 from .shard_state import ShardState
-from .streams import CommStreams
+from ..transport.streams import CommStreams
 from .transparent import refuse_detaching
-from .transport import Transport, make_transport
+from ..transport import Transport, make_transport
 
 
 class ShardEngine:

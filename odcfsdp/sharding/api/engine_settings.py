@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arguments import check_numbers
-from .float8 import FLOAT8_GATHER_DEFAULT
+from ..runtime.arguments import check_numbers
+from ..groups.float8 import FLOAT8_GATHER_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .engine import ShardEngine
+from ..runtime.engine import ShardEngine
 from .odc_module import ODCModule
 from .shard import ODCShard
-from .shard_state import persistent_buffers
+from ..runtime.shard_state import persistent_buffers
 
 
 class FullyShardedView:

@@ -50,10 +50,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .layout import GroupLayout
+from ..placement.layout import GroupLayout
 from .optimizer_events import UNSHARDED
-from ..torch_private import TENSOR_GRAD as _tensor_grad  # the C-level .grad the property below wraps
-from ..torch_private import DTensorSpec, TensorMeta, local_of, mark_parameter, register_foreach_types, set_local
+from ...torch_private import TENSOR_GRAD as _tensor_grad  # the C-level .grad the property below wraps
+from ...torch_private import DTensorSpec, TensorMeta, local_of, mark_parameter, register_foreach_types, set_local
 
 
 class GradEvents(Protocol):

@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .group import FlatGroup
-from .layout import GroupLayout
-from .param import ShardedParam
+from ..groups.group import FlatGroup
+from ..placement.layout import GroupLayout
+from ..groups.param import ShardedParam
 from .minibatch import Minibatch
 
 

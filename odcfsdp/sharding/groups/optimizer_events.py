@@ -22,7 +22,7 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..torch_private import optimizer_hooks_present
+from ...torch_private import optimizer_hooks_present
 
 #: the trained parameters as they were before wrapping (now the unsharded forms): an optimizer over them is refused.
 UNSHARDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()

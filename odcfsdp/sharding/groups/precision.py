@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..torch_private import apply_to_tensors as _apply_to_tensors  # what fully_shard casts with (dataclasses too)
+from ...torch_private import apply_to_tensors as _apply_to_tensors  # what fully_shard casts with (dataclasses too)
 
 
 @dataclass(frozen=True)

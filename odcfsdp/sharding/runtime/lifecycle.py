@@ -57,12 +57,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..torch_private import in_backward, queue_end_of_backward
-from .group import FlatGroup, reshard_all
+from ...torch_private import in_backward, queue_end_of_backward
+from ..groups.group import FlatGroup, reshard_all
 from .minibatch import Minibatch
 from .phase_range import phase_range
 from .prefetch import PrefetchSchedule
-from .streams import CommStreams
+from ..transport.streams import CommStreams
 
 Site = tuple[FlatGroup, ...]
 

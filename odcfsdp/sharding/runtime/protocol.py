@@ -125,7 +125,7 @@ from __future__ import annotations
 
 import enum
 
-from ..torch_private import called_from
+from ...torch_private import called_from
 
 
 class GradState(enum.Enum):

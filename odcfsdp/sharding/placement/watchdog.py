@@ -43,7 +43,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..torch_private import default_store
+from ...torch_private import default_store
 
 if TYPE_CHECKING:
     from .collectives import RankGroup

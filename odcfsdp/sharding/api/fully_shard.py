@@ -55,15 +55,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..torch_private import register_fully_shard_state
-from .arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
-from .engine import ShardEngine
+from ...torch_private import register_fully_shard_state
+from ..runtime.arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
+from ..runtime.engine import ShardEngine
 from .engine_settings import EngineSettings
-from .float8_rows import float8_gathered
-from .hooks import unit_of
-from .mesh import ShardMesh
+from ..groups.float8_rows import float8_gathered
+from ..runtime.hooks import unit_of
+from ..placement.mesh import ShardMesh
 from .odc_module import ODCModule, UnitState, UnshardHandle, apply_prefetch, odc_class, state_of
-from .precision import policy_param_dtype, resolve_precision
+from ..groups.precision import policy_param_dtype, resolve_precision
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,

@@ -71,7 +71,7 @@ from typing import Callable
 
 import torch
 
-from .transport import Transport
+from . import Transport
 
 #: sites whose pushes the current stream may run ahead of ([streams] 2): 1 is FSDP2's one reduce-scatter in flight;
 #: None unbounded (``record_stream``)

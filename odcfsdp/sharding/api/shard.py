@@ -13,19 +13,19 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from ..torch_private import IncompatibleKeys as _IncompatibleKeys
+from ...torch_private import IncompatibleKeys as _IncompatibleKeys
 
-from .arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
+from ..runtime.arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
                         shard_device)
-from .engine import ShardEngine
-from .hooks import unit_of
-from .float8 import FLOAT8_GATHER_DEFAULT, prepare_float8
-from .float8_rows import float8_gathered
-from .lifecycle import TrainingPhase
-from .mesh import ShardMesh
-from .precision import policy_param_dtype, resolve_precision
-from .shard_state import persistent_buffers
-from .transparent import MOVE_ERROR
+from ..runtime.engine import ShardEngine
+from ..runtime.hooks import unit_of
+from ..groups.float8 import FLOAT8_GATHER_DEFAULT, prepare_float8
+from ..groups.float8_rows import float8_gathered
+from ..runtime.lifecycle import TrainingPhase
+from ..placement.mesh import ShardMesh
+from ..groups.precision import policy_param_dtype, resolve_precision
+from ..runtime.shard_state import persistent_buffers
+from ..runtime.transparent import MOVE_ERROR
 
 __all__ = ["ODCShard", "TrainingPhase"]
 
