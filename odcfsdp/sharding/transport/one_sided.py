@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-import torch
-
 from ..placement.layout import GroupLayout
 from ..placement.mesh import ShardMesh
 from .base import Transport
