@@ -19,8 +19,10 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # (each gradient buffer freed with record_stream, not one site in flight, [streams] 2); or one group per decoder
 # layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group);
 # or the optimizer's state parked on the host between steps ([parking]): all of it (park), or a share (park60:
-# the first 60% of its bytes).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups", "park", "parkNN")
+# the first 60% of its bytes), or the share that keeps the peak under 90% of the GPU's memory (parkfit, the CLI's
+# default, [park-fit]) or under NN% of it (parkfit51: 51% of an H200 is 90% of an 80 GB H100).
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups", "park", "parkNN",
+            "parkfit", "parkfitNN")
 
 
 def park_fraction(lever: str) -> float | None:
@@ -33,9 +35,19 @@ def park_fraction(lever: str) -> float | None:
     return None
 
 
+def park_fit_budget(lever: str) -> float | None:
+    """The memory budget of a ``parkfit`` (0.9) or ``parkfitNN`` (NN percent, 01-99) lever; None otherwise."""
+    if lever == "parkfit":
+        return 0.9
+    digits = lever[7:]
+    if lever.startswith("parkfit") and len(digits) == 2 and digits.isdigit() and digits != "00":
+        return int(digits) / 100
+    return None
+
+
 def variant(text: str) -> str:
     """A ``--variants`` entry: one of VARIANTS, or several joined by '+' (argparse's error names the bad one)."""
-    bad = [v for v in text.split("+") if v not in VARIANTS and park_fraction(v) is None]
+    bad = [v for v in text.split("+") if v not in VARIANTS and park_fraction(v) is None and park_fit_budget(v) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
     return text

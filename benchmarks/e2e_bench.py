@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks import e2e_baselines, e2e_isolate, harness
-from benchmarks.e2e_args import park_fraction, parse
+from benchmarks.e2e_args import park_fit_budget, park_fraction, parse
 from benchmarks.e2e_hf import bench_model, decoder_layers
 from benchmarks.e2e_report import baseline, kernel_summary, step_profiler, write_outputs
 from odcfsdp import ODCShard, param_groups
@@ -58,7 +58,7 @@ from odcfsdp.launch import init_torchrun, spawn
 from odcfsdp.loop import gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
-from odcfsdp.optim import ParkedOptimizerState
+from odcfsdp.optim import ParkedOptimizerState, parking_of
 from odcfsdp.models.attention import warm_attention
 
 NO_DECAY = ("*norm*",)
@@ -125,13 +125,16 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
 
 def optimizer_for(method: str, model: nn.Module, device: torch.device, args) -> torch.optim.Optimizer:
     """The same ``torch.optim.AdamW`` for every method: fused on GPUs (``-unfused``: torch's foreach kernels);
-    odc's ``park`` variant keeps its state on the host between steps, ``parkNN`` NN percent of it ([parking])."""
+    odc's ``park`` variant keeps its state on the host between steps, ``parkNN`` NN percent of it ([parking]),
+    ``parkfit`` (``parkfitNN``) the share that keeps the peak under 90% (NN%) of the GPU's memory ([park-fit])."""
     fused = device.type == "cuda" and not method.endswith("-unfused")
     opt = torch.optim.AdamW(param_groups(model, no_decay=NO_DECAY), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=fused or None)
-    shares = [park_fraction(lever) for lever in method.partition("-")[2].split("+")] if method.startswith("odc") else []
-    if any(shares):
-        ParkedOptimizerState(opt, max(f for f in shares if f))
+    levers = method.partition("-")[2].split("+") if method.startswith("odc") else []
+    shares = [f for f in map(park_fraction, levers) if f]
+    budgets = [b for b in map(park_fit_budget, levers) if b]
+    if shares or budgets:  # a share set, else the one that fits the budget ([park-fit])
+        ParkedOptimizerState(opt, max(shares) if shares else None, budget=min(budgets, default=0.9))
     return opt
 
 
@@ -227,6 +230,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         total_s = sum(s["step_s"] for s in measured)
         alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None
+        parked = [None] * world  # the share of the state each rank parked at the end ([park-fit] chooses its own)
+        dist.all_gather_object(parked, getattr(parking_of(opt), "fraction", None))
         memory = None
         if args.memory_breakdown:  # after the peaks above were read: peak_breakdown resets them
             minibatch = prepare(n_steps + (method in args.profile))
@@ -236,7 +241,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             "tokens_per_s": sum(s["tokens"] for s in measured) / total_s,
             "mfu": mfu(sum(s["flops"] for s in measured), total_s, peak, world),
             "peak_alloc_gib": alloc, "peak_reserved_gib": reserved, "nvshmem_heap_gib": heap / 2**30,
-            "resident_after_wrap_gib": resident, "leftover_before_gib": leftover,
+            "resident_after_wrap_gib": resident, "leftover_before_gib": leftover, "park_fraction_by_rank": parked,
             "step_s_mean": total_s / len(measured), "step_s_min": min(s["step_s"] for s in measured),
             "step_s_max": max(s["step_s"] for s in measured),
             "step_s_stdev": statistics.pstdev([s["step_s"] for s in measured]),

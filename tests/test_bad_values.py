@@ -26,6 +26,8 @@ BAD = [  # (overrides, the one line's message)
     ({"run": {"warmup_steps": -2}}, "run.warmup_steps=-2 must be >= 0"),
     ({"run": {"out_dir": ""}}, "run.out_dir is empty"),
     ({"optim": {"park_state": True, "park_fraction": 1.5}}, "optim.park_fraction=1.5: the share of the optimizer's"),
+    ({"optim": {"park_budget": 0.0}}, "optim.park_budget=0.0: the share of the GPU's memory"),
+    ({"shard": {"offload_policy": "cpu"}, "optim": {"park_fraction": 0.5}}, "optim.park_fraction parks the optimizer's"),
     ({"model": {"overrides": {"dim": 100, "n_heads": 3}}}, "model.overrides: dim=100 must be divisible by n_heads=3"),
     ({"model": {"overrides": {"n_kv_heads": 3}}}, "model.overrides: n_heads=4 must be divisible by n_kv_heads=3"),
     ({"model": {"overrides": {"n_layers": 0}}}, "model.overrides: n_layers=0 must be >= 1"),

@@ -84,6 +84,9 @@ def test_memory_variants_train_the_same_model(variants_run):
     for method in ("odc", "fsdp2"):
         for a, b in zip(runs[f"{method}-offload"]["losses"], runs[method]["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), method
+    # each rank's share parked at the end, as the rows report it ([park-fit] chooses one per rank)
+    assert [runs[m]["park_fraction_by_rank"] for m in ("odc-park", "odc-park50", "odc")] == [
+        [1.0, 1.0], [0.5, 0.5], [None, None]]
 
 
 def test_fsdp2_nosync_trains_what_fsdp2_trains(tmp_path):
@@ -183,3 +186,11 @@ def test_park_variants_name_their_share_and_bad_ones_are_refused():
     assert variant("park60+gather_masters") == "park60+gather_masters"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'park100'"):
         variant("park100")
+    from benchmarks.e2e_args import park_fit_budget
+
+    assert [park_fit_budget(v) for v in ("parkfit", "parkfit51", "parkfit00", "parkfit100", "park60", "lean")] == [
+        0.9, 0.51, None, None, None, None]
+    assert [park_fraction(v) for v in ("parkfit", "parkfit51")] == [None, None]
+    assert variant("parkfit51+gather_masters") == "parkfit51+gather_masters"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'parkfit100'"):
+        variant("parkfit100")

@@ -75,3 +75,45 @@ def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_pa
             f.write(json.dumps({"test": "parking_1gpu", "fraction": fraction, "state_bytes": state_bytes,
                                 "parked_bytes": parked, "allocated_parked": before,
                                 "allocated_resident": during, "losses_equal": True}) + "\n")
+
+
+@one_gpu
+@pytest.mark.timeout(120)
+def test_the_share_that_fits_reads_cudas_peaks():
+    """[park-fit] on a GPU: torch's real peak statistics (``CudaMemory``), a limit of the first minibatch's peak
+    plus half the state: half of the state is parked from the second minibatch on, that minibatch's peak stays at
+    the limit (within the allocator's rounding), and training is the resident run's to the bit."""
+    from odcfsdp.optim.park_fit import CudaMemory
+
+    model, opt = _cuda_build()
+    ref_model, ref_opt = _cuda_build()
+    state_bytes = 8 * sum(p.numel() for p in model.parameters())  # AdamW's two fp32 moments
+
+    class HalfTheState(CudaMemory):  # the limit: the first reading plus half the state; readings kept
+        first, readings = None, []
+
+        def peak(self, device):
+            self.readings.append(super().peak(device))
+            return self.readings[-1]
+
+        def limit(self, device, budget):
+            self.first = self.first or self.readings[-1]
+            return self.first + state_bytes // 2
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    memory = HalfTheState()
+    parking = ParkedOptimizerState(opt, fraction=None, memory=memory)
+    losses = parked_steps(model, opt, 1, micro=3, shape=(4, 33))
+    assert parking.fraction == pytest.approx(0.5) and parking.fit.need == memory.first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()  # read as a new window by the fit too
+    memory.readings.clear()
+    losses += parked_steps(model, opt, 1, seed=2, micro=3, shape=(4, 33))
+    # readings: the second minibatch's backward peak (read before the state came back), then after its step
+    count = sum(1 for s in opt.state.values() for v in s.values() if v.dim() > 0)
+    assert memory.first < memory.readings[0] <= memory.first + state_bytes // 2 + 512 * count
+    assert state_bytes / 2 <= parking.parked_bytes < state_bytes and parking.fraction == pytest.approx(0.5)
+    ref = parked_steps(ref_model, ref_opt, 1, micro=3, shape=(4, 33))
+    assert losses == ref + parked_steps(ref_model, ref_opt, 1, seed=2, micro=3, shape=(4, 33))
+    _assert_equal(_state(model, opt), _state(ref_model, ref_opt))

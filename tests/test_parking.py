@@ -92,7 +92,7 @@ def test_park_fraction_without_park_state_is_reported_not_used():
     from odcfsdp.app.config import config_from
     from odcfsdp.app.validation import unused_key
 
-    assert unused_key(config_from({"optim": {"park_fraction": 0.5}}), "optim.park_fraction") == (
+    assert unused_key(config_from({"optim": {"park_state": False, "park_fraction": 0.5}}), "optim.park_fraction") == (
         "only optim.park_state=true reads it", False)
     assert unused_key(config_from({"optim": {"park_state": True, "park_fraction": 0.5}}), "optim.park_fraction") is None
 
@@ -210,7 +210,7 @@ def test_one_parking_per_optimizer_and_close_restores():
 
 
 def test_the_cli_key_parks_the_optimizers_state():
-    """``optim.park_state=true`` gives the trainer's optimizer a parking (and the default none)."""
+    """``optim.park_state=true`` gives the trainer's optimizer a parking, ``false`` none."""
     from odcfsdp.app.builders import build_optimizer
     from odcfsdp.app.config import config_from
 
@@ -230,7 +230,7 @@ def test_cli_runs_with_parked_state_resume_like_the_resident_run(tmp_path):
             "data": {"batch_size": 4, "micro_batch_tokens": 128, "lengths": {"max_len": 100}},
             "checkpoint": {"interval": 2}}
     resident = run_ranks(base, tmp_path / "resident")
-    parked = {**base, "optim": {"park_state": True}}
+    parked = {**base, "optim": {"park_state": True, "park_fraction": 1.0}}  # all of it (the default fits: none)
     run_ranks({**parked, "run": {**base["run"], "stop_after": 2}}, tmp_path / "parked")
     rest = run_ranks({**parked, "checkpoint": {"interval": 2, "resume": "auto"}}, tmp_path / "parked")
     assert [(r["loss"], r["grad_norm"]) for r in rest] == [(r["loss"], r["grad_norm"]) for r in resident[2:]]

@@ -87,13 +87,14 @@ def optimizer_arguments(cfg: TrainConfig, device: torch.device, cls: type[torch.
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device):
     """``optim.name``'s ``torch.optim`` class over ``param_groups`` (no decay for ``optim.no_decay``) and its
-    ``LambdaLR`` schedule (default: ``torch.optim.AdamW``); with ``optim.park_state`` its state is kept on the
-    host between steps."""
+    ``LambdaLR`` schedule (default: ``torch.optim.AdamW``); with ``optim.park_state`` (the default) its state is
+    kept on the host between steps where it does not fit on the GPU ([park-fit]), or ``optim.park_fraction`` of it."""
     o = cfg.optim
     cls = optimizer_class(o.name)
     opt = cls(param_groups(model, no_decay=list(o.no_decay)), **optimizer_arguments(cfg, device, cls))
-    if o.park_state:
-        ParkedOptimizerState(opt, o.park_fraction)  # its hooks park the state after each step ([parking])
+    if o.park_state and not (cfg.shard.offload_policy and o.park_fraction is None):  # offloaded: on the host
+        # its hooks park the state after each step ([parking]); the share that fits unless one is set ([park-fit])
+        ParkedOptimizerState(opt, o.park_fraction, budget=o.park_budget)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(o.warmup_steps, cfg.run.steps, o.schedule, o.min_lr_ratio))
     return opt, sched

@@ -186,12 +186,15 @@ class OptimConfig:
     """parameter-name globs without decay"""
     fused: bool | None = None
     """torch's fused optimizer kernels, where the optimizer has them; None: on CUDA"""
-    park_state: bool = False
+    park_state: bool = True
     """keep the optimizer's state in host memory between steps (odcfsdp.optim.ParkedOptimizerState): 8 bytes per
-    parameter and rank less on the GPU during forward and backward (AdamW), for copies over PCIe at each step"""
-    park_fraction: float = 1.0
-    """park_state=true: the share of the state's bytes parked, in (0, 1] (the rest stays on the GPU): park only
-    what does not fit, and copy only that"""
+    parameter and rank less on the GPU during forward and backward (AdamW), for copies over PCIe at each step;
+    with park_fraction=null only what does not fit is parked (nothing while the run fits, nothing on CPU)"""
+    park_fraction: float | None = None
+    """park_state=true: the share of the state's bytes parked, in (0, 1] (the rest stays on the GPU); null: the
+    least share that keeps the GPU's peak under optim.park_budget of its memory, from the measured peaks"""
+    park_budget: float = 0.9
+    """park_state=true, park_fraction=null: the share of the GPU's memory the peak may reach, in (0, 1]"""
 
 
 @dataclass

@@ -97,12 +97,15 @@ def validate(cfg) -> None:
     if cfg.shard.offload_policy and cfg.shard.gather_masters:
         raise ValueError("shard.gather_masters=true keeps the masters where peers read them; shard.offload_policy "
                          "moves them to host memory: choose one")
-    if cfg.shard.offload_policy and cfg.optim.park_state:
-        raise ValueError("optim.park_state=true parks the optimizer's state on the host between steps; with "
-                         "shard.offload_policy=cpu it lives there already: leave optim.park_state off")
-    if not 0.0 < cfg.optim.park_fraction <= 1.0:
+    if cfg.shard.offload_policy and cfg.optim.park_state and cfg.optim.park_fraction is not None:
+        raise ValueError("optim.park_fraction parks the optimizer's state on the host between steps; with "
+                         "shard.offload_policy=cpu it lives there already: leave optim.park_fraction unset")
+    if cfg.optim.park_fraction is not None and not 0.0 < cfg.optim.park_fraction <= 1.0:
         raise ValueError(f"optim.park_fraction={cfg.optim.park_fraction}: the share of the optimizer's state parked "
-                         "on the host is in (0, 1]")
+                         "on the host is in (0, 1] (null: the share that fits, measured)")
+    if not 0.0 < cfg.optim.park_budget <= 1.0:
+        raise ValueError(f"optim.park_budget={cfg.optim.park_budget}: the share of the GPU's memory the peak may "
+                         "reach is in (0, 1]")
     choice("shard.float8", cfg.shard.float8, FLOAT8_CHOICES)
     choice("shard.param_dtype", cfg.shard.param_dtype, (None, "float32", "bfloat16", "float16"))
     positive("shard.group_bytes", cfg.shard.group_bytes)
@@ -177,8 +180,10 @@ def unused_key(cfg, key: str) -> tuple[str, bool] | None:
         return "LoRA is off (model.lora.r > 0 turns it on)", False
     if key == "optim.min_lr_ratio" and cfg.optim.schedule != "cosine":
         return "only optim.schedule=cosine reads it", False
-    if key == "optim.park_fraction" and not cfg.optim.park_state:
+    if key in ("optim.park_fraction", "optim.park_budget") and not cfg.optim.park_state:
         return "only optim.park_state=true reads it", False
+    if key == "optim.park_budget" and cfg.optim.park_fraction is not None:
+        return "only optim.park_fraction=null (the share that fits) reads it", False
     if key == "run.max_skipped" and cfg.run.on_nonfinite != "skip":
         return "only run.on_nonfinite=skip reads it", False
     return None

@@ -31,7 +31,8 @@ device for code that must touch ``optimizer.state`` itself. A step skipped for a
 a prefetch unused: ``settle_parked`` frees it again (no copy: the host holds the same values). Only tensors that
 are their whole storage and share it with no parameter or gradient are parked. It costs 8P/N of pinned host
 memory per rank. On CPU the same steps run with plain host copies (no saving, the same semantics: what the CPU
-tests check).
+tests check). How much to park can be left to the run: ``fraction=None`` parks the least share that keeps the
+device's peak under a budget, measured as the run goes ([park-fit] in ``park_fit.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from typing import Iterator, NamedTuple
 import torch
 
 from ..torch_private import TENSOR_GRAD, local_of
+from .park_fit import DeviceMemory, ParkFit
+from .parked_host import host_buffers, host_value, share_of
 
 _ATTRIBUTE = "_odc_parking"  # the optimizer's ParkedOptimizerState, held by the optimizer: freed with it
 
@@ -74,23 +77,34 @@ class ParkedOptimizerState:
             like their parameter: AdamW, Adam, SGD's momentum, ...); scalars (``step``) stay where they are.
         fraction: the share of the state's bytes to park, in (0, 1]: the first state tensors in parameter order
             until their bytes reach it (the rest stays resident). Parking only what does not fit costs only
-            its copies.
+            its copies. None: the least share that keeps the device's peak under ``budget`` of its memory,
+            chosen from the measured peaks ([park-fit]); nothing while it fits, and nothing on CPU.
+        budget: ``fraction=None``: the share of the device's memory the peak may reach.
+        memory: ``fraction=None``: how the device's memory is read (``park_fit.CudaMemory()`` by default).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, fraction: float = 1.0):
+    def __init__(self, optimizer: torch.optim.Optimizer, fraction: float | None = 1.0, budget: float = 0.9,
+                 memory: DeviceMemory | None = None):
         if parking_of(optimizer) is not None:
             raise ValueError("this optimizer's state is already parked between steps (one ParkedOptimizerState "
                              "per optimizer)")
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"fraction={fraction}: the share of the optimizer's state to park is in (0, 1]")
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction={fraction}: the share of the optimizer's state to park is in (0, 1] "
+                             "(None: the share that fits, measured)")
         self.optimizer = optimizer
-        self.fraction = fraction
+        self.fit = ParkFit(budget, memory=memory) if fraction is None else None
+        self.fraction = 0.0 if fraction is None else fraction  # fit: the share chosen at the last step
+        self._device = local_of(optimizer.param_groups[0]["params"][0]).device
+        self._state_bytes = 0  # the parkable state's bytes at the last park
+        self._observed = False  # fit: this minibatch's peak is read
+        if self.fit is not None:
+            self.fit.begin(self._device)
         self.where = Where.RESIDENT
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of param, state key) -> host copy
         self._parked: list[_Parked] = []
         self._host_of: dict[int, torch.Tensor] = {}  # id of a parked local tensor -> its host copy
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._handles = [optimizer.register_step_pre_hook(lambda *_: self.unpark()),
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(lambda *_: self.park()),
                          optimizer.register_state_dict_post_hook(lambda _opt, sd: self._copies_in(sd)),
                          optimizer.register_load_state_dict_pre_hook(self._before_load),
@@ -158,16 +172,31 @@ class ParkedOptimizerState:
         self._host_of = {id(e.local): e.host for e in entries}
         self.where = Where.PARKED
 
+    def _observe(self) -> None:
+        # [park-fit] 2: the micro-batches are done and nothing has come back yet
+        if self.fit is not None and not self._observed and self.where is not Where.ARRIVING:
+            self.fit.observe(self._device, self._state_bytes - self.parked_bytes)
+            self._observed = True
+
+    def _before_step(self, *_) -> None:  # the step pre-hook: what it returns would replace the step's arguments
+        self._observe()
+        self.unpark()
+
     def park(self) -> None:
         """Step 1: copy the state to the host and free its device storage (after a step: the post-hook)."""
         if self.where is not Where.RESIDENT:
             return
-        found = _share(list(self._state_tensors()), self.fraction)
+        found = list(self._state_tensors())
+        self._state_bytes, self._observed = sum(local.nbytes for *_, local in found), False
+        if self.fit is not None:  # [park-fit] 3-4
+            self.fit.after_step(self._device)
+            self.fraction = self.fit.share(self._state_bytes)
+        found = share_of(found, self.fraction)
         if not found:
             return
         if any(key not in self._host or self._host[key].shape != local.shape or self._host[key].dtype != local.dtype
                for key, _, local in found):
-            self._host = _host_buffers([(key, local) for key, _, local in found])
+            self._host = host_buffers([(key, local) for key, _, local in found])
         entries = [_Parked(value, local, self._host[key]) for key, value, local in found]
         self._copies(entries, back=False)
         self._empty(entries)
@@ -175,6 +204,10 @@ class ParkedOptimizerState:
 
     def prefetch(self) -> None:
         """Step 2: allocate the state's device storage and start the copies back (on CUDA, on a side stream)."""
+        self._observe()
+        self._bring_back()
+
+    def _bring_back(self) -> None:
         if self.where is not Where.PARKED:
             return
         for e in self._parked:
@@ -186,7 +219,7 @@ class ParkedOptimizerState:
         """Step 3: the state is on its device for the current stream (before a step: the pre-hook)."""
         if self.where is Where.RESIDENT:
             return
-        self.prefetch()
+        self._bring_back()
         for device in self._streams.keys() & {e.local.device for e in self._parked}:
             # the blocks were allocated on the current stream: only the wait is needed
             torch.cuda.current_stream(device).wait_stream(self._streams[device])
@@ -209,7 +242,7 @@ class ParkedOptimizerState:
         if self.where is Where.RESIDENT:
             return state_dict
         for index, state in list(state_dict["state"].items()):
-            state_dict["state"][index] = {key: _host_value(value, self.host_copy(value)) if torch.is_tensor(value)
+            state_dict["state"][index] = {key: host_value(value, self.host_copy(value)) if torch.is_tensor(value)
                                           else value for key, value in state.items()}
         return state_dict
 
@@ -266,49 +299,6 @@ class ParkedOptimizerState:
         if getattr(self.optimizer, _ATTRIBUTE, None) is self:
             delattr(self.optimizer, _ATTRIBUTE)
         self._host.clear()
-
-
-def _share(found: list, fraction: float) -> list:
-    """The first state tensors of ``found`` until their bytes reach ``fraction`` of all of them."""
-    if fraction >= 1.0:
-        return found
-    goal, total, out = fraction * sum(local.nbytes for *_, local in found), 0, []
-    for item in found:
-        if total >= goal:
-            break
-        out.append(item)
-        total += item[-1].nbytes
-    return out
-
-
-def _host_buffers(found: list[tuple[tuple[int, str], torch.Tensor]]) -> dict[tuple[int, str], torch.Tensor]:
-    """One host buffer per dtype (pinned for CUDA state), cut into one view per state tensor: pinned memory
-    allocated tensor by tensor would be rounded up to powers of two by torch's host allocator."""
-    by_dtype: dict[torch.dtype, int] = {}
-    for _, local in found:
-        by_dtype[local.dtype] = by_dtype.get(local.dtype, 0) + local.numel()
-    pinned = any(local.is_cuda for _, local in found)
-    flat = {dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in by_dtype.items()}
-    out, offset = {}, dict.fromkeys(by_dtype, 0)
-    for key, local in found:
-        start = offset[local.dtype]
-        out[key] = flat[local.dtype][start:start + local.numel()].view(local.shape)
-        offset[local.dtype] = start + local.numel()
-    return out
-
-
-def _host_value(value: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
-    """A copy of a parked state tensor's values on the host, a DTensor if ``value`` is one (on its mesh, as
-    torch's ``get_optimizer_state_dict(cpu_offload=True)`` gives); ``value`` itself if it is not parked."""
-    if host is None:
-        return value
-    copy = host.clone()
-    if local_of(value) is value:
-        return copy
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                              stride=value.stride())
 
 
 def parking_of(optimizer: torch.optim.Optimizer) -> ParkedOptimizerState | None:
