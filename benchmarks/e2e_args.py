@@ -25,24 +25,24 @@ VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushe
             "parkfit", "parkfitNN")
 
 
-def park_fraction(lever: str) -> float | None:
-    """The share of the optimizer's state a ``park`` or ``parkNN`` lever parks (NN percent, 01-99); None otherwise."""
-    if lever == "park":
-        return 1.0
-    digits = lever[4:]
-    if lever.startswith("park") and len(digits) == 2 and digits.isdigit() and digits != "00":
+def _percent(lever: str, name: str, alone: float) -> float | None:
+    """``alone`` for the lever ``name``, NN/100 for ``nameNN`` (01-99), else None."""
+    if lever == name:
+        return alone
+    digits = lever[len(name):]
+    if lever.startswith(name) and len(digits) == 2 and digits.isdigit() and digits != "00":
         return int(digits) / 100
     return None
+
+
+def park_fraction(lever: str) -> float | None:
+    """The share of the optimizer's state a ``park`` or ``parkNN`` lever parks (NN percent, 01-99); None otherwise."""
+    return _percent(lever, "park", 1.0)
 
 
 def park_fit_budget(lever: str) -> float | None:
     """The memory budget of a ``parkfit`` (0.9) or ``parkfitNN`` (NN percent, 01-99) lever; None otherwise."""
-    if lever == "parkfit":
-        return 0.9
-    digits = lever[7:]
-    if lever.startswith("parkfit") and len(digits) == 2 and digits.isdigit() and digits != "00":
-        return int(digits) / 100
-    return None
+    return _percent(lever, "parkfit", 0.9)
 
 
 def variant(text: str) -> str:

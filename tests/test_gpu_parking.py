@@ -110,10 +110,14 @@ def test_the_share_that_fits_reads_cudas_peaks():
     torch.cuda.reset_peak_memory_stats()  # read as a new window by the fit too
     memory.readings.clear()
     losses += parked_steps(model, opt, 1, seed=2, micro=3, shape=(4, 33))
-    # readings: the second minibatch's backward peak (read before the state came back), then after its step
-    count = sum(1 for s in opt.state.values() for v in s.values() if v.dim() > 0)
-    assert memory.first < memory.readings[0] <= memory.first + state_bytes // 2 + 512 * count
-    assert state_bytes / 2 <= parking.parked_bytes < state_bytes and parking.fraction == pytest.approx(0.5)
+    # readings: the second minibatch's backward peak (read before the state came back), then after its step. Its
+    # resident half is counted as the allocator counts it (blocks of 512 bytes, the step scalars): the same A within
+    # what the two minibatches' other allocations may differ by, so the share stays or moves one grain
+    slack = 64 << 10
+    assert memory.first < memory.readings[0] <= memory.first + state_bytes // 2 + slack
+    assert memory.first <= parking.fit.need <= memory.first + slack
+    assert parking.fraction in (pytest.approx(0.5), pytest.approx(0.55))
+    assert state_bytes / 2 <= parking.parked_bytes < state_bytes
     ref = parked_steps(ref_model, ref_opt, 1, micro=3, shape=(4, 33))
     assert losses == ref + parked_steps(ref_model, ref_opt, 1, seed=2, micro=3, shape=(4, 33))
     _assert_equal(_state(model, opt), _state(ref_model, ref_opt))

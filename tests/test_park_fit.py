@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from odcfsdp.optim import ParkedOptimizerState, prefetch_parked
+from odcfsdp.optim import ParkedOptimizerState, prefetch_parked, settle_parked, unparked
 from odcfsdp.optim.park_fit import ParkFit
 from odcfsdp.optim.parking import Where
 from odcfsdp.torch_private import local_of
@@ -18,10 +18,11 @@ from odcfsdp.torch_private import local_of
 from checkpoint_state import CFG, build
 
 
-def _state_storage_bytes(opt) -> int:
-    """Bytes of element-wise state the device holds now (a parked tensor's storage is empty)."""
+def _state_storage_bytes(opt, scalars: bool = False) -> int:
+    """Bytes of element-wise state the device holds now (a parked tensor's storage is empty); with ``scalars`` the
+    0-dim state (``step``) too, which the device holds as well."""
     return sum(local_of(v).untyped_storage().nbytes() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+               if torch.is_tensor(v) and (scalars or v.dim() > 0))
 
 
 class SimulatedDevice:
@@ -32,21 +33,24 @@ class SimulatedDevice:
         self.opt, self.limit_bytes, self.max = opt, limit, 0
 
     def backward_done(self, activations: int) -> None:
-        self.max = max(self.max, activations + _state_storage_bytes(self.opt))
+        self.max = max(self.max, activations + _state_storage_bytes(self.opt, scalars=True))
 
     def spike(self, to: int) -> None:  # an allocation in the step (the state's creation, a temporary)
         self.max = max(self.max, to)
 
     def peak(self, device):
-        self.max = max(self.max, _state_storage_bytes(self.opt))
+        self.max = max(self.max, _state_storage_bytes(self.opt, scalars=True))
         return self.max
 
     def limit(self, device, budget):
         return self.limit_bytes
 
+    def footprint(self, nbytes):
+        return nbytes
+
 
 def _steps(model, opt, activations: list[int], device: SimulatedDevice | None = None, seed: int = 1,
-           spikes: dict[int, int] | None = None) -> list[float]:
+           spikes: dict[int, int] | None = None, skip: tuple[int, ...] = ()) -> list[float]:
     """One minibatch of two micro-batches per entry of ``activations``, as ``train_step`` runs it."""
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -61,7 +65,10 @@ def _steps(model, opt, activations: list[int], device: SimulatedDevice | None = 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if device is not None and spikes and step in spikes:  # after the reading, before the step's post-hook
             device.spike(spikes[step])
-        opt.step()
+        if step in skip:  # as train_step skips a non-finite norm: the prefetched state goes back unused
+            settle_parked(opt)
+        else:
+            opt.step()
         opt.zero_grad()
     return losses
 
@@ -78,16 +85,24 @@ def _state_bytes_after_one_step() -> int:
     return _state_storage_bytes(opt)
 
 
+def _fitting(build_peak=None) -> tuple:
+    """(state, base, limit, model, opt, device, parking): a model whose optimizer parks the share that fits a
+    simulated device, whose limit leaves room for 63% of the state (S) beside activations of ``base`` = 10 S, so
+    37% must be parked: 40% on the grain. ``build_peak(state, base)``: the device's peak before the parking."""
+    state = _state_bytes_after_one_step()
+    base = 10 * state
+    limit = base + int(0.63 * state)
+    model, opt = build()
+    device = SimulatedDevice(opt, limit)
+    device.max = build_peak(state, base) if build_peak else 0
+    return state, base, limit, model, opt, device, ParkedOptimizerState(opt, fraction=None, memory=device)
+
+
 def test_the_share_is_the_least_that_fits_and_only_grows():
     """Minibatch 1 runs without state (A = its peak); the share for the next is (2); a longer minibatch raises it,
     a shorter one does not lower it; each minibatch's peak stays under the limit; losses equal the resident run's."""
-    state = _state_bytes_after_one_step()
-    base = 10 * state
-    limit = base + int(0.63 * state)  # needs 37% parked: 40% on the grain
-    model, opt = build()
+    state, base, limit, model, opt, device, parking = _fitting()
     ref_model, ref_opt = build()
-    device = SimulatedDevice(opt, limit)
-    parking = ParkedOptimizerState(opt, fraction=None, memory=device)
     plan = [base, base, base + state // 10, base - state // 2]
     shares = []
     losses = []
@@ -121,12 +136,7 @@ def test_nothing_is_parked_while_the_run_fits():
 def test_the_steps_own_peak_is_set_aside():
     """A spike inside a step (all of the state resident, the activations gone) says nothing of forward and
     backward: the share stays what the backward peaks ask for."""
-    state = _state_bytes_after_one_step()
-    base = 10 * state
-    limit = base + int(0.63 * state)
-    model, opt = build()
-    device = SimulatedDevice(opt, limit)
-    parking = ParkedOptimizerState(opt, fraction=None, memory=device)
+    state, base, limit, model, opt, device, parking = _fitting()
     _steps(model, opt, [base, base, base], device, spikes={0: limit - 1, 1: limit - 1})
     assert parking.fraction == pytest.approx(0.40)
     assert parking.fit.need == base
@@ -185,13 +195,55 @@ def test_the_cli_parks_what_does_not_fit_by_default():
 def test_a_roomier_device_later_does_not_lower_the_share():
     """Memory freed outside torch (the limit rises) keeps the share: shares that go down and up would re-pin host
     buffers at every change."""
-    state = _state_bytes_after_one_step()
-    base = 10 * state
-    model, opt = build()
-    device = SimulatedDevice(opt, base + int(0.63 * state))
-    parking = ParkedOptimizerState(opt, fraction=None, memory=device)
+    state, base, _, model, opt, device, parking = _fitting()
     _steps(model, opt, [base, base], device)
     assert parking.fraction == pytest.approx(0.40)
     device.limit_bytes = base + state  # now all of it would fit
     _steps(model, opt, [base, base], device)
     assert parking.fraction == pytest.approx(0.40) and parking.where is Where.PARKED
+
+
+def test_a_skipped_step_leaves_the_next_minibatch_measured():
+    """A step skipped for a non-finite norm has no post-hook: the next minibatch (longer than any before) is still
+    read, and the share follows it."""
+    state, base, limit, model, opt, device, parking = _fitting()
+    _steps(model, opt, [base, base, base + state // 2, base], device, skip=(1,))
+    assert parking.fit.need == base + state // 2
+    assert parking.fraction == pytest.approx(_expected_share(base + state // 2, state, limit)) == pytest.approx(0.9)
+
+
+def test_a_resumed_run_parks_all_until_its_first_reading():
+    """A fresh process loading a checkpoint holds state before any reading: all of it is parked after the load, so
+    its first minibatch runs without it and measures A; the share after it is the closed form."""
+    state = _state_bytes_after_one_step()
+    base = 10 * state
+    limit = base + int(0.63 * state)
+    model, opt = build()
+    _steps(model, opt, [0])
+    saved = opt.state_dict()
+    model2, opt2 = build()
+    opt2.load_state_dict(opt.state_dict())  # the parameters' state, before the parking exists: a resumed optimizer
+    device = SimulatedDevice(opt2, limit)
+    parking = ParkedOptimizerState(opt2, fraction=None, memory=device)
+    opt2.load_state_dict(saved)  # through the parking's hooks, as a checkpoint load goes
+    assert parking.where is Where.PARKED and parking.parked_bytes == state and parking.fraction == 0.0
+    _steps(model2, opt2, [base], device)
+    assert parking.fit.need == base and parking.fraction == pytest.approx(0.40)
+
+
+def test_a_peak_before_training_is_taken_as_the_first_minibatchs():
+    """A model built whole on the device peaked higher than the first minibatch: that reading counts for it (more
+    parked, never less), where taking it as survived would leave the second minibatch unparked."""
+    state, base, limit, model, opt, device, parking = _fitting(build_peak=lambda state, base: base + state // 4)
+    _steps(model, opt, [base], device)
+    assert parking.fit.need == base + state // 4 and parking.fraction == pytest.approx(0.65)
+
+
+def test_reading_the_state_between_steps_is_no_backward_peak():
+    """``unparked`` brings the state back to be read (a checkpoint, a log): that peak is set aside."""
+    state, base, _, model, opt, device, parking = _fitting()
+    _steps(model, opt, [base, base], device)
+    with unparked(opt):
+        device.spike(base + state)  # the state back beside something large
+    _steps(model, opt, [base], device)
+    assert parking.fit.need == base and parking.fraction == pytest.approx(0.40)

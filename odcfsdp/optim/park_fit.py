@@ -22,21 +22,24 @@ outside torch's allocator: the CUDA context, NVSHMEM's heap, NCCL's buffers), th
 The steps:
 
 1. **Watch** (``begin``, when the parking is built). The peak so far is noted; torch's peak statistics are only
-   read, never reset (they are the user's too). A higher peak before training (a model built whole on the
-   device) hides the first minibatches until one exceeds it: that peak was survived, so a minibatch under it
-   fits too.
+   read, never reset (they are the user's too).
 2. **Read** (``observe``, once the minibatch's micro-batches are done, before any state comes back). The peak
-   since the last reading, if it grew, is a forward and backward peak with R = (1 - f) S resident:
-   A = peak - R (a peak that did not grow was a survived one, and says nothing new; one lower than the last
-   reading was reset since, by the user, and is read as grown). The largest A seen is kept: long-tailed
-   minibatches differ, and the share only grows, so a share once needed is not given up for a shorter
-   minibatch, nor for a roomier device later (shares going down and up would re-pin host buffers).
+   since the last reading, if it grew, is a forward and backward peak with R resident: A = peak - R, R counted
+   as the allocator counts it (each state tensor on the device rounded to its block, the scalars too). A peak
+   that did not grow was a survived one and says nothing new, except at the first reading: a higher peak before
+   training (a model built whole on the device) is then taken as the first minibatch's, which parks more, never
+   less. One lower than the last reading was reset since, by the user, and is read as grown. The largest A
+   seen is kept: long-tailed minibatches differ, and the share only grows, so a share once needed is not given
+   up for a shorter minibatch, nor for a roomier device later.
 3. **Pass the step** (``after_step``). What the step allocated (the state's creation at the first step, the
    state brought back) raised the peak without saying anything about A: the reading is taken and set aside.
+   So is a skipped step's (its state came back unused) and a reader's of the state between steps.
 4. **Choose** (``share``, when the state is parked after the step): (2) with the largest A.
 
 The first minibatch runs without any state (the optimizer creates it at its first step), so its peak is A
-itself: the share for the second minibatch is chosen before the state has ever sat beside activations. A later
+itself: the share for the second minibatch is chosen before the state has ever sat beside activations. A
+process resuming from a checkpoint has state before any reading: until its first reading all of it is parked
+(``ParkedOptimizerState`` does that, not counted as a chosen share), so its first minibatch measures A too. A later
 minibatch longer than every earlier one can still exceed the budget before it is measured: ``budget`` (0.9 by
 default) leaves that margin. Each rank chooses its own share (its own minibatches, its own peak); nothing is
 exchanged. Where the device reports no memory (the CPU) nothing is parked: ``share`` stays 0.
@@ -60,6 +63,9 @@ class DeviceMemory(Protocol):
         """The bytes torch may allocate: ``budget`` of the device's memory less what lives outside torch's
         allocator; None where the device reports none."""
 
+    def footprint(self, nbytes: int) -> int:
+        """The bytes the allocator takes for a tensor of ``nbytes`` (what its peak counts)."""
+
 
 class CudaMemory:
     """``DeviceMemory`` of CUDA devices, from torch's allocator statistics and ``cudaMemGetInfo``; none on CPU."""
@@ -73,6 +79,9 @@ class CudaMemory:
         free, total = torch.cuda.mem_get_info(device)
         outside = total - free - torch.cuda.memory_reserved(device)  # context, NVSHMEM heap, NCCL buffers
         return int(budget * total) - outside
+
+    def footprint(self, nbytes: int) -> int:
+        return -(-nbytes // 512) * 512  # CUDA's caching allocator rounds every block up to 512 bytes
 
 
 class ParkFit:
@@ -92,7 +101,12 @@ class ParkFit:
         self.need = 0  # the largest forward/backward peak seen without the state (A), in bytes
         self.fraction = 0.0  # the share chosen last (only grows)
         self._seen = 0  # the peak at the last reading
-        self._limit: int | None = None
+        self._limit: int | None = None  # None: not measured yet
+
+    @property
+    def measured(self) -> bool:
+        """Whether a minibatch's peak has been read (a fresh process resuming has none yet)."""
+        return self._limit is not None
 
     def begin(self, device: torch.device) -> None:
         """Step 1: the first window starts at the peak so far."""
@@ -103,7 +117,9 @@ class ParkFit:
         peak = self.memory.peak(device)
         if peak is None:
             return
-        if peak != self._seen:  # it grew in this window (or the statistics were reset since: read it as grown)
+        # grown in this window, or reset since (read as grown), or the first window: a higher peak before it
+        # (a model built whole on the device) is read as this window's, which parks more, never less
+        if peak != self._seen or not self.measured:
             self.need = max(self.need, peak - resident_bytes)
         self._seen = peak
         self._limit = self.memory.limit(device, self.budget)

@@ -175,8 +175,20 @@ class ParkedOptimizerState:
     def _observe(self) -> None:
         # [park-fit] 2: the micro-batches are done and nothing has come back yet
         if self.fit is not None and not self._observed and self.where is not Where.ARRIVING:
-            self.fit.observe(self._device, self._state_bytes - self.parked_bytes)
+            self.fit.observe(self._device, self._resident_footprint())
             self._observed = True
+
+    def _resident_footprint(self) -> int:
+        # the state on the device as the allocator counts it (parked tensors' storage is empty)
+        return sum(self.fit.memory.footprint(local_of(v).untyped_storage().nbytes())
+                   for state in self.optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.device == self._device)
+
+    def _passed(self) -> None:
+        # [park-fit] 3: the peak since the last reading was not a backward's; the next minibatch is read afresh
+        self._observed = False
+        if self.fit is not None:
+            self.fit.after_step(self._device)
 
     def _before_step(self, *_) -> None:  # the step pre-hook: what it returns would replace the step's arguments
         self._observe()
@@ -186,17 +198,21 @@ class ParkedOptimizerState:
         """Step 1: copy the state to the host and free its device storage (after a step: the post-hook)."""
         if self.where is not Where.RESIDENT:
             return
-        found = list(self._state_tensors())
-        self._state_bytes, self._observed = sum(local.nbytes for *_, local in found), False
-        if self.fit is not None:  # [park-fit] 3-4
-            self.fit.after_step(self._device)
-            self.fraction = self.fit.share(self._state_bytes)
-        found = share_of(found, self.fraction)
+        everything = list(self._state_tensors())
+        self._state_bytes = sum(local.nbytes for *_, local in everything)
+        self._passed()
+        share = self.fraction
+        if self.fit is not None:  # [park-fit] 4; before any reading (a resumed process) all of it, once
+            share = self.fraction = self.fit.share(self._state_bytes)
+            if not self.fit.measured and self.fit.memory.peak(self._device) is not None:
+                share = 1.0
+        found = share_of(everything, share)
         if not found:
             return
         if any(key not in self._host or self._host[key].shape != local.shape or self._host[key].dtype != local.dtype
                for key, _, local in found):
-            self._host = host_buffers([(key, local) for key, _, local in found])
+            # a fitted share may grow: buffers for all of the state at once, pinned once
+            self._host = host_buffers([(key, local) for key, _, local in (found if self.fit is None else everything)])
         entries = [_Parked(value, local, self._host[key]) for key, value, local in found]
         self._copies(entries, back=False)
         self._empty(entries)
@@ -235,6 +251,7 @@ class ParkedOptimizerState:
         for e in self._parked:
             e.local.untyped_storage().resize_(0)
         self.where = Where.PARKED
+        self._passed()  # the state brought back for nothing is no backward's peak
 
     def _copies_in(self, state_dict: dict) -> dict:
         # state_dict() hands out the optimizer's own per-parameter dicts: parked tensors are swapped for copies of
@@ -278,6 +295,7 @@ class ParkedOptimizerState:
                     self.park()
                 else:
                     self._park_unchanged()
+                    self._passed()  # the state brought back to be read is no backward's peak
 
     def _park_unchanged(self) -> None:
         # the host copies still hold the device values: free the storage without copying
