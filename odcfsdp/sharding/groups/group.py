@@ -100,6 +100,7 @@ import torch.nn as nn
 
 from ..placement.layout import GroupLayout
 from .param import ShardedParam
+from .row_format import RowFormat
 from ..transport.streams import CommStreams
 from ...torch_private import version_of
 
@@ -134,41 +135,28 @@ class FlatGroup:
         registrations: for each, every (module, attribute) it is registered under.
         comm: moves rows (its transport allocated this group's row and accumulator), on
             side streams where there are some ([streams]).
-        master_dtype: dtype of the master row (fp32 or wider).
+        row_format: what the row holds, where the master lives and how it is published ([row-format]).
         device_mesh: the DTensor mesh of the shards (None in a single process).
         first_position: the model-order position of the group's first parameter.
-        compute_dtype: the unsharded parameters' dtype (default: the row's; wider rows are
-            masters that gathers cast, [gather-masters]).
-        host: where the master lives when offloaded ([offload]; None: next to the row, or the row itself).
-        pin: pin the offloaded master and the host gradient buffer.
-        grad_dtype: the gradient buffer's dtype (default: ``compute_dtype``; a float8 group's is ``param_dtype``).
-        wraps: per parameter, what makes its unsharded form from its view (``Float8Rows.wrap``; None: plain views).
     """
 
     def __init__(self, layout: GroupLayout, params: list[nn.Parameter],
-                 registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, master_dtype: torch.dtype,
-                 device_mesh,
-                 first_position: int = 0, compute_dtype: torch.dtype | None = None,
-                 host: torch.device | None = None, pin: bool = False, grad_dtype: torch.dtype | None = None,
-                 wraps: list | None = None):
+                 registrations: list[list[tuple[nn.Module, str]]], comm: CommStreams, row_format: RowFormat,
+                 device_mesh, first_position: int = 0):
         initial = [p.detach() for p in params]  # keeps the original storage alive until loaded
         transport = comm.transport
-        compute_dtype = compute_dtype or transport.rows[layout.index].dtype
+        self.format = row_format
         self.layout = layout
         self.comm = comm
         self.index = layout.index
         self.rank = transport.rank
         self.row = transport.rows[self.index]
         self.accumulator = transport.accumulators[self.index]
-        self.offloaded, self._pin = host is not None, pin
-        if self.offloaded:  # [offload]: the master (and so the optimizer's state) in host memory
-            self.master = torch.zeros(self.row.numel(), dtype=master_dtype, device=host, pin_memory=pin)
-        else:
-            self.master = self.row if self.row.dtype == master_dtype else torch.zeros_like(self.row, dtype=master_dtype)
+        self.offloaded, self._pin = row_format.offloaded, row_format.pin
+        self.master = row_format.make_master(self.row)  # [offload]: in host memory, with the optimizer's state
         self._grad_host: torch.Tensor | None = None  # [offload]: the host copy of the accumulator .grad views
-        self.unsharded = torch.empty(layout.unsharded_numel, dtype=compute_dtype, device=self.row.device)
-        # [float8-gather]: a float8 group's buffer is float8, its gradients (torchao's matmul's) are param_dtype
-        self.grad_dtype = grad_dtype or compute_dtype
+        self.unsharded = torch.empty(layout.unsharded_numel, dtype=row_format.compute_dtype, device=self.row.device)
+        self.grad_dtype = row_format.grad_dtype
         self._unsharded_nbytes = self.unsharded.untyped_storage().nbytes()
         self.grad_buffer: torch.Tensor | None = None  # parameter-major gradients of the current backward
         self._grad_copy: torch.Tensor | None = None  # READY: the accumulator in the masters' dtype ([precision])
@@ -183,6 +171,7 @@ class FlatGroup:
         # Sites of this group still to run in the current forward / backward pass.
         self.forward_uses_left = 0
         self.backward_uses_left = 0
+        wraps = row_format.wraps(layout)  # per parameter, its unsharded form from its view (None: the view)
         self.params = [ShardedParam(layout, i, self.unsharded, self.master, self.accumulator, self.rank, p, regs,
                                     device_mesh, first_position + i, wraps[i] if wraps else None)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
@@ -205,16 +194,9 @@ class FlatGroup:
         return self.master
 
     def publish(self) -> None:
-        """Copy the master row into the communicated row peers gather (a cast; nothing when they coincide). A float8
-        row is cast after the finish's meeting instead, once the scales are known (``Float8Rows.cast``)."""
-        if self.row is not self.master and not self.layout.float8:
-            # An offloaded master goes over as it is and is cast on the device (a copy_ across devices and dtypes
-            # casts on the host first: a CPU pass over the masters, then a pageable copy). From pinned memory the
-            # copy is queued: every meeting ends in a host read of a tensor on this stream (_meet's all-gather
-            # .cpu()), so it is done before the host can change the master again (the next step, after the sync;
-            # or rows_changing, after its meeting). Not offloaded, ``to`` returns the master itself.
-            with torch.no_grad():
-                self.row.copy_(self.master.to(self.row.device, non_blocking=self.offloaded and self._pin))
+        """Make the communicated row peers gather from the master, as the group's row format does ([row-format]):
+        a cast, nothing when they coincide, or for float8 rows the cast after the finish's meeting."""
+        self.format.publish(self.master, self.row)
         self._published_version = self._versions()
 
     def _versions(self) -> tuple[int, ...]:

@@ -36,7 +36,8 @@ from ..groups.group import FlatGroup
 from .hooks import HookDriver
 from .lifecycle import StepLifecycle
 from ..groups.float8_rows import Float8Rows
-from ..placement.layout import FLOAT8_DTYPE, GroupLayout, plan_groups
+from ..groups.row_format import row_format
+from ..placement.layout import GroupLayout, plan_groups
 from .materialize import materialize_buffers
 from ..placement.mesh import ShardMesh
 from ..groups.precision import Precision, register_casts
@@ -77,13 +78,14 @@ class ShardEngine:
         self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, group_bytes, param_dtype, owner_of,
                                                       frozenset(float8 or ()))
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
-        row_dtypes = [FLOAT8_DTYPE if lay.float8 else dtype if gather_masters else param_dtype
-                      for lay, dtype in zip(self.layouts, master_dtypes)]
-        self.transport: Transport = make_transport(comm, mesh)
         host, pin = offload_target(offload_policy, mesh, gather_masters)
-        self.transport.setup(self.layouts, row_dtypes, [precision.accumulator_dtype(d) for d in master_dtypes],
-                             gather_dtype=param_dtype)
         self.float8 = Float8Rows(self.layouts, float8, param_dtype, device) if float8 else None
+        # one row format per group, chosen once ([row-format]): what the row holds, where the master lives
+        formats = [row_format(lay, dtype, param_dtype, gather_masters=gather_masters, host=host, pin=pin,
+                              float8_rows=self.float8) for lay, dtype in zip(self.layouts, master_dtypes)]
+        self.transport: Transport = make_transport(comm, mesh)
+        self.transport.setup(self.layouts, [f.row_dtype for f in formats],
+                             [precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
         self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
         by_name, regs = dict(named), registrations(root)
         # Every name a parameter is reachable by (tied parameters have several).
@@ -95,9 +97,8 @@ class ShardEngine:
         starts = [sum(len(lay.slots) for lay in self.layouts[:k]) for k in range(len(self.layouts))]
         self.groups: list[FlatGroup] = [
             FlatGroup(lay, [by_name[s.name] for s in lay.slots], [regs[id(by_name[s.name])] for s in lay.slots],
-                      self.comm, dtype, device_mesh, start, FLOAT8_DTYPE if lay.float8 else param_dtype,
-                      host, pin, grad_dtype=param_dtype, wraps=self.float8.wrap(lay) if self.float8 else None)
-            for lay, dtype, start in zip(self.layouts, master_dtypes, starts)
+                      self.comm, fmt, device_mesh, start)
+            for lay, fmt, start in zip(self.layouts, formats, starts)
         ]
         for g in self.groups:
             g.reshard_after_forward = reshard_after_forward

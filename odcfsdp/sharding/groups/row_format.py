@@ -1,0 +1,139 @@
+"""A group's row format: what its row holds, where its master lives, and how one becomes the other.
+
+Design note [row-format]
+------------------------
+Every group has a master row (what optimizers update, fp32 or wider, [masters] in ``group.py``) and a
+communicated row (what peers gather). How the two relate is the group's *row format*, one strategy object chosen
+once per group by ``row_format``, so the group and its parameters carry no per-feature branches:
+
+| format | row | unsharded parameters | publish (master -> row) |
+|---|---|---|---|
+| ``ParamDtypeRows`` (default) | ``param_dtype`` | ``param_dtype`` | a cast at the finish ([masters]) |
+| ``MasterRows`` (``gather_masters``) | the master | ``param_dtype`` (gathers cast) | nothing ([gather-masters]) |
+| ``Float8RowFormat`` (``float8_gather``) | e4m3 + scales | float8 tensor views | after the meeting ([float8-gather]) |
+
+Where the master lives is the format's too: next to the row (or the row itself), or in host memory under
+``CPUOffloadPolicy`` ([offload]), for any of the three. Gradients are ``param_dtype`` in every format (a float8
+group's come from torchao's matmul in ``param_dtype``). Adding a format is a subclass here (its row dtype, its
+unsharded form, its publish) and a line in ``row_format``; the transport moves whatever dtype the row has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..placement.layout import FLOAT8_DTYPE, GroupLayout
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How a group's master and row relate ([row-format]); subclasses name the row.
+
+    Args:
+        master_dtype: the master row's dtype (fp32 or wider).
+        param_dtype: the dtype layers compute with and gradients arrive in.
+        host: where the master lives when offloaded ([offload]); None: on the row's device.
+        pin: pin the offloaded master (and the host gradient buffer).
+    """
+
+    master_dtype: torch.dtype
+    param_dtype: torch.dtype
+    host: torch.device | None = None
+    pin: bool = False
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The dtype of the row peers gather."""
+        raise NotImplementedError
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the gathered (unsharded) buffer."""
+        return self.param_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the gradient buffer backward accumulates into."""
+        return self.param_dtype
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the master lives in host memory ([offload])."""
+        return self.host is not None
+
+    def make_master(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's master row for ``row``: in host memory when offloaded, the row itself when they coincide."""
+        if self.offloaded:
+            return torch.zeros(row.numel(), dtype=self.master_dtype, device=self.host, pin_memory=self.pin)
+        return row if row.dtype == self.master_dtype else torch.zeros_like(row, dtype=self.master_dtype)
+
+    def publish(self, master: torch.Tensor, row: torch.Tensor) -> None:
+        """Make the row peers gather from the updated master (nothing when the row is the master)."""
+        if row is master:
+            return
+        # An offloaded master goes over as it is and is cast on the device (a copy_ across devices and dtypes casts
+        # on the host first: a CPU pass over the masters, then a pageable copy). From pinned memory the copy is
+        # queued: every meeting ends in a host read of a tensor on this stream (the meeting's all-gather .cpu()),
+        # so it is done before the host can change the master again. Not offloaded, ``to`` returns the master.
+        with torch.no_grad():
+            row.copy_(master.to(row.device, non_blocking=self.offloaded and self.pin))
+
+    def wraps(self, layout: GroupLayout) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
+        """Per parameter, what makes its unsharded form from its view of the gathered buffer (None: the view)."""
+        return None
+
+
+@dataclass(frozen=True)
+class ParamDtypeRows(RowFormat):
+    """The default: a ``param_dtype`` row published from a separate master (the master itself if they agree)."""
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.param_dtype
+
+
+@dataclass(frozen=True)
+class MasterRows(RowFormat):
+    """``gather_masters``: the master is the row; gathers cast to ``param_dtype`` as they unpack."""
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.master_dtype
+
+
+@dataclass(frozen=True)
+class Float8RowFormat(RowFormat):
+    """``float8_gather``: e4m3 rows cast from the master with every rank's scales after the finish's meeting
+    (``Float8Rows.cast``, not ``publish``); unsharded weights are ``Float8TrainingTensor`` views of the buffer."""
+
+    rows: object = None  # the model's Float8Rows: its scales and the owner's cast
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return FLOAT8_DTYPE
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return FLOAT8_DTYPE
+
+    def publish(self, master: torch.Tensor, row: torch.Tensor) -> None:
+        return  # cast once the scales are known ([float8-gather])
+
+    def wraps(self, layout: GroupLayout) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
+        return self.rows.wrap(layout)
+
+
+def row_format(layout: GroupLayout, master_dtype: torch.dtype, param_dtype: torch.dtype, *, gather_masters: bool,
+               host: torch.device | None, pin: bool, float8_rows=None) -> RowFormat:
+    """The one row format of a group ([row-format]): float8 for a float8 layout, the master for ``gather_masters``,
+    else ``param_dtype`` rows; with the master in host memory where ``host`` is set."""
+    placement = {"master_dtype": master_dtype, "param_dtype": param_dtype, "host": host, "pin": pin}
+    if layout.float8:
+        return Float8RowFormat(**placement, rows=float8_rows)
+    return MasterRows(**placement) if gather_masters else ParamDtypeRows(**placement)
+
+
+__all__ = ["Float8RowFormat", "MasterRows", "ParamDtypeRows", "RowFormat", "row_format"]
