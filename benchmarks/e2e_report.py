@@ -130,6 +130,10 @@ def report(results: list[dict], meta: dict) -> str:
             f"{', '.join(f'{x:.1f}' for x in r.get('rank_host_s', []))} | {', '.join(f'{x:.2f}' for x in r['rank_step_s'])} | "
             f"{r['losses'][-1]:.4f} |")
     lines += balance_bound(results, meta["warmup"])
+    for r in results:  # [park-fit]: each rank chose its own share of the optimizer's state to park
+        if any(f is not None for f in r.get("park_fraction_by_rank") or ()):
+            lines.append(f"- {r['workload']} {r['method']}: the optimizer's state parked at the end, by rank: "
+                         + ", ".join("-" if f is None else f"{f:.2f}" for f in r["park_fraction_by_rank"]))
     for f in meta.get("failed", []):
         lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
     profiled = [r for r in results if (r.get("profile") or {}).get("device_ms_by_kind")]  # GPU kernels only

@@ -87,6 +87,13 @@ def test_memory_variants_train_the_same_model(variants_run):
     # each rank's share parked at the end, as the rows report it ([park-fit] chooses one per rank)
     assert [runs[m]["park_fraction_by_rank"] for m in ("odc-park", "odc-park50", "odc")] == [
         [1.0, 1.0], [0.5, 0.5], [None, None]]
+    from benchmarks import e2e_report
+
+    meta = harness.meta("abc", "c", "cpu", world_size=2, size="tiny", params=1e9, steps=2, warmup=1, batch=8,
+                        args={"seq": 64})
+    text = e2e_report.report(list(runs.values()), meta)
+    assert "balanced odc-park50: the optimizer's state parked at the end, by rank: 0.50, 0.50" in text
+    assert "odc-offload: the optimizer's state parked" not in text
 
 
 def test_fsdp2_nosync_trains_what_fsdp2_trains(tmp_path):
