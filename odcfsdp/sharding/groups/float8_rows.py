@@ -61,7 +61,8 @@ def to_float8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class Float8Rows:
-    """The float8-gathered weights of one model: their scales and the owner's cast ([float8-gather]).
+    """The float8-gathered weights of one model: their scales and the owner's cast ([float8-gather]); the model's
+    ``LatePublish`` ([row-format]): the masters' amaxes are the carry, the cast is the publish after the meeting.
 
     Args:
         layouts: the model's group layouts (those with ``float8`` set hold these weights).
@@ -79,6 +80,24 @@ class Float8Rows:
         # one tensor, updated in place: each unsharded weight's Float8TrainingTensor holds a 0-dim view of it
         self.scales = torch.ones(len(self.slots), dtype=torch.float32, device=device)
         self.groups: list = []
+
+    @property
+    def carry_len(self) -> int:
+        """One amax per float8 weight rides every meeting."""
+        return len(self.slots)
+
+    def carry(self, device: torch.device) -> torch.Tensor:
+        """``LatePublish``: this rank's amaxes."""
+        return self.amaxes(device)
+
+    def publish_after(self, table: torch.Tensor) -> None:
+        """``LatePublish``: the scales from every rank's amaxes, then this rank's rows cast."""
+        self.cast(table)
+
+    def start(self, groups, device: torch.device, gather_carries: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``LatePublish``: the groups are built; the first rows need every rank's amaxes (one all-gather)."""
+        self.attach(groups)
+        self.cast(gather_carries(self.amaxes(device)))
 
     def attach(self, groups) -> None:
         """The model's groups are built: those of float8 layouts are the ones cast."""

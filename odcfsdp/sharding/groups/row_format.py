@@ -16,12 +16,18 @@ Where the master lives is the format's too: next to the row (or the row itself),
 ``CPUOffloadPolicy`` ([offload]), for any of the three. Gradients are ``param_dtype`` in every format (a float8
 group's come from torchao's matmul in ``param_dtype``). Adding a format is a subclass here (its row dtype, its
 unsharded form, its publish) and a line in ``row_format``; the transport moves whatever dtype the row has.
+
+A format whose rows need every rank's say before they can be written (float8's scales need every rank's amax)
+publishes late, through one ``LatePublish`` object of the model: the rows' ``carry`` rides the finish's meeting
+(one all-gather that happens anyway), and ``publish_after`` writes the rows from every rank's carries once the
+meeting is over, before any peer's next gather ([streams] 6 in ``streams.py``). The minibatch and the engine know
+only this interface, not the format behind it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -126,6 +132,25 @@ class Float8RowFormat(RowFormat):
         return self.rows.wrap(layout)
 
 
+class LatePublish(Protocol):
+    """Rows written after the finish's meeting from what every rank carried to it ([row-format])."""
+
+    @property
+    def carry_len(self) -> int:
+        """The length of the float64 row every rank carries to every meeting."""
+
+    def carry(self, device: torch.device) -> torch.Tensor:
+        """This rank's carry: a float64 row of ``carry_len`` on ``device``, from the final masters."""
+
+    def publish_after(self, table: torch.Tensor) -> None:
+        """Write this rank's rows from every rank's carries (``(ranks, carry_len)``, the same on every rank)."""
+
+    def start(self, groups: Sequence, device: torch.device,
+              gather_carries: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The groups are built: write the first rows (this rank's carry on ``device``; ``gather_carries``: it ->
+        every rank's)."""
+
+
 def row_format(layout: GroupLayout, master_dtype: torch.dtype, param_dtype: torch.dtype, *, gather_masters: bool,
                host: torch.device | None, pin: bool, float8_rows=None) -> RowFormat:
     """The one row format of a group ([row-format]): float8 for a float8 layout, the master for ``gather_masters``,
@@ -136,4 +161,4 @@ def row_format(layout: GroupLayout, master_dtype: torch.dtype, param_dtype: torc
     return MasterRows(**placement) if gather_masters else ParamDtypeRows(**placement)
 
 
-__all__ = ["Float8RowFormat", "MasterRows", "ParamDtypeRows", "RowFormat", "row_format"]
+__all__ = ["Float8RowFormat", "LatePublish", "MasterRows", "ParamDtypeRows", "RowFormat", "row_format"]

@@ -104,14 +104,14 @@ class ShardEngine:
             g.reshard_after_forward = reshard_after_forward
         # the parameters' .grad events go to the minibatch from here ([params]); FSDP2's default divide factor: the
         # mean over the data-parallel ranks, every replica's included
-        self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas), self.float8)
+        self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas),
+                                   late=self.float8)
         self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(prefetch), self.minibatch,
                                        checks=self.check_intact)
         if on_meta:
             materialize_buffers(root, device)
-        if self.float8 is not None:  # the first float8 rows: the scales need every rank's amaxes (one all-gather)
-            self.float8.attach(self.groups)
-            self.float8.cast(mesh.all_gather_rows(self.float8.amaxes(mesh.device)))
+        if self.float8 is not None:  # the first late rows need every rank's carry ([row-format]: one all-gather)
+            self.float8.start(self.groups, mesh.device, mesh.all_gather_rows)
         mesh.barrier()  # every row written before anyone may read it
         self.shard_state = ShardState(self.groups, self.minibatch, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}

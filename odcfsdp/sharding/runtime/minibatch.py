@@ -10,8 +10,8 @@ pass. What happens once the micro-batches are over is all here, in the order it 
 9. the user's ``clip_grad_norm_`` and ``opt.step()`` read those gradients and update the fp32
    masters; the optimizer's step is reported here ([optimizer-events]);
 10. ``finish``: once every trained gradient is consumed, reshard, publish the masters to rows,
-    drop ``.grad``, zero the accumulators around one meeting ([streams] 5; with float8 rows the
-    amaxes ride it and the cast follows, [streams] 6).
+    drop ``.grad``, zero the accumulators around one meeting ([streams] 5; rows published late, float8's, carry
+    what they need to it and are written after it, [row-format], [streams] 6).
 
 *When* each runs is the state machine of [step-protocol] (``protocol.py``): the events below
 (``grad_read``, ``grad_written``, ``optimizer_stepped``, ``before_forward``) run the transitions of
@@ -32,6 +32,7 @@ from ..placement.meetings import Meeting, Meetings
 from ..placement.mesh import ShardMesh
 from ..groups.optimizer_events import install_optimizer_hooks
 from ..groups.param import ShardedParam
+from ..groups.row_format import LatePublish
 from .phase_range import phase_range
 from .protocol import GradState, StepEvent, inside_zero_grad
 from ..transport.streams import CommStreams
@@ -47,21 +48,22 @@ class Minibatch:
         comm: the side streams and the transport ([streams]).
         mesh: the ranks that meet.
         divide_factor: what step 8 divides the summed gradients by (FSDP2's default: the data-parallel ranks).
-        float8: the float8-gathered weights (``Float8Rows``, [float8-gather] in ``float8.py``), cast at step 10.
+        late: the rows published after the finish's meeting from what every rank carried to it (``LatePublish``,
+            [row-format]: float8 rows' amaxes and cast); None: every row is published before the meeting.
     """
 
     def __init__(self, groups: Sequence[FlatGroup], comm: CommStreams, mesh: ShardMesh, divide_factor: float = 1.0,
-                 float8=None):
+                 late: LatePublish | None = None):
         install_optimizer_hooks()
         self.groups = list(groups)
         self.comm = comm
         self.transport = comm.transport
         self.mesh = mesh
-        self.float8 = float8
+        self.late = late
         #: ranks may push different numbers of times per minibatch (the transport's capability, read once here).
         self.uneven_micro_batches = self.transport.caps.uneven_micro_batches
         self.meetings = Meetings(mesh, self.transport.name, self.uneven_micro_batches)
-        self.meetings.carry_len = len(float8.slots) if float8 is not None else 0
+        self.meetings.carry_len = late.carry_len if late is not None else 0
         self.state = GradState.ACCUMULATING
         self.closed = False
         self.in_pass = False  # a forward or backward pass is in flight (the lifecycle says so)
@@ -221,7 +223,7 @@ class Minibatch:
         return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
 
     def meet_carrying(self, kind: Meeting, carry: torch.Tensor) -> torch.Tensor:
-        """``meet``, carrying this rank's ``carry`` (the float8 amaxes); returns every rank's
+        """``meet``, carrying this rank's ``carry`` (``LatePublish.carry``); returns every rank's
         (``Meetings.meet_carrying``)."""
         skipped, self.skipped_passes = self.skipped_passes, 0
         return self.meetings.meet_carrying(kind, self.minibatch, skipped, self.pushes, carry)[1]
@@ -281,13 +283,13 @@ class Minibatch:
                 g.detach_grads()
             self._divided_by = 1.0  # the accumulators are zeroed below
             self.comm.rows_published()
-            if self.float8 is None:
+            if self.late is None:
                 self.comm.zero_around_meeting(self._accumulators, lambda: self.meet(kind), self.mesh)
                 return
-            # [float8-gather]: the masters are final, so their amaxes ride this meeting; the cast follows it
-            amaxes, table = self.float8.amaxes(self.mesh.device), []
-            self.comm.zero_around_meeting(self._accumulators, lambda: table.append(self.meet_carrying(kind, amaxes)),
-                                          self.mesh, rows_after=lambda: self.float8.cast(table[0]))
+            # [row-format]: the masters are final, so what late rows need of them rides this meeting; they follow it
+            carry, table = self.late.carry(self.mesh.device), []
+            self.comm.zero_around_meeting(self._accumulators, lambda: table.append(self.meet_carrying(kind, carry)),
+                                          self.mesh, rows_after=lambda: self.late.publish_after(table[0]))
 
     @contextlib.contextmanager
     def rows_changing(self) -> Iterator[None]:
