@@ -174,6 +174,33 @@ def test_a_failure_after_a_signal_is_an_error_not_an_interrupt():
     assert not _ended_by_signal("RuntimeError: the watchdog stopped rank 1") and not _ended_by_signal("")
 
 
+def _interrupted_in_clean_up() -> None:
+    """A rank whose SIGINT strikes inside a library's clean-up, which raises its own error in the interrupt's place
+    (as OmegaConf did, building a config: an AttributeError on a half-built node)."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler raises here
+    finally:
+        raise AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'")
+
+
+def test_an_interrupt_replaced_by_a_clean_up_error_still_reads_as_the_signal():
+    """CI caught it once in 3 clean-clone runs: a forwarded SIGINT during start-up, raised inside OmegaConf, came back
+    as an AttributeError and the run ended as a failure (exit 1), not as interrupted. A rank's own SIGINT handler
+    remembers the signal, and the report it sends ends in a line ``ended_by_signal`` reads; an error with no signal
+    before it stays an error."""
+    from odcfsdp.launch import spawn
+    from odcfsdp.launch.rank_outcomes import ended_by_signal, failure_report
+
+    with pytest.raises(RuntimeError) as caught:  # no signal reached the launcher: reported, with the rank's report
+        spawn(_interrupted_in_clean_up, 1, forward=(signal.SIGINT,), timeout=60)
+    report = str(caught.value)
+    assert "AttributeError: 'NoneType' object has no attribute '_invalidate_flags_cache'" in report
+    assert ended_by_signal(report.split("rank 0 failed:\n", 1)[1])
+    plain = "Traceback (most recent call last):\nAttributeError: x\n"
+    assert failure_report(plain, interrupted=False) == plain and not ended_by_signal(plain)
+
+
 # -- SIGHUP, a closed terminal (issue 44, item 6) ----------------------------------------------------------------------
 def job(tmp_path: Path, *args: str, nohup: bool = False, **streams) -> subprocess.Popen:
     """``python -m odcfsdp.train`` as a shell's job: a process group of its own (the launcher, multiprocessing's fork

@@ -79,7 +79,7 @@ import torch.distributed as dist
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
 from .tempdir import pin_multiprocessing_tempdir
-from .rank_outcomes import collect_stacks, dead_peers, died, ended_by_signal, stop_ranks
+from .rank_outcomes import collect_stacks, dead_peers, died, ended_by_signal, failure_report, stop_ranks
 
 
 
@@ -219,9 +219,16 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
     if link is not None:
         watch_launcher(link)
     _record_stacks(stack_path)
+    interrupted: list[int] = []  # a forwarded SIGINT while this rank's own handler is in place (start-up)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the fork server's ignored SIGHUP (_start_helpers) is not ours
+
+        def on_sigint(sig, _frame):  # Python's own behaviour, remembered: see failure_report
+            interrupted.append(sig)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_sigint)
     try:
         if own_group:  # from here on a forwarded SIGINT is a KeyboardInterrupt reported below, not a traceback
             results.put((rank, None, b""))
@@ -258,7 +265,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         torch.save(out, buf)  # plain bytes: no shared-memory handles outliving the worker
         results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, failure_report(traceback.format_exc(), bool(interrupted))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -36,6 +36,17 @@ def dead_peers(procs, delivered: dict, failed: int, wait_s: float = 1.0) -> list
         time.sleep(0.05)
 
 
+def failure_report(trace: str, interrupted: bool) -> str:
+    """A rank's failure as it goes to the launcher: its traceback, and where a forwarded SIGINT had already raised
+    KeyboardInterrupt in it (``interrupted``) while another error ends the trace, a last line saying so. An
+    interrupt that strikes inside a library's own clean-up can be replaced by the error that clean-up raises
+    (OmegaConf building a config: an AttributeError on a half-built node, its cause dropped): the rank still ended
+    because of the signal, and ``ended_by_signal`` reads it so."""
+    if interrupted and not ended_by_signal(trace):
+        trace += "KeyboardInterrupt (a forwarded SIGINT, replaced by the error above while it unwound)\n"
+    return trace
+
+
 def ended_by_signal(payload: str) -> bool:
     """Whether a rank's failure traceback ends in the interrupt a forwarded signal raises, not in an error."""
     last = payload.strip().splitlines()[-1] if payload.strip() else ""
