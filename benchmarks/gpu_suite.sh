@@ -6,7 +6,8 @@
 #   e.g. bash benchmarks/gpu_suite.sh $OUT abc1234 0,1:tests,e2e_balanced 2,3:checkpoint,train1b
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them, the copy-engine gather's 2-GPU ones
-# left to tests_copy_engine), tests_copy_engine (issue 31's copy-engine hang taken apart: the gather with and
+# left to tests_copy_engine), tests_four (the tests that need 4 GPUs alone: on a 4-GPU lane `tests` runs some
+# 94 tests, more than its limit holds, whose 2-GPU ones a 2-GPU lane runs), tests_copy_engine (issue 31's copy-engine hang taken apart: the gather with and
 # without its side streams, each case bounded), fully_shard (issues 34, 42: tests/test_gpu_fully_shard.py, a
 # torchtitan-style script through torch's fully_shard and ours, uneven counts against one process, a CPU-built model
 # moved to the CUDA mesh), trl (issue 42 item 6: tests/test_gpu_trl.py, TRL's SFTTrainer through accelerate's FSDP2
@@ -47,7 +48,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A LIMIT=([tests]=540 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -74,6 +75,10 @@ section_cmd() {  # section, gpus in lane, port, dir
            "$(per_test_bound 300)" \
            "--junitxml=$dir/gpu_tests.xml $select" \
            "$extra" ;;
+    tests_four)  # the 4-GPU parity tests (nvshmem with uneven counts, collective), about 20 s each
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
+           "tests/test_gpu.py -k four_gpus -q -p no:cacheprovider $(per_test_bound 120)" \
+           "--junitxml=$dir/gpu_tests.xml $extra" ;;
     tests_copy_engine)  # 4 cases on 2 GPUs, each bounded at 90 s by spawn: at most ~7 min if every one hangs
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu.py -k copy_engine -q -p no:cacheprovider $(per_test_bound 150)" \
