@@ -103,6 +103,10 @@ class ParkFit:
         self._seen = 0  # the peak at the last reading
         self._limit: int | None = None  # None: not measured yet
 
+    def reports(self, device: torch.device) -> bool:
+        """Whether ``device`` reports its memory (a CUDA device; the CPU does not)."""
+        return self.memory.peak(device) is not None
+
     @property
     def measured(self) -> bool:
         """Whether a minibatch's peak has been read (a fresh process resuming has none yet)."""

@@ -95,7 +95,6 @@ class ParkedOptimizerState:
         self.fit = ParkFit(budget, memory=memory) if fraction is None else None
         self.fraction = 0.0 if fraction is None else fraction  # fit: the share chosen at the last step
         self._device = local_of(optimizer.param_groups[0]["params"][0]).device
-        self._state_bytes = 0  # the parkable state's bytes at the last park
         self._observed = False  # fit: this minibatch's peak is read
         if self.fit is not None:
             self.fit.begin(self._device)
@@ -199,12 +198,11 @@ class ParkedOptimizerState:
         if self.where is not Where.RESIDENT:
             return
         everything = list(self._state_tensors())
-        self._state_bytes = sum(local.nbytes for *_, local in everything)
         self._passed()
         share = self.fraction
         if self.fit is not None:  # [park-fit] 4; before any reading (a resumed process) all of it, once
-            share = self.fraction = self.fit.share(self._state_bytes)
-            if not self.fit.measured and self.fit.memory.peak(self._device) is not None:
+            share = self.fraction = self.fit.share(sum(local.nbytes for *_, local in everything))
+            if not self.fit.measured and self.fit.reports(self._device):
                 share = 1.0
         found = share_of(everything, share)
         if not found:

@@ -152,7 +152,6 @@ class FlatGroup:
         self.rank = transport.rank
         self.row = transport.rows[self.index]
         self.accumulator = transport.accumulators[self.index]
-        self.offloaded, self._pin = row_format.offloaded, row_format.pin
         self.master = row_format.make_master(self.row)  # [offload]: in host memory, with the optimizer's state
         self._grad_host: torch.Tensor | None = None  # [offload]: the host copy of the accumulator .grad views
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=row_format.compute_dtype, device=self.row.device)
@@ -208,6 +207,11 @@ class FlatGroup:
     def master_changed(self) -> bool:
         """Whether the master row (through a shard or directly) changed in place since it was last published."""
         return self._versions() != self._published_version
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the master lives in host memory ([offload]; the row format's)."""
+        return self.format.offloaded
 
     def release(self) -> None:
         """Drop the rows and buffers (the wrapper is closing; the transport frees the heap)."""
@@ -331,10 +335,10 @@ class FlatGroup:
         if self.accumulator is not None and (self.offloaded or self.accumulator.dtype != self.master.dtype):
             if self.offloaded:  # [offload]: a host copy, its buffer kept from minibatch to minibatch
                 if self._grad_host is None:
-                    self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self._pin)
+                    self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self.format.pin)
                 # Queued, not waited for: every group's copy goes back to back, and the protocol waits once
                 # for all of them (wait_host_copies) before the optimizer reads them on the CPU.
-                self._grad_copy = self._grad_host.copy_(self.accumulator, non_blocking=self._pin)
+                self._grad_copy = self._grad_host.copy_(self.accumulator, non_blocking=self.format.pin)
             else:
                 self._grad_copy = self.accumulator.to(self.master.dtype)
             for sp in self._trained:
