@@ -335,7 +335,8 @@ class FlatGroup:
         if self.accumulator is not None and (self.offloaded or self.accumulator.dtype != self.master.dtype):
             if self.offloaded:  # [offload]: a host copy, its buffer kept from minibatch to minibatch
                 if self._grad_host is None:
-                    self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype, pin_memory=self.format.pin)
+                    self._grad_host = torch.empty(self.master.shape, dtype=self.master.dtype,
+                                                  pin_memory=self.format.pin)
                 # Queued, not waited for: every group's copy goes back to back, and the protocol waits once
                 # for all of them (wait_host_copies) before the optimizer reads them on the CPU.
                 self._grad_copy = self._grad_host.copy_(self.accumulator, non_blocking=self.format.pin)
