@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -53,10 +54,30 @@ def kernel_summary(prof, top: int = 12) -> dict:
     launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                      "cuLaunchKernelEx", "cudaLaunchKernelExC"))
     return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "busy_ms": busy_ms(prof), "kernel_launches": launches,
+            "busy_ms": busy_ms(prof), "kernel_launches": launches, "host_ms_by_phase": host_by_phase(prof),
             "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]],
             "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
                              for e in host[:2 * top]]}
+
+
+#: the profiler ranges each framework opens per hook site: odc's [lifecycle] steps (``phase_range``) and FSDP2's
+#: ``FSDP::pre_forward``, ``FSDP::post_backward_reduce`` and the like
+PHASE_PREFIXES = ("odc::", "FSDP::")
+
+
+def host_by_phase(prof) -> dict:
+    """Host time per sharding phase of one profiled step: for each ``odc::`` / ``FSDP::`` range, its CPU time with
+    what it called (ms), how many times it opened, and ms per opening. FSDP2 names its ranges per module
+    (``FSDP::pre_forward (layers.0)``); they are folded into one phase. A phase opened inside another (a flush inside a
+    push) is in both: compare phase by phase, never their sum."""
+    folded: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        if e.key.startswith(PHASE_PREFIXES) and e.count:
+            ms_calls = folded.setdefault(re.split(r" \(| \[| for ", e.key)[0], [0.0, 0])
+            ms_calls[0] += e.cpu_time_total / 1e3
+            ms_calls[1] += e.count
+    return {k: {"ms": ms, "calls": n, "ms_per_call": ms / n}
+            for k, (ms, n) in sorted(folded.items(), key=lambda kv: -kv[1][0])}
 
 
 def busy_ms(prof) -> float:
@@ -150,8 +171,25 @@ def report(results: list[dict], meta: dict) -> str:
             busy = r["profile"].get("busy_ms")
             lines.append(f"| {r['workload']} | {r['method']} | {r['balance']} | {r['profile']['step_s']:.2f} | "
                          f"{'-' if busy is None else f'{busy / 1e3:.2f}'} | " + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
+    lines += host_phase_report(results)
     lines += memory_report(results)
     return "\n".join(lines) + "\n"
+
+
+def host_phase_report(results: list[dict]) -> list[str]:
+    """The profiled step's host time per sharding phase (``host_by_phase``), one row per method and phase."""
+    profiled = [r for r in results if (r.get("profile") or {}).get("host_ms_by_phase")]
+    if not profiled:
+        return []
+    lines = ["", "## Where the host time goes (rank 0, one profiled step, per sharding phase)", "",
+             "CPU time inside each phase's profiler range, with what it called; a phase inside another is in both. "
+             "The profiler slows the host, so compare methods, not these with the measured steps.", "",
+             "| workload | method | phase | host ms | openings | ms per opening |", "|---|---|---|---|---|---|"]
+    for r in profiled:
+        for phase, p in r["profile"]["host_ms_by_phase"].items():
+            lines.append(f"| {r['workload']} | {r['method']} | {phase} | {p['ms']:.1f} | {p['calls']} | "
+                         f"{p['ms_per_call']:.3f} |")
+    return lines
 
 
 def step_ratios(run: dict, base: dict | None, warmup: int) -> list[float]:

@@ -19,10 +19,11 @@ BALANCED = ["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--batch", "
 
 @pytest.fixture(scope="module")
 def variants_run(tmp_path_factory) -> dict:
-    """One process: odc and FSDP2 with the lean, offload, park and park50 variants (the runs by method)."""
+    """One process: odc and FSDP2 with the lean, offload, park and park50 variants (the runs by method); odc and
+    FSDP2 run one more step under the profiler."""
     out = tmp_path_factory.mktemp("variants")
     e2e_bench.main([*BALANCED, "--steps", "2", "--warmup", "1", "--variants", "lean", "offload", "park",
-                    "park50", "--out", str(out)])
+                    "park50", "--profile", "odc", "fsdp2", "--out", str(out)])
     return {r["method"]: r for r in json.loads((out / "e2e_bench.json").read_text())["rows"]}
 
 
@@ -94,6 +95,28 @@ def test_memory_variants_train_the_same_model(variants_run):
     text = e2e_report.report(list(runs.values()), meta)
     assert "balanced odc-park50: the optimizer's state parked at the end, by rank: 0.50, 0.50" in text
     assert "odc-offload: the optimizer's state parked" not in text
+
+
+def test_profiled_step_reports_host_time_per_sharding_phase(variants_run):
+    """``--profile``: the host's time per phase of one step, odc's [lifecycle] ranges beside FSDP2's (folded over
+    modules), with openings that count the hook sites: FSDP2 opens pre_forward once per fully_shard call (each decoder
+    layer and the root) per micro-batch, odc gathers each of its sites in forward and again in backward, and meets
+    once (sync, finish) per step. 8 samples over 2 ranks: 4 micro-batches a rank."""
+    from odcfsdp.models.llama import LLAMA_SIZES
+
+    odc, fsdp2 = (variants_run[m]["profile"]["host_ms_by_phase"] for m in ("odc", "fsdp2"))
+    assert variants_run["odc-park"]["profile"] is None  # only the methods named
+    assert fsdp2["FSDP::pre_forward"]["calls"] == 4 * (LLAMA_SIZES["tiny"]["n_layers"] + 1)
+    assert odc["odc::gather"]["calls"] == odc["odc::pre_backward"]["calls"] > 0
+    assert odc["odc::gather"]["calls"] % 4 == 0
+    assert odc["odc::sync"]["calls"] == odc["odc::finish"]["calls"] == 1
+    assert all(p["ms"] > 0 and p["ms_per_call"] == pytest.approx(p["ms"] / p["calls"]) for p in odc.values())
+    from benchmarks import e2e_report
+
+    meta = harness.meta("abc", "c", "cpu", world_size=2, size="tiny", params=1e9, steps=2, warmup=1, batch=8,
+                        args={"seq": 64})
+    text = e2e_report.report(list(variants_run.values()), meta)
+    assert "| balanced | fsdp2 | FSDP::pre_forward | " in text and "| balanced | odc | odc::gather | " in text
 
 
 def test_fsdp2_nosync_trains_what_fsdp2_trains(tmp_path):
