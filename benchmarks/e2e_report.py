@@ -72,7 +72,8 @@ def host_by_phase(prof) -> dict:
     push) is in both: compare phase by phase, never their sum."""
     folded: dict[str, list[float]] = {}
     for e in prof.key_averages():
-        if e.key.startswith(PHASE_PREFIXES) and e.count:
+        # a range that launched kernels is also listed on the device's track (the GPU's annotation): host only here
+        if e.key.startswith(PHASE_PREFIXES) and e.count and not str(e.device_type).endswith("CUDA"):
             ms_calls = folded.setdefault(re.split(r" \(| \[| for ", e.key)[0], [0.0, 0])
             ms_calls[0] += e.cpu_time_total / 1e3
             ms_calls[1] += e.count
