@@ -50,6 +50,7 @@ from benchmarks import e2e_baselines, e2e_isolate, harness
 from benchmarks.e2e_args import park_fit_budget, park_fraction, parse
 from benchmarks.e2e_hf import bench_model, decoder_layers
 from benchmarks.e2e_report import baseline, kernel_summary, step_profiler, write_outputs
+from benchmarks.timing import StepEvents
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
@@ -175,6 +176,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     opt = optimizer_for(method, wrapped, device, args)
     if baseline(method).startswith("fsdp2"):
         e2e_baselines.float8_scales_after_step(opt, wrapped, args.float8)
+    events = StepEvents()  # a slow step's GC pauses and recompiles, by step
     try:
         if cuda:  # after wrapping: building the full model first is the same for every method, not counted
             torch.cuda.empty_cache()
@@ -206,6 +208,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         for step in range(n_steps + (method in args.profile)):  # a profiled step comes last, not counted
             prof = step_profiler() if step == n_steps else None
             minibatch = prepare(step)
+            events.take()
             if prof is not None:
                 prof.__enter__()
             out = train(minibatch)
@@ -217,6 +220,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                     profile = {"error": f"{type(e).__name__}: {e}"}
                 continue
             my_sizes = minibatch.my_sizes()
+            happened = events.take()
             table = gather_stats([out["loss"], out["compute_s"] + drained[0], out["step_s"], len(minibatch.mine),
                                   sum(my_sizes), sum(map(cost, my_sizes)), out["host_s"],
                                   sum(map(flops, my_sizes))], device)
@@ -225,7 +229,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                           "step_s": wall, "tokens": int(table[:, 4].sum()), "flops": table[:, 7].sum().item(),
                           "rank_compute_s": table[:, 1].tolist(), "rank_step_s": table[:, 2].tolist(),
                           "rank_micro_batches": [int(x) for x in table[:, 3]], "rank_cost": table[:, 5].tolist(),
-                          "rank_host_s": table[:, 6].tolist()})
+                          "rank_host_s": table[:, 6].tolist(), **happened})  # rank 0's gc_s, compiled_frames
         measured = steps[args.warmup:]
         total_s = sum(s["step_s"] for s in measured)
         alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
@@ -254,6 +258,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile, "memory_breakdown": memory,
         }
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
+        events.close()
         if isinstance(wrapped, ODCShard):
             wrapped.close()
     del wrapped, model, opt

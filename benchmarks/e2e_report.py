@@ -156,6 +156,7 @@ def report(results: list[dict], meta: dict) -> str:
         if any(f is not None for f in r.get("park_fraction_by_rank") or ()):
             lines.append(f"- {r['workload']} {r['method']}: the optimizer's state parked at the end, by rank: "
                          + ", ".join("-" if f is None else f"{f:.2f}" for f in r["park_fraction_by_rank"]))
+    lines += outlier_steps(results, meta["warmup"])
     for f in meta.get("failed", []):
         lines.append(f"\n- FAILED {f['workload']} / {f['method']} / {f['balance']}: `{f['error'][:300]}`")
     profiled = [r for r in results if (r.get("profile") or {}).get("device_ms_by_kind")]  # GPU kernels only
@@ -175,6 +176,18 @@ def report(results: list[dict], meta: dict) -> str:
     lines += host_phase_report(results)
     lines += memory_report(results)
     return "\n".join(lines) + "\n"
+
+
+def outlier_steps(results: list[dict], warmup: int, gc_s: float = 0.05) -> list[str]:
+    """A line per measured step that compiled frames or spent over ``gc_s`` in Python's GC (rank 0's
+    ``StepEvents``): what may explain a slow step."""
+    lines = []
+    for r in results:
+        for s in r.get("steps", [])[warmup:]:
+            if s.get("compiled_frames") or s.get("gc_s", 0) > gc_s:
+                lines.append(f"- {r['workload']} {r['method']} step {s['step']} ({s['step_s']:.2f} s): "
+                             f"{s.get('compiled_frames', 0)} frame(s) compiled, {s.get('gc_s', 0):.2f} s in GC")
+    return lines
 
 
 def host_phase_report(results: list[dict]) -> list[str]:

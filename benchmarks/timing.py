@@ -61,3 +61,45 @@ class Marks:
             torch.cuda.synchronize()
             return {k: first.elapsed_time(ev) for k, ev in pts.items()}
         return {k: (t - first) * 1e3 for k, t in pts.items()}
+
+
+class StepEvents:
+    """What the host did in a step beside the step's own work, for explaining an outlier: seconds in Python's
+    garbage collector (``gc.callbacks``) and frames torch.compile compiled (dynamo's ``frames ok`` counter: a
+    recompile after warm-up costs the host whole seconds). ``take()`` returns them since the last ``take()``."""
+
+    def __init__(self):
+        import gc
+
+        self._gc_s, self._started = 0.0, None
+        self._frames = self._compiled()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self._gc_s += time.perf_counter() - self._started
+            self._started = None
+
+    @staticmethod
+    def _compiled() -> int:
+        try:
+            from torch._dynamo.utils import counters
+        except ImportError:  # a torch without dynamo compiles nothing
+            return 0
+        return counters["frames"]["ok"]
+
+    def take(self) -> dict:
+        """``{"gc_s": ..., "compiled_frames": ...}`` since the last call (or construction)."""
+        frames = self._compiled()
+        out = {"gc_s": self._gc_s, "compiled_frames": frames - self._frames}
+        self._gc_s, self._frames = 0.0, frames
+        return out
+
+    def close(self) -> None:
+        """Stop listening to the garbage collector."""
+        import gc
+
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
