@@ -9,6 +9,7 @@ import sys
 from benchmarks import e2e_isolate, harness
 from benchmarks.e2e_hf import resolve_args
 from odcfsdp.models.attention import ATTENTION_BACKENDS
+from odcfsdp.loop import GC_EVERY_DEFAULT
 from odcfsdp.sharding.groups.float8 import FLOAT8_GATHER_DEFAULT
 
 DESCRIPTION = "End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs."
@@ -16,13 +17,14 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
 # accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
 # FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has); or with one lever off: pushes unbounded
-# (each gradient buffer freed with record_stream, not one site in flight, [streams] 2); or one group per decoder
+# (each gradient buffer freed with record_stream, not one site in flight, [streams] 2), or N sites of them in flight
+# (pushesN, N = 1-9); or one group per decoder
 # layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group);
 # or the optimizer's state parked on the host between steps ([parking]): all of it (park), or a share (park60:
 # the first 60% of its bytes), or the share that keeps the peak under 90% of the GPU's memory (parkfit, the CLI's
 # default, [park-fit]) or under NN% of it (parkfit51: 51% of an H200 is 90% of an 80 GB H100).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "unit_groups", "park", "parkNN",
-            "parkfit", "parkfitNN")
+VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN", "unit_groups", "park",
+            "parkNN", "parkfit", "parkfitNN")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:
@@ -45,9 +47,17 @@ def park_fit_budget(lever: str) -> float | None:
     return _percent(lever, "parkfit", 0.9)
 
 
+def pushes_in_flight(lever: str) -> int | None:
+    """N for a ``pushesN`` lever (N = 1-9 sites whose pushes the current stream may run ahead of, [streams] 2);
+    None otherwise."""
+    digit = lever.removeprefix("pushes")
+    return int(digit) if lever.startswith("pushes") and len(digit) == 1 and digit in "123456789" else None
+
+
 def variant(text: str) -> str:
     """A ``--variants`` entry: one of VARIANTS, or several joined by '+' (argparse's error names the bad one)."""
-    bad = [v for v in text.split("+") if v not in VARIANTS and park_fraction(v) is None and park_fit_budget(v) is None]
+    bad = [v for v in text.split("+") if v not in VARIANTS and park_fraction(v) is None and park_fit_budget(v) is None
+           and pushes_in_flight(v) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
     return text
@@ -95,6 +105,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="odc and fsdp2 methods: torchao's float8 linears (fsdp2: float8 all-gather when tensorwise)")
     p.add_argument("--float8-gather", action=argparse.BooleanOptionalAction, default=FLOAT8_GATHER_DEFAULT,
                    help="odc: gather tensorwise float8 weights in float8 (ODCShard's default)")
+    p.add_argument("--gc-every", type=int, default=GC_EVERY_DEFAULT,
+                   help="every method: Python's automatic GC off, gc.collect(1) every N steps between steps, untimed "
+                        "(torchtitan's training.gc_freq; [step-gc]); 0: Python's automatic collection")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     harness.add_common(p, out="results/e2e", cpu_ranks=True)
@@ -116,6 +129,8 @@ def parse(argv=None) -> argparse.Namespace:
                         "(on 2x H200 at ea1195c it left FSDP2's reserved memory as it was but raised odc's from 13.7 "
                         "to 17.2 GiB: the prefetch stream grows a segment of its own)")
     args = p.parse_args(argv)
+    if args.gc_every < 0:
+        p.error(f"--gc-every must be >= 0 (0: Python's automatic collection), got {args.gc_every}")
     if args.compile and "module_hooks" in args.ablate:
         p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
     if problem := e2e_isolate.misfit(args) or resolve_args(args):  # --model's defaults (vocabulary, methods), misfits

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks import e2e_baselines, e2e_isolate, harness
-from benchmarks.e2e_args import park_fit_budget, park_fraction, parse
+from benchmarks.e2e_args import park_fit_budget, park_fraction, parse, pushes_in_flight
 from benchmarks.e2e_hf import bench_model, decoder_layers
 from benchmarks.e2e_report import baseline, kernel_summary, step_profiler, write_outputs
 from benchmarks.timing import StepEvents
@@ -56,7 +56,7 @@ from odcfsdp.data.balance import CostModel
 from odcfsdp.data.lengths import LengthConfig, LengthDistribution, longalign_lengths
 from odcfsdp.data.synthetic import SyntheticSFT
 from odcfsdp.launch import init_torchrun, spawn
-from odcfsdp.loop import gather_stats, plan_step, train_step
+from odcfsdp.loop import StepGarbageCollection, gather_stats, plan_step, train_step
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.optim import ParkedOptimizerState, parking_of
@@ -113,6 +113,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            float8=args.float8, float8_gather=args.float8_gather)
         if "unbounded_pushes" in levers:  # [streams] 2: buffers freed with record_stream, not one site in flight
             sharded.comm.pushes_in_flight = None
+        for n in filter(None, map(pushes_in_flight, levers)):  # pushesN: N sites in flight
+            sharded.comm.pushes_in_flight = n
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens
         return sharded, contextlib.nullcontext, 1.0, None
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
@@ -177,6 +179,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
     if baseline(method).startswith("fsdp2"):
         e2e_baselines.float8_scales_after_step(opt, wrapped, args.float8)
     events = StepEvents()  # a slow step's GC pauses and recompiles, by step
+    collector = StepGarbageCollection(args.gc_every).__enter__()  # [step-gc], every method alike
     try:
         if cuda:  # after wrapping: building the full model first is the same for every method, not counted
             torch.cuda.empty_cache()
@@ -194,6 +197,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
             minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world)
             if isinstance(wrapped, ODCShard):
                 wrapped.begin_minibatch(len(minibatch.mine))
+            collector.step(step)  # between steps, untimed ([step-gc])
             t = time.perf_counter()
             if cuda:  # a step ends with its current stream: work left on side streams (ODCShard's accumulator
                 torch.cuda.synchronize(device)  # zeroing, [streams] 5) is counted in the next step, not overlapped
@@ -259,6 +263,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         }
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
         events.close()
+        collector.__exit__(None, None, None)
         if isinstance(wrapped, ODCShard):
             wrapped.close()
     del wrapped, model, opt

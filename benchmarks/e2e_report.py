@@ -115,6 +115,11 @@ def report(results: list[dict], meta: dict) -> str:
         f"decoder layers compiled (every method): {meta['args'].get('compile') or 'no'}; activation checkpointing "
         f"(every method): {'yes' if meta['args'].get('activation_checkpointing') else 'no'}; odc hooks whole decoder "
         "layers (`units`) unless the run is `odc-module_hooks`",
+        "- Python's GC (every method): " + (
+            f"automatic collection off, gc.collect(1) every {meta['args']['gc_every']} steps between steps "
+            "(torchtitan's training.gc_freq, [step-gc])" if meta['args'].get('gc_every')
+            else "automatic (a run from before --gc-every)" if 'gc_every' not in meta['args']
+            else "automatic (--gc-every 0)"),
         *([f"- float8 (odc and FSDP2): torchao {meta['args']['float8']}; odc gathers tensorwise weights in "
            f"{'float8' if meta['args'].get('float8_gather') else 'bf16'} (float8_gather; the flag's default changed "
            "to on at 28e8f72: runs before it without --float8-gather gathered bf16)"]

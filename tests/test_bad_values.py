@@ -24,6 +24,7 @@ BAD = [  # (overrides, the one line's message)
     ({"balance": {"cost_a": float("nan")}}, "balance.cost_a=nan must be a finite number >= 0"),
     ({"run": {"timeout_s": float("nan")}}, "run.timeout_s=nan must be a number > 0"),
     ({"run": {"warmup_steps": -2}}, "run.warmup_steps=-2 must be >= 0"),
+    ({"run": {"gc_every": -1}}, "run.gc_every=-1 must be >= 0"),
     ({"run": {"out_dir": ""}}, "run.out_dir is empty"),
     ({"optim": {"park_state": True, "park_fraction": 1.5}}, "optim.park_fraction=1.5: the share of the optimizer's"),
     ({"optim": {"park_budget": 0.0}}, "optim.park_budget=0.0: the share of the GPU's memory"),

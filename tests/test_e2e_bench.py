@@ -230,3 +230,14 @@ def test_park_variants_name_their_share_and_bad_ones_are_refused():
     assert variant("parkfit51+gather_masters") == "parkfit51+gather_masters"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'parkfit100'"):
         variant("parkfit100")
+
+
+def test_pushes_variants_name_their_bound():
+    """``pushesN``: odc with N sites of pushes in flight ([streams] 2), N = 1-9; anything else is refused."""
+    from benchmarks.e2e_args import pushes_in_flight, variant
+
+    assert [pushes_in_flight(v) for v in ("pushes1", "pushes2", "pushes9", "pushes0", "pushes10", "pushes",
+                                          "unbounded_pushes", "park60")] == [1, 2, 9, None, None, None, None, None]
+    assert variant("pushes2+unit_groups") == "pushes2+unit_groups"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'pushes0'"):
+        variant("pushes0")

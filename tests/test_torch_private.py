@@ -89,8 +89,8 @@ def test_foreach_types_optimizer_hooks_frames_and_profiler():
         assert tp.profiler_enabled()
 
 
-def test_dtensor_spec_tree_flatten_and_wrapper_subclasses():
-    leaves, _ = tp.tree_flatten(({"a": torch.ones(1)}, [2, torch.zeros(1)]))
+def test_dtensor_spec_tree_leaves_and_wrapper_subclasses():
+    leaves = tp.tree_leaves(({"a": torch.ones(1)}, [2, torch.zeros(1)]))
     assert len([x for x in leaves if isinstance(x, torch.Tensor)]) == 2
     assert not tp.is_traceable_wrapper_subclass(torch.ones(1))
     assert tp.DTensorSpec is not None and tp.TensorMeta is not None

@@ -237,6 +237,9 @@ class RunConfig:
     """excluded from the run's summary throughput"""
     tensorboard: bool = False
     """also log to TensorBoard when it is installed"""
+    gc_every: int = 50
+    """Python's cycle collector runs every this many steps, between steps, automatic collection off (torchtitan's
+    training.gc_freq, [step-gc]); 0: Python's automatic collection"""
     timeout_s: float = 300.0
     """a rank waiting this long at a meeting, or for a silent (stopped) rank, ends the run naming it"""
     on_nonfinite: str = "stop"

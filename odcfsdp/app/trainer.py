@@ -33,7 +33,7 @@ from ..checkpoint import (
 from ..checkpoint.verify import resume_instead
 from .config import TrainConfig, checkpoint_dir, resolve, validate
 from ..interrupts import Interrupted, install, leave_hung_up_terminal, restore
-from ..loop import evaluate, gather_stats, plan_step, train_step
+from ..loop import StepGarbageCollection, evaluate, gather_stats, plan_step, train_step
 from .metrics import MetricsWriter, ProgressBar, json_safe
 from .resume_setup import apply_hyperparameters, fresh_hyperparameters
 from ..mfu import mfu, peak_tflops
@@ -87,44 +87,46 @@ def train(cfg: TrainConfig) -> list[dict]:
     nonfinite: list[int] = []  # steps whose update was not applied
     in_a_row, stopped, preempted, signum = 0, None, None, 0
     terminate = _StopFlag()  # SIGTERM / Ctrl-C: finish this step, checkpoint, exit cleanly (every rank alike)
-    for step in range(start, end):
-        minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
-        model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
-        lr = sched.get_last_lr()[0]
-        out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)
-        my_sizes = minibatch.my_sizes()
-        table = gather_stats([out["loss"], out["compute_s"], model.sync_wait_s, len(minibatch.mine),
-                              sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
-                              float(terminate.signum)],
-                             model.mesh.device, model.mesh.everyone.group)  # the stop flag rides along: no meeting
-        row = _step_row(step, out, table, minibatch.global_targets, lr, peak, world, device)
-        in_a_row = 0 if out["finite"] else in_a_row + 1
-        if not out["finite"]:
-            row["nonfinite"] = True
-            nonfinite.append(step + 1)
-            if cfg.run.on_nonfinite == "stop" or in_a_row >= cfg.run.max_skipped:
-                stopped = _nonfinite_message(cfg, row, in_a_row)
-        every = cfg.run.eval_interval
-        if held_out is not None and not stopped and ((every and (step + 1) % every == 0) or step + 1 == end):
-            row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.everyone.group)
-        metrics.append(row)
-        if writer:
-            writer.write(row)
-            _show(bar, row)
-        if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
-            break
-        if table[:, 7].max().item() > 0 and step + 1 < end:  # some rank got SIGTERM / SIGINT: all stop after this step
-            preempted, signum = step + 1, int(table[:, 7].max().item())  # SIGTERM (15) names a mix of both
-        if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or preempted:  # resumable when stopped
-            try:
-                save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
-                                config=OmegaConf.to_container(OmegaConf.structured(cfg)),
-                                extra={"samples_consumed": (step + 1) * batch})
-            except NonFiniteStateError as e:  # a finite norm, a non-finite update (optim.lr too large): stop here
-                stopped = str(e)
+    with StepGarbageCollection(cfg.run.gc_every) as collector:  # [step-gc]: no full collection inside a step
+        for step in range(start, end):
+            minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
+            model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
+            lr = sched.get_last_lr()[0]
+            out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)
+            my_sizes = minibatch.my_sizes()
+            table = gather_stats([out["loss"], out["compute_s"], model.sync_wait_s, len(minibatch.mine),
+                                  sum(my_sizes), sum(map(flops, my_sizes)), out["compute_s"] + out["step_s"],
+                                  float(terminate.signum)],
+                                 model.mesh.device, model.mesh.everyone.group)  # the stop flag rides along: no meeting
+            row = _step_row(step, out, table, minibatch.global_targets, lr, peak, world, device)
+            in_a_row = 0 if out["finite"] else in_a_row + 1
+            if not out["finite"]:
+                row["nonfinite"] = True
+                nonfinite.append(step + 1)
+                if cfg.run.on_nonfinite == "stop" or in_a_row >= cfg.run.max_skipped:
+                    stopped = _nonfinite_message(cfg, row, in_a_row)
+            every = cfg.run.eval_interval
+            if held_out is not None and not stopped and ((every and (step + 1) % every == 0) or step + 1 == end):
+                row["eval_loss"] = evaluate(model, held_out, cap, device, rank, world, model.mesh.everyone.group)
+            metrics.append(row)
+            collector.step(step + 1)
+            if writer:
+                writer.write(row)
+                _show(bar, row)
+            if stopped:  # no checkpoint of this step, no export: the weights are the last finite update's
                 break
-        if preempted:
-            break
+            if table[:, 7].max().item() > 0 and step + 1 < end:  # a rank got SIGTERM / SIGINT: all stop after it
+                preempted, signum = step + 1, int(table[:, 7].max().item())  # SIGTERM (15) names a mix of both
+            if (ck.interval and ((step + 1) % ck.interval == 0 or step + 1 == end)) or preempted:  # resumable
+                try:
+                    save_checkpoint(ck_dir, model, opt, step=step + 1, scheduler=sched, keep_last=ck.keep_last or None,
+                                    config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                                    extra={"samples_consumed": (step + 1) * batch})
+                except NonFiniteStateError as e:  # a finite norm, a non-finite update (optim.lr too large): stop here
+                    stopped = str(e)
+                    break
+            if preempted:
+                break
     terminate.restore()
     if cfg.run.export_hf and not stopped and not preempted:
         out = Path(cfg.run.out_dir) / "hf"

@@ -128,6 +128,7 @@ def validate(cfg) -> None:
         positive("run.stop_after", cfg.run.stop_after)
     positive("run.world_size", cfg.run.world_size)
     positive("run.eval_interval", cfg.run.eval_interval, allow_zero=True)
+    positive("run.gc_every", cfg.run.gc_every, allow_zero=True)
     choice("run.on_nonfinite", cfg.run.on_nonfinite, ("stop", "skip"))
     positive("run.timeout_s", cfg.run.timeout_s, allow_inf=True)  # inf: no watchdog
     positive("run.warmup_steps", cfg.run.warmup_steps, allow_zero=True)

@@ -28,7 +28,9 @@ _global_optimizer_pre_hooks`` /       global optimizer step hooks is still regis
                                       nobody ([zero-grad-pass])
 ``torch.distributed.tensor.           ``DTensorSpec``, ``TensorMeta``: a DTensor over a master view
 _dtensor_spec``                       without a copy or a collective ([params])
-``torch.utils._pytree.tree_flatten``  ``tree_flatten``: the tensors among a hook site's inputs
+``torch.utils._pytree.tree_leaves``   ``tree_leaves``: the tensors among a hook site's inputs (not
+                                      ``tree_flatten``: its recursive closure is a reference cycle
+                                      per call, cyclic garbage that brings full GC pauses)
 ``torch.utils._python_dispatch.       ``is_traceable_wrapper_subclass``: the memory breakdown counts a
 is_traceable_wrapper_subclass``       wrapper subclass (float8 weights) by its inner tensors
 ``Tensor._version``                   ``version_of``: an in-place change of a master outside a step
@@ -74,7 +76,7 @@ from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from torch.optim import optimizer as _optimizer
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreach_types
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 #: torch versions this module was tested with (the GPU host's, CI's)
@@ -186,5 +188,5 @@ __all__ = ["DTensorSpec", "IncompatibleKeys", "TENSOR_GRAD", "TESTED_TORCH", "Te
            "called_from", "default_store", "in_backward", "standard_gamma",
            "is_traceable_wrapper_subclass", "local_of", "mark_parameter", "memory_snapshot", "optimizer_hooks_present",
            "profiler_enabled", "queue_end_of_backward", "record_memory_history", "register_foreach_types",
-           "register_fully_shard_state", "set_last_lr", "set_local", "tree_flatten", "version_of"]
+           "register_fully_shard_state", "set_last_lr", "set_local", "tree_leaves", "version_of"]
 

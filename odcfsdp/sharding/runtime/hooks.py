@@ -59,7 +59,7 @@ import torch.nn as nn
 
 from ..groups.group import FlatGroup
 from .lifecycle import Site, StepLifecycle
-from ...torch_private import apply_to_tensors, tree_flatten
+from ...torch_private import apply_to_tensors, tree_leaves
 
 
 def hook_sites(root: nn.Module, is_unit: Callable[[nn.Module], bool]
@@ -172,7 +172,7 @@ class HookDriver:
             return
         # Its inputs get the post-backward hook, in recomputation too: reentrant checkpointing runs backward
         # through the recomputed graph (and the original forward ran without grad); otherwise it never fires.
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not inputs:  # e.g. token ids: the end-of-backward callback finishes this site's groups
             return
         # A plain hook per input, counted down: torch's multi-grad hook ("all") keeps the inputs'
@@ -191,7 +191,7 @@ class HookDriver:
     def _post_forward(self, site: Site, output) -> None:
         self.lifecycle.reshard(site)
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _grad: self.lifecycle.pre_backward(site), mode="any")
