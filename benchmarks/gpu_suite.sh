@@ -182,7 +182,7 @@ section_cmd() {  # section, gpus in lane, port, dir
       # between steps, [parking]; parkfit51, longtail's default: the share that fits 51% of an H200, an 80 GB H100's
       # 90%, [park-fit]); balanced:
       # 2 x 4K per GPU; longtail: 4 samples of 8K-64K per GPU, odc with LB-Mini only (FSDP2 with LB-Micro)
-      local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="unbounded_pushes unit_groups gather_masters"
+      local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="unbounded_pushes pushes2 unit_groups"
       v=${LEVERS:-$v}  # LEVERS: other variants (e.g. "unit_groups gather_masters+unit_groups")
       [ "$s" = levers_8b_longtail ] && w=longtail b=$((4 * n)) st="--steps 3 --warmup 1 --balancers lb_mini" \
         v=${LEVERS:-parkfit51}
