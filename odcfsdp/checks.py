@@ -1,4 +1,5 @@
-"""Checks of configuration values whose errors name the key and what is allowed.
+"""Checks of configuration values whose errors name the key and what is allowed, and the one help of a settings
+field (``field_docs``).
 
 Shared by ``odcfsdp.app.config.validate`` and the model specs' own checks
 (``odcfsdp.app.specs``), so that every configuration error reads the same way.
@@ -6,7 +7,11 @@ Shared by ``odcfsdp.app.config.validate`` and the model specs' own checks
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import difflib
+import functools
+import inspect
 import math
 
 
@@ -39,3 +44,27 @@ def did_you_mean(word: str, options, cutoff: float = 0.6, prefix: str = "", igno
     same = [o for o in options if o.lower() == word.lower()] if ignore_case else []
     close = same or difflib.get_close_matches(word, options, n=1, cutoff=cutoff)
     return f"did you mean {prefix}{close[0]}? " if close else ""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """One line of help per field of the dataclass ``cls``: the string literal right below the field (its docstring,
+    [config-docs] in ``odcfsdp/app/config.py``), whitespace joined; read from the class's source with ``ast``, so
+    ``python -OO`` keeps it. A field without one takes the docstring of the same field of ``cls._field_docs_from``
+    where the class names such a dataclass (documented once, there); else it has none, as has a class without
+    source."""
+    try:
+        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(cls)))
+    except (OSError, TypeError):  # a class made at run time: no source to read
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, below in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(below, ast.Expr)
+                and isinstance(below.value, ast.Constant) and isinstance(below.value.value, str)):
+            docs[node.target.id] = " ".join(below.value.value.split())
+    source = getattr(cls, "_field_docs_from", None)
+    if source is not None:
+        names = {f.name for f in dataclasses.fields(cls)}
+        docs = {**{k: v for k, v in field_docs(source).items() if k in names}, **docs}
+    return docs

@@ -146,3 +146,25 @@ def test_a_new_source_is_one_registration(tmp_path):
             validate(config_from({"data": {"source": "constant"}, "run": {"epochs": 1.0}}))
     finally:
         sources.SOURCES.pop("constant")
+
+
+def test_the_engines_options_are_documented_once():
+    """Issue 43 item 3: each of the engine's own options has one documentation, its ``EngineSettings`` field's
+    docstring; ``ODCShard``'s ``Args:`` entries and the ``shard.*`` keys' help are that text, and ShardConfig's source
+    repeats none of it."""
+    import ast
+
+    from odcfsdp import EngineSettings
+
+    docs = field_docs(EngineSettings)
+    names = [f.name for f in dataclasses.fields(EngineSettings)]
+    assert sorted(docs) == sorted(names) and all(docs.values())
+    entries = args_help(ODCShard.__doc__ or "")
+    assert {n: entries[n] for n in names} == docs
+    shard_docs = field_docs(ShardConfig)
+    shared = [n for n in names if n in {f.name for f in dataclasses.fields(ShardConfig)}]
+    assert shared and all(shard_docs[n] == docs[n] for n in shared)
+    body = ast.parse(inspect.cleandoc("\n" + inspect.getsource(ShardConfig))).body[0].body
+    documented_here = {node.target.id for node, below in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
+                       and isinstance(below, ast.Expr) and isinstance(below.value, ast.Constant)}
+    assert not documented_here & set(names)

@@ -31,35 +31,14 @@ and exit code 2, as for invalid values:
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
 import re
 import typing
 from pathlib import Path
 from typing import Any
 
-from ..checks import did_you_mean
+from ..checks import did_you_mean, field_docs
 from .config import TrainConfig, unused_key
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """One line of help per field of the dataclass ``cls``: the string literal right below the field (its docstring,
-    [config-docs] in ``config.py``), whitespace joined; read from the class's source with ``ast``, so ``python -OO``
-    keeps it. A field without one (or a class without source) has none."""
-    try:
-        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(cls)))
-    except (OSError, TypeError):  # a class made at run time: no source to read
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, below in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(below, ast.Expr)
-                and isinstance(below.value, ast.Constant) and isinstance(below.value.value, str)):
-            docs[node.target.id] = " ".join(below.value.value.split())
-    return docs
 
 
 def _value(v: Any) -> str:

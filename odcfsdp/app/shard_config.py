@@ -2,14 +2,15 @@
 
 Design note [shard-config]
 --------------------------
-``ShardConfig`` is written out, an ordinary dataclass that type checkers see: each field is
-an argument of ``ODCShard.__init__`` of the same name, with its default and a docstring
-(its ``--help`` line, [config-docs] in ``config.py``) that repeats the argument's entry in
-the ``Args:`` section of ``ODCShard``'s docstring. ``shard_arguments`` hands every key back
-to ``ODCShard`` as the argument of the same name. ``tests/test_config.py`` holds the two
-lists together: the fields are exactly the configurable arguments (names, order and
-defaults), each documented in ``ODCShard``'s docstring, so a new keyword argument of
-``ODCShard`` fails that test until it has its field here. The exceptions are the three
+``ShardConfig`` is written out, an ordinary dataclass that type checkers see: each field is an
+argument of ``ODCShard.__init__`` of the same name, with its default and a docstring (its ``--help``
+line, [config-docs] in ``config.py``) that repeats the argument's entry in the ``Args:`` section of
+``ODCShard``'s docstring; the engine's own options have none here: both their help and
+``ODCShard``'s entries are ``EngineSettings``' field docstrings, their one source.
+``shard_arguments`` hands every key back to ``ODCShard`` as the argument of the same name.
+``tests/test_config.py`` holds the two lists together: the fields are exactly the configurable
+arguments (names, order and defaults), each documented in ``ODCShard``'s docstring, so a new keyword
+argument of ``ODCShard`` fails that test until it has its field here. The exceptions are the three
 tables below:
 
 * ``RUNTIME``: arguments that are runtime objects, not config keys; ``build_sharded_model``
@@ -29,6 +30,8 @@ import re
 from typing import Any, Callable, List, Optional
 
 import torch
+
+from ..sharding.runtime.engine_settings import EngineSettings
 
 # ODCShard arguments that are runtime objects, not config keys, and where the builder gets them.
 RUNTIME: dict[str, str] = {
@@ -158,11 +161,13 @@ def args_help(doc: str) -> dict[str, str]:
 
 @dataclasses.dataclass
 class ShardConfig:
-    """Arguments of ``ODCShard`` as config keys, each passed as the argument of the same name (see [shard-config])."""
+    """Arguments of ``ODCShard`` as config keys, each passed as the argument of the same name (see [shard-config]).
+    The engine's own options (``group_bytes``, ``prefetch``, ``overlap_push``, ``gather_masters``, ``float8_gather``)
+    take their help from ``EngineSettings``, where each is documented once (``_field_docs_from``)."""
+
+    _field_docs_from = EngineSettings
 
     group_bytes: int = 32 << 20
-    """byte budget of one group outside ``units``, counted in unsharded ``param_dtype`` bytes. A larger parameter forms
-    its own group. A unit's parameters are one group (per dtype and ``requires_grad`` flag) whatever the budget."""
     comm: str = "auto"
     """transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``, ``"nvshmem"`` (one-sided: ranks meet
     only between the minibatch's last backward and the next forward, where the loop reads and consumes the gradients,
@@ -175,19 +180,12 @@ class ShardConfig:
     """dtype parameters are computed (and communicated) in; bf16 on CUDA and the parameters' own dtype elsewhere when
     None. (a dtype's name: float32 | bfloat16 | float16)"""
     prefetch: int = 1
-    """how many hook sites ahead to gather (forward order, reversed in backward; sites whose groups are already in
-    hand do not count); 0 disables. On CUDA on a side stream while the current site computes; elsewhere simply ahead
-    of use. Each prefetched group holds its unsharded buffer early."""
     overlap_push: bool = True
-    """on CUDA, push gradients on a side stream while backward goes on."""
     units: List[str] = dataclasses.field(default_factory=list)
     """module classes whose instances are hooked as a whole (all parameters of their subtree gathered before their
     forward, e.g. the decoder layer class); other modules that own parameters are hooked one by one. (class names,
     e.g. [DecoderLayer]; none: the model's default units, an HF model's decoder layers)"""
     gather_masters: bool = False
-    """peers gather the fp32 master rows and cast them to ``param_dtype`` while unpacking, so no ``param_dtype`` copy
-    of the rows is kept (2 bytes per parameter / N less with bf16) for twice the gather bytes ([gather-masters] in
-    ``group.py``)."""
     offload_policy: Optional[str] = None
     """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: fp32 masters, and so the optimizer's state and step, in host
     memory ([offload] in ``group.py``). (cpu: CPUOffloadPolicy(pin_memory=True); cpu_unpinned: pin_memory=False;
@@ -202,10 +200,6 @@ class ShardConfig:
     output head, nor a linear whose dims are not multiples of 16); needs torchao (``pip install odcfsdp[fp8]``) and a
     GPU of compute capability 8.9+ ([float8] in ``float8.py``). (tensorwise | rowwise; none: no float8)"""
     float8_gather: bool = True
-    """gather the weights of tensorwise ``Float8Linear`` layers (``float8="tensorwise"``'s, or ones converted before
-    wrapping) in float8: their owners cast them once per step, with scales from amaxes the step's meeting carries;
-    half of bf16's bytes ([float8-gather] in ``float8.py``). False gathers them in ``param_dtype``; rowwise layers
-    always are. On by default, as ``ODCShard``'s."""
     replicas: Optional[int] = None
     """HSDP: copies of the model, each sharded over world / replicas ranks, combined once per minibatch; 1: full
     sharding over every rank; None: one shard group per node (torchrun's LOCAL_WORLD_SIZE), else 1. Becomes

@@ -3,7 +3,7 @@
 lifecycle, the minibatch) and ``api`` (``ODCShard``, ``fully_shard``). The names users need are re-exported here."""
 
 from .runtime.engine import ShardEngine
-from .api.engine_settings import EngineSettings
+from .runtime.engine_settings import EngineSettings
 from .api.fsdp2_patch import patch_fsdp2
 from .api.fully_shard import ODCModule, fully_shard
 from .groups.group import FlatGroup, GroupState

@@ -58,7 +58,7 @@ import torch.nn as nn
 from ...torch_private import register_fully_shard_state
 from ..runtime.arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
 from ..runtime.engine import ShardEngine
-from .engine_settings import EngineSettings
+from ..runtime.engine_settings import EngineSettings
 from ..groups.float8_rows import float8_gathered
 from ..runtime.hooks import unit_of
 from ..placement.mesh import ShardMesh
@@ -264,8 +264,7 @@ def _build(module: nn.Module, named, settings: UnitState, below: list, absorbs: 
     precision = resolve_precision(settings.mp_policy, param_dtype)
     float8 = float8_gathered(module, named) if ours.float8_gather else {}
     engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype, precision=precision,
-                         group_bytes=ours.group_bytes, comm=_transport(device, absorbs), reshard_after_forward=True,
-                         prefetch=ours.prefetch, overlap_push=ours.overlap_push, gather_masters=ours.gather_masters,
+                         settings=ours, comm=_transport(device, absorbs), reshard_after_forward=True,
                          offload_policy=settings.offload_policy, is_unit=lambda m: m in units, owner_of=owner_of,
                          float8=float8)
     engine.register_casts(below)  # FSDP2 casts at every fully_shard module's forward

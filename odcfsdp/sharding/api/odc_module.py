@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..runtime.arguments import check_reshard_after_forward
 from ..runtime.engine import ShardEngine
-from .engine_settings import EngineSettings
+from ..runtime.engine_settings import EngineSettings
 from .fsdp_surface import FSDPModule, FSDPSurface
 
 

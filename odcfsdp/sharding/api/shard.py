@@ -8,6 +8,7 @@ adds the wrapped model's surface. It stands for the model it wraps ([transparent
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -15,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from ...torch_private import IncompatibleKeys as _IncompatibleKeys
 
-from ..runtime.arguments import (check_numbers, check_params, check_reshard_after_forward, check_units, compute_dtype,
-                        shard_device)
+from ..runtime.arguments import check_params, check_reshard_after_forward, check_units, compute_dtype, shard_device
+from ..runtime.engine_settings import EngineSettings, settings_args_doc
 from ..runtime.engine import ShardEngine
 from ..runtime.hooks import unit_of
 from ..groups.float8 import FLOAT8_GATHER_DEFAULT, prepare_float8
@@ -53,11 +54,11 @@ class ODCShard(nn.Module):
     that). The division is done once per minibatch at the sync ([lifecycle] 8); on one
     rank there is nothing to divide by.
 
+    The engine's own options, ``group_bytes`` to ``overlap_push``, come last among the arguments below, as
+    ``EngineSettings`` documents them (each once, there; ``fully_shard`` takes them as one ``EngineSettings``).
+
     Args:
         module: the model; every rank must hold the same initial values.
-        group_bytes: byte budget of one group outside ``units``, counted in unsharded
-            ``param_dtype`` bytes. A larger parameter forms its own group. A unit's parameters
-            are one group (per dtype and ``requires_grad`` flag) whatever the budget.
         comm: transport: ``"auto"`` (``nvshmem`` on CUDA, ``shm`` on CPU), ``"shm"``,
             ``"nvshmem"`` (one-sided: ranks meet only between the minibatch's last
             backward and the next forward, where the loop reads and consumes the
@@ -76,12 +77,6 @@ class ODCShard(nn.Module):
             ``init_buffers()`` is called; then load values with
             ``odcfsdp.checkpoint.load_hf`` or ``load_checkpoint``. Defaults to the
             parameters' device.
-        prefetch: how many hook sites ahead to gather (forward order, reversed in
-            backward; sites whose groups are already in hand do not count); 0
-            disables. On CUDA on a side stream while the current site computes;
-            elsewhere simply ahead of use. Each prefetched group holds its unsharded
-            buffer early.
-        overlap_push: on CUDA, push gradients on a side stream while backward goes on.
         units: module classes whose instances are hooked as a whole (all parameters
             of their subtree gathered before their forward, e.g. the decoder layer
             class); other modules that own parameters are hooked one by one.
@@ -89,13 +84,6 @@ class ODCShard(nn.Module):
             2-D ``("replicate", "shard")`` for hybrid sharding (HSDP): sharded within each
             shard group, replicated across them, gradients combined once per minibatch at
             the first ``.grad`` read (see [hsdp] in ``hsdp.py``).
-        timeout: seconds a rank waits at a meeting for the others before raising an error that
-            names the ranks that did not come; a rank silent (stopped) this long ends the
-            others' processes with one line naming it (see [watchdog] in ``watchdog.py``).
-        gather_masters: peers gather the fp32 master rows and cast them to ``param_dtype``
-            while unpacking, so no ``param_dtype`` copy of the rows is kept (2 bytes per
-            parameter / N less with bf16) for twice the gather bytes ([gather-masters] in
-            ``group.py``).
         offload_policy: FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: fp32 masters, and so the
             optimizer's state and step, in host memory ([offload] in ``group.py``).
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` (as above), ``reduce_dtype``
@@ -104,10 +92,6 @@ class ODCShard(nn.Module):
         float8: ``"tensorwise"`` or ``"rowwise"``: convert the model's linears to torchao's float8 training first
             (not the output head, nor a linear whose dims are not multiples of 16); needs torchao
             (``pip install odcfsdp[fp8]``) and a GPU of compute capability 8.9+ ([float8] in ``float8.py``).
-        float8_gather: gather the weights of tensorwise ``Float8Linear`` layers (``float8="tensorwise"``'s, or ones
-            converted before wrapping) in float8: their owners cast them once per step, with scales from amaxes the
-            step's meeting carries; half of bf16's bytes ([float8-gather] in ``float8.py``). False gathers them in
-            ``param_dtype``; rowwise layers always are.
     """
 
     def __init__(
@@ -143,9 +127,8 @@ class ODCShard(nn.Module):
         param_dtype = compute_dtype(named, device, policy_param_dtype(mp_policy, param_dtype))
         self.precision = resolve_precision(mp_policy, param_dtype)
         units = check_units(units, module)
-        check_numbers(prefetch, timeout)
-        if not isinstance(float8_gather, bool):
-            raise TypeError(f"float8_gather must be True or False, got {float8_gather!r}")
+        settings = EngineSettings(group_bytes=group_bytes, prefetch=prefetch, gather_masters=gather_masters,
+                                  float8_gather=float8_gather, timeout=timeout, overlap_push=overlap_push)
         self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
         float8_weights = float8_gathered(module, named) if float8_gather else {}
 
@@ -154,9 +137,9 @@ class ODCShard(nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.engine = ShardEngine(
             module, named, device=device, mesh=ShardMesh(device, process_group, mesh, timeout_s=timeout),
-            param_dtype=param_dtype, precision=self.precision, group_bytes=group_bytes, comm=comm,
-            reshard_after_forward=reshard_after_forward, prefetch=prefetch, overlap_push=overlap_push,
-            gather_masters=gather_masters, offload_policy=offload_policy, is_unit=lambda m: isinstance(m, units),
+            param_dtype=param_dtype, precision=self.precision, settings=settings, comm=comm,
+            reshard_after_forward=reshard_after_forward, offload_policy=offload_policy,
+            is_unit=lambda m: isinstance(m, units),
             owner_of=unit_of(module, lambda m: isinstance(m, units)) if units else None, float8=float8_weights)
         self.engine.expose_on(self)
 
@@ -335,3 +318,7 @@ class ODCShard(nn.Module):
             f"param_dtype={self.param_dtype}, reshard_after_forward={self.reshard_after_forward}"
             + (f", units={[u.__name__ for u in self.units]}" if self.units else "")
         )
+
+
+if ODCShard.__doc__:  # the engine's options, documented once in EngineSettings (no docstrings under -OO)
+    ODCShard.__doc__ = inspect.cleandoc(ODCShard.__doc__) + "\n" + settings_args_doc()

@@ -38,6 +38,7 @@ from .lifecycle import StepLifecycle
 from ..groups.float8_rows import Float8Rows
 from ..groups.row_format import row_format
 from ..placement.layout import GroupLayout, plan_groups
+from .engine_settings import EngineSettings
 from .materialize import materialize_buffers
 from ..placement.mesh import ShardMesh
 from ..groups.precision import Precision, register_casts
@@ -52,7 +53,8 @@ from ..transport import Transport, make_transport
 class ShardEngine:
     """Shard ``named`` (parameters of ``root``) over ``mesh``'s ranks in flat groups, and hook ``root``.
 
-    The arguments are ``ODCShard``'s, checked and resolved (see its docstring); beyond them:
+    The arguments are ``ODCShard``'s, checked and resolved (see its docstring), the engine's own options as one
+    ``EngineSettings`` (``settings``, documented there); beyond them:
 
     Args:
         is_unit: whether a module is hooked as a whole ([hooks]).
@@ -64,19 +66,19 @@ class ShardEngine:
     """
 
     def __init__(self, root: nn.Module, named: list[tuple[str, nn.Parameter]], *, device: torch.device,
-                 mesh: ShardMesh, param_dtype: torch.dtype, precision: Precision, group_bytes: int, comm: str,
-                 reshard_after_forward: bool, prefetch: int, overlap_push: bool, gather_masters: bool,
-                 offload_policy, is_unit: Callable[[nn.Module], bool],
+                 mesh: ShardMesh, param_dtype: torch.dtype, precision: Precision, settings: EngineSettings, comm: str,
+                 reshard_after_forward: bool, offload_policy, is_unit: Callable[[nn.Module], bool],
                  owner_of: Callable[[str], object] | None = None, float8: dict[str, nn.Module] | None = None):
         self.root = root
         self.mesh = mesh
         self.param_dtype = param_dtype
         self.precision = precision
-        self.gather_masters = gather_masters  # [gather-masters]: the master is the row peers read
+        self.settings = settings
+        gather_masters = self.gather_masters = settings.gather_masters  # [gather-masters]: the row peers read
         on_meta = named[0][1].is_meta
         at_least_fp32 = torch.promote_types(param_dtype, torch.float32)
-        self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, group_bytes, param_dtype, owner_of,
-                                                      frozenset(float8 or ()))
+        self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, settings.group_bytes, param_dtype,
+                                                      owner_of, frozenset(float8 or ()))
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
         host, pin = offload_target(offload_policy, mesh, gather_masters)
         self.float8 = Float8Rows(self.layouts, float8, param_dtype, device) if float8 else None
@@ -86,7 +88,8 @@ class ShardEngine:
         self.transport: Transport = make_transport(comm, mesh)
         self.transport.setup(self.layouts, [f.row_dtype for f in formats],
                              [precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
-        self.comm = CommStreams(self.transport, device, gather_ahead=bool(prefetch), push_aside=overlap_push)
+        self.comm = CommStreams(self.transport, device, gather_ahead=bool(settings.prefetch),
+                                push_aside=settings.overlap_push)
         by_name, regs = dict(named), registrations(root)
         # Every name a parameter is reachable by (tied parameters have several).
         canonical = {id(p): name for name, p in named}
@@ -106,7 +109,7 @@ class ShardEngine:
         # mean over the data-parallel ranks, every replica's included
         self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas),
                                    late=self.float8)
-        self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(prefetch), self.minibatch,
+        self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(settings.prefetch), self.minibatch,
                                        checks=self.check_intact)
         if on_meta:
             materialize_buffers(root, device)
