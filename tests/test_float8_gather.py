@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from odcfsdp.launch import spawn
 from odcfsdp.sharding.groups import float8
-from odcfsdp.sharding.placement.layout import FLOAT8_DTYPE, plan_groups
+from odcfsdp.sharding.groups.float8_rows import FLOAT8_DTYPE
+from odcfsdp.sharding.placement.layout import plan_groups
 from test_float8 import CONFIG, _batches, _float8_llama, _train
 
 pytest.importorskip("torchao")
@@ -44,7 +45,7 @@ def _sharded(comm: str, float8_gather: bool = True, seed: int = 0, meta: bool = 
 
 def _train_sharded(comm: str, batches) -> list[float]:
     model = _sharded(comm)
-    assert sum(len(lay.slots) for lay in model.layouts if lay.float8) == FLOAT8_WEIGHTS
+    assert sum(len(lay.slots) for lay in model.layouts if lay.row_dtype == FLOAT8_DTYPE) == FLOAT8_WEIGHTS
     rank = dist.get_rank()
     losses = _train(model, [[step[rank]] for step in batches], TOKENS)
     model.close()
@@ -128,7 +129,7 @@ def _check_casts(model) -> int:
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-    linears = model.engine.float8.linears
+    linears = model.engine.late.linears
     full = {name: linears[name].weight.full_tensor() for name in linears}  # every rank's fp32 master slices
     checked = 0
     with model.engine.unsharded():
@@ -211,7 +212,7 @@ def _forward_gather_bytes(float8_gather: bool) -> tuple[int, int, list[int], int
     """The bytes a forward all-gathers (collective transport, bf16 parameters): (float8 bytes, other bytes), the
     float8 groups' row element sizes, and the elements of the converted linears' weights."""
     model = _sharded("collective", float8_gather, param_dtype=torch.bfloat16)
-    sizes = [model.transport.rows[lay.index].element_size() for lay in model.layouts if lay.float8]
+    sizes = [model.transport.rows[lay.index].element_size() for lay in model.layouts if lay.row_dtype == FLOAT8_DTYPE]
     weights = sum(model.module.get_submodule(name).weight.numel() for name in model.float8_linears)
     moved = {torch.uint8: 0, torch.bfloat16: 0}
     name = next(n for n in GATHERS if hasattr(dist, n))
@@ -242,8 +243,8 @@ def test_float8_weights_plan_into_groups_of_their_own_counted_at_one_byte():
     ps = [("a.weight", torch.zeros(64, 64)), ("b.weight", torch.zeros(64, 64)), ("norm", torch.zeros(64)),
           ("c.weight", torch.zeros(64, 64))]
     names = frozenset({"a.weight", "b.weight", "c.weight"})
-    layouts = plan_groups(ps, 2, 8192, torch.bfloat16, float8=names)
-    assert [([s.name for s in lay.slots], lay.float8) for lay in layouts] == [
+    layouts = plan_groups(ps, 2, 8192, torch.bfloat16, own_rows=dict.fromkeys(names, FLOAT8_DTYPE))
+    assert [([s.name for s in lay.slots], lay.row_dtype == FLOAT8_DTYPE) for lay in layouts] == [
         (["a.weight", "b.weight"], True), (["norm"], False), (["c.weight"], True)]
     in_bf16 = plan_groups(ps, 2, 8192, torch.bfloat16)  # 8 KiB a weight: each fills a group
     assert [[s.name for s in lay.slots] for lay in in_bf16] == [["a.weight"], ["b.weight"], ["norm"], ["c.weight"]]

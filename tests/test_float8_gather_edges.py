@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from odcfsdp.launch import spawn
 from odcfsdp.sharding.groups import float8
-from odcfsdp.sharding.placement.layout import FLOAT8_DTYPE
+from odcfsdp.sharding.groups.float8_rows import FLOAT8_DTYPE
 from test_float8 import _batches, _float8_llama, _train
 from test_float8_gather import FLOAT8_WEIGHTS, TOKENS, _check_casts, _sharded
 
@@ -40,7 +40,7 @@ def _checkpoint_round_trip(path: str, meta: bool) -> bool:
     load_checkpoint(latest_checkpoint(path), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
     with torch.no_grad():
         after = fresh(x)
-    same = torch.equal(before, after) and torch.equal(model.engine.float8.scales, fresh.engine.float8.scales)
+    same = torch.equal(before, after) and torch.equal(model.engine.late.scales, fresh.engine.late.scales)
     assert _check_casts(fresh) == FLOAT8_WEIGHTS
     model.close()
     fresh.close()
@@ -57,7 +57,7 @@ def test_a_float8_gather_model_saves_masters_and_loads_its_casts_back(tmp_path, 
 
 def _casts_with_gather_masters() -> int:
     model = _sharded("shm", gather_masters=True)  # the other groups' rows are their fp32 masters; float8 rows not
-    assert all(model.transport.rows[lay.index].dtype == (FLOAT8_DTYPE if lay.float8 else torch.float32)
+    assert all(model.transport.rows[lay.index].dtype == (lay.row_dtype or torch.float32)
                for lay in model.layouts)
     _train(model, [[step[dist.get_rank()]] for step in _batches(2, steps=2)], TOKENS)
     checked = _check_casts(model)
@@ -86,8 +86,8 @@ def test_rowwise_layers_and_the_switch_off_gather_param_dtype_in_one_process():
         with pytest.raises(TypeError, match=r"^float8_gather must be True or False, got 'yes'$"):
             ODCShard(model, float8="tensorwise", float8_gather="yes")
     assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
-    assert not any(lay.float8 for lay in rowwise.layouts) and not any(lay.float8 for lay in off.layouts)
-    assert sum(len(lay.slots) for lay in on.layouts if lay.float8) == FLOAT8_WEIGHTS
+    assert not any(lay.row_dtype for lay in rowwise.layouts) and not any(lay.row_dtype for lay in off.layouts)
+    assert sum(len(lay.slots) for lay in on.layouts if lay.row_dtype == FLOAT8_DTYPE) == FLOAT8_WEIGHTS
     # the float8 weights' original parameters no longer hold their full values (the masters do): at 8B on 2 GPUs
     # they were 26 GiB a rank, kept alive by the sharded parameter's reference
     assert len(weights) == FLOAT8_WEIGHTS and all(p.untyped_storage().nbytes() == 0 for p in weights.values())
@@ -105,7 +105,7 @@ def _meet_apart() -> str:
         if dist.get_rank() == 0:
             model.minibatch.meet(Meeting.SYNC)  # reads .grad while rank 1 finishes its step
         else:
-            model.minibatch.meet_carrying(Meeting.FINISH, model.engine.float8.amaxes(torch.device("cpu")))
+            model.minibatch.meet_carrying(Meeting.FINISH, model.engine.late.amaxes(torch.device("cpu")))
     except RuntimeError as e:
         return str(e)
     finally:
@@ -134,7 +134,7 @@ def test_frozen_float8_weights_are_gathered_in_float8_too():
 
     with mock.patch.object(float8, "float8_problem", return_value=None):
         model = ODCShard(frozen(_float8_llama(None)), float8="tensorwise", comm="shm", float8_gather=True)
-    cold = [lay for lay in model.layouts if lay.float8 and not lay.requires_grad]
+    cold = [lay for lay in model.layouts if lay.row_dtype == FLOAT8_DTYPE and not lay.requires_grad]
     assert sum(len(lay.slots) for lay in cold) == 2 * 4 and all(model.transport.accumulators[lay.index] is None
                                                                 for lay in cold)
     before = {n: v.clone() for n, v in model.full_state_dict().items() if ".self_attn." in n}

@@ -59,7 +59,8 @@ def test_gather_moves_float8_rows_as_bytes(world_size):
     """[float8-gather]: float8 rows go through the gather kernel as uint8 views (the nvshmem transport's path): the
     float8 buffer ends up holding every rank's bytes as they were, where ``unpack`` puts them."""
     named = [(f"p{i}", torch.empty(s)) for i, s in enumerate(SHAPES)]
-    (layout,) = plan_groups(named, world_size, 1 << 40, torch.bfloat16, float8=frozenset(n for n, _ in named))
+    (layout,) = plan_groups(named, world_size, 1 << 40, torch.bfloat16,
+                            own_rows=dict.fromkeys((n for n, _ in named), torch.float8_e4m3fn))
     rows = [torch.randn(layout.row_len, device=DEVICE).to(torch.float8_e4m3fn).view(torch.uint8)
             for _ in range(world_size)]
     out = torch.full((layout.unsharded_numel,), 0xFF, dtype=torch.uint8, device=DEVICE)  # poisoned (NaN in e4m3)

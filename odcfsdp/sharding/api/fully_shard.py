@@ -59,7 +59,7 @@ from ...torch_private import register_fully_shard_state
 from ..runtime.arguments import check_params, check_reshard_after_forward, compute_dtype, shard_device
 from ..runtime.engine import ShardEngine
 from ..runtime.engine_settings import EngineSettings
-from ..groups.float8_rows import float8_gathered
+from ..groups.float8_rows import Float8Gather
 from ..runtime.hooks import unit_of
 from ..placement.mesh import ShardMesh
 from .odc_module import ODCModule, UnitState, UnshardHandle, apply_prefetch, odc_class, state_of
@@ -262,11 +262,11 @@ def _build(module: nn.Module, named, settings: UnitState, below: list, absorbs: 
     ours = settings.engine
     mesh = ShardMesh(device, None, settings.mesh, timeout_s=ours.timeout)
     precision = resolve_precision(settings.mp_policy, param_dtype)
-    float8 = float8_gathered(module, named) if ours.float8_gather else {}
+    late_rows = Float8Gather.of(module, named) if ours.float8_gather else None
     engine = ShardEngine(module, named, device=device, mesh=mesh, param_dtype=param_dtype, precision=precision,
                          settings=ours, comm=_transport(device, absorbs), reshard_after_forward=True,
                          offload_policy=settings.offload_policy, is_unit=lambda m: m in units, owner_of=owner_of,
-                         float8=float8)
+                         late_rows=late_rows)
     engine.register_casts(below)  # FSDP2 casts at every fully_shard module's forward
     settings.built_on_meta = on_meta
     for g in engine.groups:

@@ -21,7 +21,7 @@ from ..runtime.engine_settings import EngineSettings, settings_args_doc
 from ..runtime.engine import ShardEngine
 from ..runtime.hooks import unit_of
 from ..groups.float8 import FLOAT8_GATHER_DEFAULT, prepare_float8
-from ..groups.float8_rows import float8_gathered
+from ..groups.float8_rows import Float8Gather
 from ..runtime.lifecycle import TrainingPhase
 from ..placement.mesh import ShardMesh
 from ..groups.precision import policy_param_dtype, resolve_precision
@@ -130,7 +130,7 @@ class ODCShard(nn.Module):
         settings = EngineSettings(group_bytes=group_bytes, prefetch=prefetch, gather_masters=gather_masters,
                                   float8_gather=float8_gather, timeout=timeout, overlap_push=overlap_push)
         self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
-        float8_weights = float8_gathered(module, named) if float8_gather else {}
+        late_rows = Float8Gather.of(module, named) if float8_gather else None
 
         self.module = module
         self.units = units
@@ -140,7 +140,7 @@ class ODCShard(nn.Module):
             param_dtype=param_dtype, precision=self.precision, settings=settings, comm=comm,
             reshard_after_forward=reshard_after_forward, offload_policy=offload_policy,
             is_unit=lambda m: isinstance(m, units),
-            owner_of=unit_of(module, lambda m: isinstance(m, units)) if units else None, float8=float8_weights)
+            owner_of=unit_of(module, lambda m: isinstance(m, units)) if units else None, late_rows=late_rows)
         self.engine.expose_on(self)
 
     # -- the wrapped model's surface -------------------------------------------------------------

@@ -54,8 +54,9 @@ of [lifecycle] (``float8_rows.py`` holds the machinery):
 
 1. plan: the weights of ``Float8Linear`` layers that cast tensorwise (``float8_gathered``:
    ``float8="tensorwise"``'s, or layers converted before wrapping; not a weight tied to another
-   module, whose other users want plain values) go into groups of their own
-   (``GroupLayout.float8``), counted at 1 byte a parameter against ``group_bytes``; their rows are
+   module, whose other users want plain values) are ``Float8Gather``'s, the engine's ``LateRows``
+   ([row-format]): ``plan_groups`` gives them groups of their own (``GroupLayout.row_dtype`` e4m3),
+   counted at 1 byte a parameter against ``group_bytes``, and ``row_format`` their format; their rows are
    ``float8_e4m3fn``, their unsharded buffer too, while their gradient buffer keeps ``param_dtype``
    (``FlatGroup.grad_dtype``), their accumulator ``reduce_dtype`` and their master fp32.
 2. finish (step 10), before the meeting: each rank takes the inf-norm of each float8 weight's slice of

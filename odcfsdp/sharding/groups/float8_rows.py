@@ -1,18 +1,24 @@
-"""The float8 parameter gather's machinery ([float8-gather] in ``float8.py``): which weights are gathered in float8,
-their scales (from the amaxes the finish's meeting carries), the owner's cast into its row, and the unsharded form
-torchao's ``Float8Linear`` takes as already cast."""
+"""The float8 parameter gather's row format ([float8-gather] in ``float8.py``, [row-format] in ``row_format.py``):
+which weights are gathered in float8 (``Float8Gather``, the engine's ``LateRows``), their scales (from the amaxes the
+finish's meeting carries), the owner's cast into its row (``Float8Rows``, the model's ``LatePublish``), and the
+unsharded form torchao's ``Float8Linear`` takes as already cast (``Float8RowFormat``). Nothing else in the sharding
+knows float8: the planner, the transport and the engine see rows of a dtype of their own."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from ...kernels.float8_cast import cast_segments_to_float8
-from ..placement.layout import FLOAT8_DTYPE, GroupLayout
+from ..placement.layout import GroupLayout
+from .row_format import RowFormat
 
+#: the dtype of float8-gathered rows: e4m3, as torchao casts weights
+FLOAT8_DTYPE = torch.float8_e4m3fn
 #: torchao's ``float8_utils.EPS``: the least amax a scale is computed from (a zero weight gets a finite scale)
 EPS = 1e-12
 FLOAT8_MAX = torch.finfo(FLOAT8_DTYPE).max
@@ -60,12 +66,58 @@ def to_float8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (values.to(torch.float32) * scale).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8_DTYPE)
 
 
+@dataclass(frozen=True)
+class Float8RowFormat(RowFormat):
+    """``float8_gather``: e4m3 rows cast from the master with every rank's scales after the finish's meeting
+    (``Float8Rows.cast``, not ``publish``); unsharded weights are ``Float8TrainingTensor`` views of the buffer."""
+
+    rows: "Float8Rows | None" = None
+    """the model's Float8Rows: its scales and the owner's cast"""
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return FLOAT8_DTYPE
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return FLOAT8_DTYPE
+
+    def publish(self, master: torch.Tensor, row: torch.Tensor) -> None:
+        return  # cast once the scales are known ([float8-gather])
+
+    def wraps(self, layout: GroupLayout) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
+        return self.rows.wrap(layout)
+
+
+@dataclass(frozen=True)
+class Float8Gather:
+    """The weights gathered in float8, with their ``Float8Linear`` layers, before the groups are planned: the
+    engine's ``LateRows`` ([row-format]). ``of`` finds them in a model (``float8_gathered``)."""
+
+    linears: dict[str, nn.Module]
+
+    @classmethod
+    def of(cls, root: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -> "Float8Gather | None":
+        """The model's float8-gathered weights (``float8_gathered``), None where it has none."""
+        linears = float8_gathered(root, named)
+        return cls(linears) if linears else None
+
+    @property
+    def row_dtypes(self) -> dict[str, torch.dtype]:
+        """``LateRows``: each weight's rows are e4m3."""
+        return dict.fromkeys(self.linears, FLOAT8_DTYPE)
+
+    def bind(self, layouts: Sequence[GroupLayout], param_dtype: torch.dtype, device: torch.device) -> "Float8Rows":
+        """``LateRows``: the planned layouts -> the model's ``Float8Rows``."""
+        return Float8Rows(layouts, self.linears, param_dtype, device)
+
+
 class Float8Rows:
     """The float8-gathered weights of one model: their scales and the owner's cast ([float8-gather]); the model's
     ``LatePublish`` ([row-format]): the masters' amaxes are the carry, the cast is the publish after the meeting.
 
     Args:
-        layouts: the model's group layouts (those with ``float8`` set hold these weights).
+        layouts: the model's group layouts (those with ``row_dtype`` set hold these weights).
         linears: the weights' ``Float8Linear`` modules by parameter name (``float8_gathered``).
         param_dtype: the dtype torchao's matmuls return the weights' gradients in.
         device: where the rows (and so the scales) live.
@@ -75,7 +127,7 @@ class Float8Rows:
                  device: torch.device):
         self.linears = linears
         self.param_dtype = param_dtype
-        self.slots = [(lay.index, i) for lay in layouts if lay.float8 for i in range(len(lay.slots))]
+        self.slots = [(lay.index, i) for lay in layouts if lay.row_dtype is not None for i in range(len(lay.slots))]
         self._number = {key: k for k, key in enumerate(self.slots)}
         # one tensor, updated in place: each unsharded weight's Float8TrainingTensor holds a 0-dim view of it
         self.scales = torch.ones(len(self.slots), dtype=torch.float32, device=device)
@@ -94,6 +146,10 @@ class Float8Rows:
         """``LatePublish``: the scales from every rank's amaxes, then this rank's rows cast."""
         self.cast(table)
 
+    def row_format(self, **placement) -> Float8RowFormat:
+        """``LatePublish``: the format of the float8 groups (``placement``: master dtype, param dtype, host, pin)."""
+        return Float8RowFormat(**placement, rows=self)
+
     def start(self, groups, device: torch.device, gather_carries: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``LatePublish``: the groups are built; the first rows need every rank's amaxes (one all-gather)."""
         self.attach(groups)
@@ -101,7 +157,7 @@ class Float8Rows:
 
     def attach(self, groups) -> None:
         """The model's groups are built: those of float8 layouts are the ones cast."""
-        self.groups = {g.index: g for g in groups if g.layout.float8}
+        self.groups = {g.index: g for g in groups if g.layout.row_dtype is not None}
         device = self.scales.device
         # per group: its weights' scale numbers and segment ends in the row (the cast's table: each element of the
         # row takes its segment's scale; padding too: zero in the master, zero in the row)
@@ -114,7 +170,7 @@ class Float8Rows:
         """For each parameter of a float8 group, what makes its unsharded form from its view of the group's float8
         buffer: a ``Float8TrainingTensor`` with its scale, which ``Float8Linear.forward`` takes as already cast
         (torchao's ``tensor_already_casted_to_fp8``), so the layer casts nothing. None for other groups."""
-        if not layout.float8:
+        if layout.row_dtype is None:
             return None
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
@@ -159,4 +215,5 @@ class Float8Rows:
                     g.layout.segment(g.row, i).copy_(to_float8(g.layout.segment(master, i), scale))
 
 
-__all__ = ["EPS", "Float8Rows", "float8_gathered", "scales_from_amaxes", "to_float8"]
+__all__ = ["EPS", "FLOAT8_DTYPE", "Float8Gather", "Float8RowFormat", "Float8Rows", "float8_gathered",
+           "scales_from_amaxes", "to_float8"]

@@ -10,12 +10,15 @@ once per group by ``row_format``, so the group and its parameters carry no per-f
 |---|---|---|---|
 | ``ParamDtypeRows`` (default) | ``param_dtype`` | ``param_dtype`` | a cast at the finish ([masters]) |
 | ``MasterRows`` (``gather_masters``) | the master | ``param_dtype`` (gathers cast) | nothing ([gather-masters]) |
-| ``Float8RowFormat`` (``float8_gather``) | e4m3 + scales | float8 tensor views | after the meeting ([float8-gather]) |
+| ``Float8RowFormat`` (``float8_rows.py``) | e4m3 + scales | float8 tensor views | after the meeting ([float8-gather]) |
 
 Where the master lives is the format's too: next to the row (or the row itself), or in host memory under
 ``CPUOffloadPolicy`` ([offload]), for any of the three. Gradients are ``param_dtype`` in every format (a float8
 group's come from torchao's matmul in ``param_dtype``). Adding a format is a subclass here (its row dtype, its
-unsharded form, its publish) and a line in ``row_format``; the transport moves whatever dtype the row has.
+unsharded form, its publish) and a line in ``row_format``; a format for some parameters only, published late, is a
+``LateRows`` of its own file (float8's: ``Float8Gather`` in ``float8_rows.py``): it names its parameters and their
+rows' dtype, which ``plan_groups`` gives groups of their own (``GroupLayout.row_dtype``), and supplies their format.
+The transport moves whatever dtype the row has (one-byte floating rows as bytes).
 
 A format whose rows need every rank's say before they can be written (float8's scales need every rank's amax)
 publishes late, through one ``LatePublish`` object of the model: the rows' ``carry`` rides the finish's meeting
@@ -31,7 +34,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..placement.layout import FLOAT8_DTYPE, GroupLayout
+from ..placement.layout import GroupLayout
 
 
 @dataclass(frozen=True)
@@ -110,28 +113,6 @@ class MasterRows(RowFormat):
         return self.master_dtype
 
 
-@dataclass(frozen=True)
-class Float8RowFormat(RowFormat):
-    """``float8_gather``: e4m3 rows cast from the master with every rank's scales after the finish's meeting
-    (``Float8Rows.cast``, not ``publish``); unsharded weights are ``Float8TrainingTensor`` views of the buffer."""
-
-    rows: object = None  # the model's Float8Rows: its scales and the owner's cast
-
-    @property
-    def row_dtype(self) -> torch.dtype:
-        return FLOAT8_DTYPE
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return FLOAT8_DTYPE
-
-    def publish(self, master: torch.Tensor, row: torch.Tensor) -> None:
-        return  # cast once the scales are known ([float8-gather])
-
-    def wraps(self, layout: GroupLayout) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
-        return self.rows.wrap(layout)
-
-
 class LatePublish(Protocol):
     """Rows written after the finish's meeting from what every rank carried to it ([row-format])."""
 
@@ -150,15 +131,33 @@ class LatePublish(Protocol):
         """The groups are built: write the first rows (this rank's carry on ``device``; ``gather_carries``: it ->
         every rank's)."""
 
+    def row_format(self, **placement) -> RowFormat:
+        """The row format of its groups (``placement``: ``RowFormat``'s master dtype, param dtype, host, pin)."""
+
+
+class LateRows(Protocol):
+    """A row format of its own for some parameters, published late ([row-format]), before the groups are planned:
+    which parameters it takes, then, once planned, the model's ``LatePublish`` over their groups."""
+
+    @property
+    def row_dtypes(self) -> dict[str, torch.dtype]:
+        """The parameters whose rows it holds, by name, with their rows' dtype (``plan_groups``' ``own_rows``)."""
+
+    def bind(self, layouts: Sequence[GroupLayout], param_dtype: torch.dtype, device: torch.device) -> "LatePublish":
+        """The planned layouts (those with ``row_dtype`` set are its own) -> the model's ``LatePublish``."""
+
 
 def row_format(layout: GroupLayout, master_dtype: torch.dtype, param_dtype: torch.dtype, *, gather_masters: bool,
-               host: torch.device | None, pin: bool, float8_rows=None) -> RowFormat:
-    """The one row format of a group ([row-format]): float8 for a float8 layout, the master for ``gather_masters``,
-    else ``param_dtype`` rows; with the master in host memory where ``host`` is set."""
+               host: torch.device | None, pin: bool, late: LatePublish | None = None) -> RowFormat:
+    """The one row format of a group ([row-format]): the late format's for a layout of its own rows (``row_dtype``
+    set), the master for ``gather_masters``, else ``param_dtype`` rows; with the master in host memory where
+    ``host`` is set."""
     placement = {"master_dtype": master_dtype, "param_dtype": param_dtype, "host": host, "pin": pin}
-    if layout.float8:
-        return Float8RowFormat(**placement, rows=float8_rows)
+    if layout.row_dtype is not None:
+        if late is None:
+            raise ValueError(f"group {layout.index} has rows of their own ({layout.row_dtype}) but no late format")
+        return late.row_format(**placement)
     return MasterRows(**placement) if gather_masters else ParamDtypeRows(**placement)
 
 
-__all__ = ["Float8RowFormat", "LatePublish", "MasterRows", "ParamDtypeRows", "RowFormat", "row_format"]
+__all__ = ["LatePublish", "LateRows", "MasterRows", "ParamDtypeRows", "RowFormat", "row_format"]

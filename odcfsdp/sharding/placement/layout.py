@@ -49,8 +49,6 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 ALIGN_BYTES = 16
-#: the dtype of float8-gathered rows ([float8-gather] in ``float8.py``): e4m3, as torchao casts weights
-FLOAT8_DTYPE = torch.float8_e4m3fn
 
 
 def align_elems(dtype: torch.dtype) -> int:
@@ -141,7 +139,8 @@ class GroupLayout:
         requires_grad: whether the group's parameters are trained.
         slots: the parameters, in row order.
         row_len: row length C in elements (a multiple of the alignment unit).
-        float8: its rows hold float8 weights cast by their owner ([float8-gather] in ``float8.py``).
+        row_dtype: the dtype of its rows where a row format of its own sets it (``plan_groups``' ``own_rows``, e.g.
+            float8 rows, [row-format]); None: the communicated dtype.
     """
 
     index: int
@@ -150,7 +149,7 @@ class GroupLayout:
     requires_grad: bool
     slots: tuple[ParamSlot, ...]
     row_len: int
-    float8: bool = False
+    row_dtype: torch.dtype | None = None
 
     @functools.cached_property
     def padded(self) -> bool:
@@ -228,7 +227,7 @@ def plan_groups(
     group_bytes: int,
     comm_dtype: torch.dtype | None = None,
     owner_of: Callable[[str], object] | None = None,
-    float8: frozenset[str] = frozenset(),
+    own_rows: dict[str, torch.dtype] | None = None,
 ) -> list[GroupLayout]:
     """Plan flat groups over parameters in order.
 
@@ -247,8 +246,8 @@ def plan_groups(
         owner_of: a parameter's unit (a ``units`` module or a ``fully_shard`` one; None outside units); a group
             also closes where the unit changes, so no group spans two units and each unit gathers only its own
             groups, and ``group_bytes`` applies only outside units.
-        float8: names of the weights gathered in float8 ([float8-gather]): groups of their own, counted at one
-            byte a parameter.
+        own_rows: parameters whose rows hold a dtype of their own, by name (a row format's, e.g. float8 rows,
+            [row-format]): groups of their own, counted at that dtype's bytes.
     """
     if not isinstance(group_bytes, int) or isinstance(group_bytes, bool) or group_bytes <= 0:
         raise ValueError(f"group_bytes must be a positive int (bytes per group), got {group_bytes!r}")
@@ -259,6 +258,7 @@ def plan_groups(
             raise ValueError(f"parameter {name!r} is 0-dimensional; parameters are sharded on dim 0 (as FSDP2 "
                              "shards them): make it shape (1,)")
 
+    own_rows = own_rows or {}
     groups: list[GroupLayout] = []
     pending: list[tuple[str, torch.Tensor]] = []
 
@@ -266,28 +266,29 @@ def plan_groups(
         if not pending:
             return
         dtype = pending[0][1].dtype
-        cast = pending[0][0] in float8
-        dtypes = (dtype, FLOAT8_DTYPE if cast else comm_dtype or dtype)
+        own = own_rows.get(pending[0][0])
+        dtypes = (dtype, own or comm_dtype or dtype)
         slots, off = [], 0
         for name, p in pending:
             shard, seg = shard_sizes(p.shape, world_size, dtypes)
             slots.append(ParamSlot(name, tuple(p.shape), off, seg, shard))
             off += seg
         groups.append(GroupLayout(len(groups), world_size, dtype, pending[0][1].requires_grad, tuple(slots), off,
-                                  cast))
+                                  own))
         pending.clear()
 
     used = 0
     for name, p in named_params:
-        cdt = FLOAT8_DTYPE if name in float8 else comm_dtype or p.dtype
+        cdt = own_rows.get(name) or comm_dtype or p.dtype
         itemsize = torch.empty((), dtype=cdt).element_size()
         nbytes = world_size * shard_sizes(p.shape, world_size, (p.dtype, cdt))[1] * itemsize
         if pending:
             head = pending[0][1]
             other_owner = owner_of is not None and owner_of(pending[0][0]) != owner_of(name)
             in_unit = owner_of is not None and owner_of(name) is not None
-            if (head.dtype != p.dtype or head.requires_grad != p.requires_grad or other_owner
-                    or (used + nbytes > group_bytes and not in_unit) or (pending[0][0] in float8) != (name in float8)):
+            other_rows = own_rows.get(pending[0][0]) != own_rows.get(name)
+            if (head.dtype != p.dtype or head.requires_grad != p.requires_grad or other_owner or other_rows
+                    or (used + nbytes > group_bytes and not in_unit)):
                 close()
                 used = 0
         pending.append((name, p))

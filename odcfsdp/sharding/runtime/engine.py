@@ -35,8 +35,7 @@ from .arguments import intact_problem, offload_target, registrations
 from ..groups.group import FlatGroup
 from .hooks import HookDriver
 from .lifecycle import StepLifecycle
-from ..groups.float8_rows import Float8Rows
-from ..groups.row_format import row_format
+from ..groups.row_format import LateRows, row_format
 from ..placement.layout import GroupLayout, plan_groups
 from .engine_settings import EngineSettings
 from .materialize import materialize_buffers
@@ -61,14 +60,14 @@ class ShardEngine:
         owner_of: a parameter name's unit (None outside units, [layout]'s ``plan_groups``): groups never span
             units, a unit's parameters form one group per dtype and flag, ``group_bytes`` applies outside units;
             None: groups follow only ``group_bytes``.
-        float8: the weights gathered in float8 with their ``Float8Linear`` (``float8_gathered``, [float8-gather]
-            in ``float8.py``): groups of their own, whose rows are float8.
+        late_rows: a row format of their own for some parameters, published late ([row-format]; float8's
+            ``Float8Gather``): their groups are their own, their rows its dtype, their format and publishing its.
     """
 
     def __init__(self, root: nn.Module, named: list[tuple[str, nn.Parameter]], *, device: torch.device,
                  mesh: ShardMesh, param_dtype: torch.dtype, precision: Precision, settings: EngineSettings, comm: str,
                  reshard_after_forward: bool, offload_policy, is_unit: Callable[[nn.Module], bool],
-                 owner_of: Callable[[str], object] | None = None, float8: dict[str, nn.Module] | None = None):
+                 owner_of: Callable[[str], object] | None = None, late_rows: LateRows | None = None):
         self.root = root
         self.mesh = mesh
         self.param_dtype = param_dtype
@@ -78,13 +77,13 @@ class ShardEngine:
         on_meta = named[0][1].is_meta
         at_least_fp32 = torch.promote_types(param_dtype, torch.float32)
         self.layouts: list[GroupLayout] = plan_groups(named, mesh.world_size, settings.group_bytes, param_dtype,
-                                                      owner_of, frozenset(float8 or ()))
+                                                      owner_of, late_rows.row_dtypes if late_rows else None)
         master_dtypes = [torch.promote_types(lay.dtype, at_least_fp32) for lay in self.layouts]
         host, pin = offload_target(offload_policy, mesh, gather_masters)
-        self.float8 = Float8Rows(self.layouts, float8, param_dtype, device) if float8 else None
+        self.late = late_rows.bind(self.layouts, param_dtype, device) if late_rows else None
         # one row format per group, chosen once ([row-format]): what the row holds, where the master lives
         formats = [row_format(lay, dtype, param_dtype, gather_masters=gather_masters, host=host, pin=pin,
-                              float8_rows=self.float8) for lay, dtype in zip(self.layouts, master_dtypes)]
+                              late=self.late) for lay, dtype in zip(self.layouts, master_dtypes)]
         self.transport: Transport = make_transport(comm, mesh)
         self.transport.setup(self.layouts, [f.row_dtype for f in formats],
                              [precision.accumulator_dtype(d) for d in master_dtypes], gather_dtype=param_dtype)
@@ -108,13 +107,13 @@ class ShardEngine:
         # the parameters' .grad events go to the minibatch from here ([params]); FSDP2's default divide factor: the
         # mean over the data-parallel ranks, every replica's included
         self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas),
-                                   late=self.float8)
+                                   late=self.late)
         self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(settings.prefetch), self.minibatch,
                                        checks=self.check_intact)
         if on_meta:
             materialize_buffers(root, device)
-        if self.float8 is not None:  # the first late rows need every rank's carry ([row-format]: one all-gather)
-            self.float8.start(self.groups, mesh.device, mesh.all_gather_rows)
+        if self.late is not None:  # the first late rows need every rank's carry ([row-format]: one all-gather)
+            self.late.start(self.groups, mesh.device, mesh.all_gather_rows)
         mesh.barrier()  # every row written before anyone may read it
         self.shard_state = ShardState(self.groups, self.minibatch, self.aliases)
         group_of = {t: g for g in self.groups for sp in g.params for t in (sp.sharded, sp.unsharded)}

@@ -38,13 +38,15 @@ from ..placement.layout import GroupLayout
 from ..placement.mesh import ShardMesh
 
 
-#: float8 dtypes, moved as bytes ([float8-gather] in ``float8.py``): gloo and the row kernels take no float8
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+def moved_as_bytes(dtype: torch.dtype) -> bool:
+    """Whether rows of ``dtype`` move as raw bytes: one-byte floating dtypes (a row format's, e.g. float8 rows,
+    [row-format]), which gloo and the row kernels do not take; moving bytes needs no cast."""
+    return dtype.is_floating_point and dtype.itemsize == 1
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A float8 tensor viewed as ``uint8`` (the same bytes: moving them needs no cast); any other as it is."""
-    return t.view(torch.uint8) if t.dtype in FLOAT8_DTYPES else t
+    """A one-byte floating tensor viewed as ``uint8`` (the same bytes, ``moved_as_bytes``); any other as it is."""
+    return t.view(torch.uint8) if moved_as_bytes(t.dtype) else t
 
 
 @dataclass(frozen=True)

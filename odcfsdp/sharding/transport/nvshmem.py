@@ -37,7 +37,7 @@ from ...kernels.nvshmem_get import gather_rows_get
 from ...kernels.rows import gather_rows, row_offsets, scatter_accumulate_rows
 from ..placement.mesh import ShardMesh
 from .heap import SymmetricHeap
-from .base import FLOAT8_DTYPES, TransportCaps, as_bytes
+from .base import TransportCaps, as_bytes, moved_as_bytes
 from .one_sided import OneSidedTransport
 
 HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
@@ -213,7 +213,7 @@ class NvshmemTransport(OneSidedTransport):
                 )
             self.gather_mode = "get"
         if self.gather_mode == "get" and self.gather_dtype is not None and \
-                any(d != self.gather_dtype and d not in FLOAT8_DTYPES for d in self.row_dtypes):  # float8: bytes
+                any(d != self.gather_dtype and not moved_as_bytes(d) for d in self.row_dtypes):  # bytes: no cast
             raise RuntimeError(GET_CANNOT_CAST)
         if self.gather_mode != "get":
             self.row_offsets = [
@@ -242,7 +242,7 @@ class NvshmemTransport(OneSidedTransport):
         if self.gather_mode == "copy_engine":
             self._gather_copy_engine(g, out)
             return
-        # float8 rows go through the kernels as bytes ([float8-gather]): one byte an element either way, so the
+        # one-byte floating rows (float8) go through the kernels as bytes: one byte an element either way, so the
         # offsets and chunk tables (in elements) hold as they are
         row, out = as_bytes(self.rows[g]), as_bytes(out)
         if self.gather_mode == "get":
