@@ -205,9 +205,14 @@ def test_an_interrupt_replaced_by_a_clean_up_error_still_reads_as_the_signal():
 def job(tmp_path: Path, *args: str, nohup: bool = False, **streams) -> subprocess.Popen:
     """``python -m odcfsdp.train`` as a shell's job: a process group of its own (the launcher, multiprocessing's fork
     server and resource tracker), temporary files under tmp_path/tmp (the ranks' stacks directory), SIGHUP ignored
-    where ``nohup``."""
+    where ``nohup``, else at its default whatever the test runner's is (a suite started under nohup ignores it, and
+    children inherit that)."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    disposition = signal.SIG_IGN if nohup else signal.SIG_DFL
+
+    def ignore() -> None:
+        signal.signal(signal.SIGHUP, disposition)
+
     return subprocess.Popen([sys.executable, "-m", "odcfsdp.train", "run.out_dir=run", *args], cwd=tmp_path,
                             env={**os.environ, "TMPDIR": str(tmp_path / "tmp")}, start_new_session=True,
                             preexec_fn=ignore, **{"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
