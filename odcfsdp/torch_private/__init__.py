@@ -79,7 +79,8 @@ from torch.utils._foreach_utils import _foreach_supported_types as _utils_foreac
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-#: torch versions this module was tested with (the GPU host's, CI's)
+#: torch versions this module is tested with: CI runs its tests under both (the oldest, pyproject's floor, in a venv of
+#: its own: ``.ci/run``); the GPU host has 2.11
 TESTED_TORCH = ("2.11", "2.13")
 
 #: the C-level ``.grad`` descriptor of tensors, under ``ODCParameter``'s event property
