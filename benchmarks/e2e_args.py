@@ -56,10 +56,16 @@ def pushes_in_flight(lever: str) -> int | None:
 
 def variant(text: str) -> str:
     """A ``--variants`` entry: one of VARIANTS, or several joined by '+' (argparse's error names the bad one)."""
-    bad = [v for v in text.split("+") if v not in VARIANTS and park_fraction(v) is None and park_fit_budget(v) is None
-           and pushes_in_flight(v) is None]
+    levers = text.split("+")
+    templates = {v for v in VARIANTS if v.endswith(("NN", "N"))}  # parkNN, parkfitNN, pushesN: the digits' places
+    bad = [v for v in levers if v in templates or (v not in VARIANTS and park_fraction(v) is None
+                                                   and park_fit_budget(v) is None and pushes_in_flight(v) is None)]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
+    bounds = [v for v in levers if v == "unbounded_pushes" or pushes_in_flight(v) is not None]
+    if len(bounds) > 1:
+        raise argparse.ArgumentTypeError(f"variant {text!r} sets the pushes in flight twice ({', '.join(bounds)}): "
+                                         "give one")
     return text
 
 

@@ -46,13 +46,22 @@ def did_you_mean(word: str, options, cutoff: float = 0.6, prefix: str = "", igno
     return f"did you mean {prefix}{close[0]}? " if close else ""
 
 
-@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """One line of help per field of the dataclass ``cls``: the string literal right below the field (its docstring,
     [config-docs] in ``odcfsdp/app/config.py``), whitespace joined; read from the class's source with ``ast``, so
     ``python -OO`` keeps it. A field without one takes the docstring of the same field of ``cls._field_docs_from``
     where the class names such a dataclass (documented once, there); else it has none, as has a class without
-    source."""
+    source. A new dict each call (the reading is cached)."""
+    docs = dict(_own_field_docs(cls))
+    source = getattr(cls, "_field_docs_from", None)
+    if source is not None:
+        names = {f.name for f in dataclasses.fields(cls)}
+        docs = {**{k: v for k, v in field_docs(source).items() if k in names}, **docs}
+    return docs
+
+
+@functools.cache
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(cls)))
     except (OSError, TypeError):  # a class made at run time: no source to read
@@ -63,8 +72,4 @@ def field_docs(cls: type) -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(below, ast.Expr)
                 and isinstance(below.value, ast.Constant) and isinstance(below.value.value, str)):
             docs[node.target.id] = " ".join(below.value.value.split())
-    source = getattr(cls, "_field_docs_from", None)
-    if source is not None:
-        names = {f.name for f in dataclasses.fields(cls)}
-        docs = {**{k: v for k, v in field_docs(source).items() if k in names}, **docs}
     return docs

@@ -34,7 +34,9 @@ is everyone's: the others wait for it at the next meeting. torchtitan's answer, 
 default frequency (``training.gc_freq = 50``): switch automatic collection off for the run and
 collect the young generations (``gc.collect(1)``) every N steps, between steps, where it is cheap
 and every rank pauses at the same point. What torch's activation checkpointing leaves in cycles
-waits for that collection; odc's own hooks leave none (``tests/test_lifecycle.py``).
+waits for that collection; odc's own hooks leave none (``tests/test_lifecycle.py``). The price,
+torchtitan's too: cycles among objects that survived into the oldest generation and die later wait
+for the end of the loop (or ``gc.collect()`` called by hand).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ import tokenize
 import typing
 
 from odcfsdp import ODCShard
-from odcfsdp.app.cli import field_docs, key_table
+from odcfsdp.app.cli import key_table
+from odcfsdp.checks import field_docs
 from odcfsdp.app.config import TrainConfig
 from odcfsdp.app.shard_config import CONFIG_ONLY, CONVERSIONS, RUNTIME, ShardConfig, args_help
 

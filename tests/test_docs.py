@@ -48,7 +48,7 @@ def test_every_shard_key_has_its_help():
     the keys equal to ODCShard's arguments)."""
     import dataclasses
 
-    from odcfsdp.app.cli import field_docs
+    from odcfsdp.checks import field_docs
     from odcfsdp.app.shard_config import ShardConfig
 
     assert all(field_docs(ShardConfig).get(f.name) for f in dataclasses.fields(ShardConfig))

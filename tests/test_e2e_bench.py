@@ -239,5 +239,8 @@ def test_pushes_variants_name_their_bound():
     assert [pushes_in_flight(v) for v in ("pushes1", "pushes2", "pushes9", "pushes0", "pushes10", "pushes",
                                           "unbounded_pushes", "park60")] == [1, 2, 9, None, None, None, None, None]
     assert variant("pushes2+unit_groups") == "pushes2+unit_groups"
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'pushes0'"):
-        variant("pushes0")
+    for bad in ("pushes0", "pushesN", "parkNN", "parkfitNN"):  # the templates are no variants
+        with pytest.raises(argparse.ArgumentTypeError, match=f"unknown variant '{bad}'"):
+            variant(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="sets the pushes in flight twice"):
+        variant("unbounded_pushes+pushes2")

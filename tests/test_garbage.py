@@ -41,14 +41,16 @@ def churn(n: int = 5000) -> None:
 
 def test_collections_only_between_steps_every_n():
     assert gc.isenabled()
-    with Collections() as seen, StepGarbageCollection(every=3) as collector:
-        full_at_start = seen.by_generation[2]  # one full collection on entry
+    collector = StepGarbageCollection(every=3)
+    with Collections() as seen, collector:
         assert not gc.isenabled()
         for done in range(1, 8):
             churn()  # a step's garbage: no automatic collection now
             collector.step(done)
-        assert seen.by_generation == [0, 2, full_at_start]  # after steps 3 and 6, the young generations only
-        assert full_at_start == 1
+        # after steps 3 and 6, the young generations only (the full collection on entry ran before the collector
+        # was off; Python may have collected on its own before that too)
+        assert seen.while_off == [0, 2, 0]
+        assert seen.by_generation[2] >= 1
     assert gc.isenabled()
 
 

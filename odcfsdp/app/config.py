@@ -14,7 +14,7 @@ command line's checks of its overrides ([cli-keys] in ``cli.py``). Both live in
 Design note [config-docs]
 -------------------------
 Each field is documented by the string literal right below it, as torchtitan's job_config
-does: the one help of the key (``--help`` prints its first sentence; ``cli.field_docs``
+does: the one help of the key (``--help`` prints its first sentence; ``odcfsdp.checks.field_docs``
 reads them from the class's source), so keep it to what the key does. Type checkers see
 every field with its type and default.
 

@@ -58,11 +58,13 @@ class EngineSettings:
 
 def settings_args_doc(indent: int = 4, width: int = 116) -> str:
     """``EngineSettings``' fields as entries of a Google-style ``Args:`` section (``name: its docstring``), each
-    wrapped to ``width`` columns at ``indent`` spaces (continuation lines 4 deeper)."""
-    docs = field_docs(EngineSettings)
+    wrapped to ``width`` columns at ``indent`` spaces (continuation lines 4 deeper, words never split: the entries
+    read back, joined by spaces, as the docstrings); none where the source cannot be read."""
+    docs = field_docs(EngineSettings)  # empty where the source cannot be read (a .pyc-only install): no entries
     pad = " " * indent
     return "\n".join(textwrap.fill(f"{f.name}: {docs[f.name]}", width, initial_indent=pad,
-                                   subsequent_indent=pad + "    ") for f in fields(EngineSettings))
+                                   subsequent_indent=pad + "    ", break_on_hyphens=False, break_long_words=False)
+                     for f in fields(EngineSettings) if f.name in docs)
 
 
 __all__ = ["EngineSettings", "settings_args_doc"]
