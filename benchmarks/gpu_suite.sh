@@ -178,7 +178,8 @@ section_cmd() {  # section, gpus in lane, port, dir
            "--memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     levers_8b_balanced|levers_8b_longtail)  # issue 41: odc's memory levers, each on top of the default, against
       # FSDP2 and FSDP2 with sync off until the last micro-batch (first, so no order favours odc), every method in
-      # processes of its own, peak by category (LEVERS: the odc variants; park: its optimizer state on the host
+      # processes of its own, peak by category, one profiled step of FSDP2 and odc (the host's time per hook site,
+      # issue 41 item 3) (LEVERS: the odc variants; park: its optimizer state on the host
       # between steps, [parking]; parkfit51, longtail's default: the share that fits 51% of an H200, an 80 GB H100's
       # 90%, [park-fit]); balanced:
       # 2 x 4K per GPU; longtail: 4 samples of 8K-64K per GPU, odc with LB-Mini only (FSDP2 with LB-Micro)
@@ -188,7 +189,7 @@ section_cmd() {  # section, gpus in lane, port, dir
         v=${LEVERS:-parkfit51}
       echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads $w --batch $b $st" \
            "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --variants $v --memory-breakdown" \
-           "--keep-going" \
+           "--profile fsdp2 odc --keep-going" \
            "--out $dir --commit $COMMIT $extra" ;;
     *) return 1 ;;
   esac
