@@ -3,7 +3,9 @@
 This must happen before any module defines a ``@triton.jit`` kernel, hence here.
 With ``ODC_TEST_OUTCOMES`` set, every test's outcome is appended to that file (JSON lines) as the test ends,
 so that a run cut off by its time limit still says which tests passed, failed or hung ([bounded-spawn] in
-``odcfsdp/launch/processes.py``; the GPU suite's tests sections set it).
+``odcfsdp/launch/processes.py``; the GPU suite's tests sections set it). With ``ODC_FILE_TIMES`` set (``.ci/run``
+sets it), the run ends with each test file's seconds (set-up, calls and tear-down, module fixtures included), slowest
+first: where CI's time goes.
 """
 
 import json
@@ -39,9 +41,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_FILE_SECONDS: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report):
-    """Append the outcome of each test phase that decides it (the call; a failed or skipped set-up or tear-down) to
-    ``$ODC_TEST_OUTCOMES`` as soon as it is known."""
+    """Count each phase's seconds to its file (``ODC_FILE_TIMES``); append the outcome of each test phase that
+    decides it (the call; a failed or skipped set-up or tear-down) to ``$ODC_TEST_OUTCOMES`` as soon as it is known."""
+    file = report.nodeid.split("::")[0]
+    _FILE_SECONDS[file] = _FILE_SECONDS.get(file, 0.0) + report.duration
     path = os.environ.get("ODC_TEST_OUTCOMES")
     if not path or (report.when != "call" and report.passed):
         return
@@ -53,3 +60,13 @@ def pytest_runtest_logreport(report):
     with open(path, "a") as f:
         f.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
                             "duration_s": round(report.duration, 3), "message": message}) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """With ``ODC_FILE_TIMES`` set: every test file's seconds, slowest first (with xdist, summed over its worker)."""
+    if not os.environ.get("ODC_FILE_TIMES") or not _FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file (set-up + calls + tear-down)")
+    for file, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {file}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  all files")

@@ -1,4 +1,4 @@
-"""[torch-private]: the one module that touches torch's private APIs. Each of its uses is tested against the installed
+"""[torch-private]: the one package that touches torch's private APIs. Each of its uses is tested against the installed
 torch (so an upgrade that moves one fails here, by name), and no other file of the package touches one."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from odcfsdp import torch_private as tp
@@ -121,3 +122,61 @@ def test_pyproject_states_the_oldest_tested_torch():
     text = (PACKAGE.parent / "pyproject.toml").read_text()
     assert re.search(r'"torch>=([\d.]+)"', text).group(1) == tp.TESTED_TORCH[0]
     assert torch.__version__.split("+")[0].rsplit(".", 1)[0] in tp.TESTED_TORCH  # this torch is a tested one
+
+
+def test_the_implicit_events_reach_a_sink():
+    """[implicit-events]: ``EventGrad``'s ``.grad`` reads and writes, a torch optimizer's step over the parameters
+    and a read inside ``zero_grad`` reach the parameter's sink, and nothing else does; an optimizer over ``UNSHARDED``
+    parameters is refused before it steps."""
+    from odcfsdp.torch_private import events
+
+    class Param(events.EventGrad, torch.nn.Parameter):
+        pass
+
+    class Sink:
+        def __init__(self):
+            self.seen = []
+
+        def grad_read(self, sp):
+            self.seen.append(("read", events.inside_zero_grad()))
+            return events.stored_grad(sp.tensor)
+
+        def grad_written(self, sp, value):
+            self.seen.append(("written", value is None))
+            events.store_grad(sp.tensor, value)
+
+        def optimizer_stepped(self, sps):
+            self.seen.append(("stepped", [sp.tensor is p for sp in sps]))
+
+    class Record:  # what a sharded parameter's ``_odc`` is to the adapter: its tensor and its sink
+        def __init__(self, tensor, sink):
+            self.tensor, self.events = tensor, sink
+
+    events.install_optimizer_hooks()
+    sink = Sink()
+    p = Param(torch.ones(2))
+    p._odc = Record(p, sink)
+    plain = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.full((2,), 0.5)
+    plain.grad = torch.full((2,), 0.5)
+    opt = torch.optim.SGD([p, plain], lr=1.0)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((2,), 0.5)) and torch.equal(plain.detach(), torch.full((2,), 0.5))
+    stepped = sink.seen.index(("stepped", [True]))
+    opt.zero_grad()
+    assert sink.seen[0] == ("written", False) and ("read", False) in sink.seen[:stepped]  # the step read p.grad
+    assert sink.seen[stepped + 1:] == [("read", True), ("written", True)]  # zero_grad's read, then its clearing
+    assert p.grad is None and plain.grad is None
+
+    def zero_grad():  # any function of that name, as an optimizer's or a module's
+        return p.grad
+
+    sink.seen.clear()
+    zero_grad()
+    assert sink.seen == [("read", True)]
+    before = torch.nn.Parameter(torch.ones(1))
+    events.UNSHARDED[id(before)] = before
+    before.grad = torch.ones(1)
+    with pytest.raises(RuntimeError, match="build the optimizer after wrapping"):
+        torch.optim.SGD([before], lr=1.0).step()
+    del events.UNSHARDED[id(before)]

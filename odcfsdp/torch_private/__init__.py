@@ -59,8 +59,10 @@ contract``: ``STATE_KEY``,            and its registry of composable APIs see a 
 ``fsdp._fully_shard._fully_shard``
 ====================================  ==============================================================
 
-The explicit alternatives are public: ``begin_minibatch`` (the minibatch's micro-batch count) and
-FSDP2's own methods on ``fully_shard`` modules.
+This package is the adapter between odcfsdp and torch's internals: this module names the private APIs, and
+``events.py`` ([implicit-events]) catches torch's implicit events (``.grad`` reads and writes, optimizer steps,
+``zero_grad``) through them and hands them to the minibatch. The explicit path is public: ``begin_minibatch``,
+``end_minibatch`` and ``finish_minibatch``, with ``set_implicit_minibatch(False)`` turning the inference off.
 """
 
 from __future__ import annotations

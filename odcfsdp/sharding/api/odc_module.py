@@ -16,6 +16,7 @@ from ..runtime.arguments import check_reshard_after_forward
 from ..runtime.engine import ShardEngine
 from ..runtime.engine_settings import EngineSettings
 from .fsdp_surface import FSDPModule, FSDPSurface
+from .minibatch_control import MinibatchControl
 
 
 @dataclass(eq=False)
@@ -104,7 +105,7 @@ class UnshardHandle:
             g.wait_ready()
 
 
-class ODCModule(FSDPSurface):
+class ODCModule(MinibatchControl, FSDPSurface):
     """The methods ``fully_shard`` adds to a module's class: FSDP2's ``FSDPModule`` methods that have an ODC
     meaning (the others: ``FSDPSurface``, [fsdp-surface]). Each acts on this module's own unit (``recurse``: and
     every unit below it). A ``fully_shard`` module is an ``FSDPModule``, as FSDP2's are."""
@@ -122,6 +123,9 @@ class ODCModule(FSDPSurface):
         shards next is published at the next forward. Returns the module, as ``nn.Module.to_empty``."""
         self._odc_engine.to_empty(device)
         return self
+
+    def _control_minibatch(self):  # MinibatchControl's: the model's one minibatch, whichever unit is asked
+        return self._odc_engine.minibatch
 
     def _get_fsdp_state(self) -> UnitState:
         """This unit's ``UnitState``, as FSDP2's ``_get_fsdp_state`` returns its ``FSDPState``: torch's

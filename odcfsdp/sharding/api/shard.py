@@ -27,10 +27,11 @@ from ..placement.mesh import ShardMesh
 from ..groups.precision import policy_param_dtype, resolve_precision
 from ..runtime.shard_state import persistent_buffers
 from ..runtime.transparent import MOVE_ERROR
+from .minibatch_control import MinibatchControl
 
 __all__ = ["ODCShard", "TrainingPhase"]
 
-class ODCShard(nn.Module):
+class ODCShard(MinibatchControl, nn.Module):
     """Shard ``module``'s parameters over the ranks of a process group, in flat groups.
 
     Parameters are packed in order into groups, one per ``units`` module and of up to
@@ -177,24 +178,9 @@ class ODCShard(nn.Module):
         self._check_open()
         return self.module(*args, **kwargs)
 
-    # -- minibatch protocol --------------------------------------------------------
-    def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
-        """Declare this rank's share of the coming minibatch; return the global token count.
-
-        Optional with one-sided transports, which accept any number of micro-batches
-        per rank (zero included) and communicate here only to sum ``tokens`` (one small
-        all-gather). With ``comm="collective"`` it checks that every rank runs the same
-        number of micro-batches and raises otherwise, instead of letting mismatched
-        collectives hang later.
-
-        Args:
-            micro_batches: micro-batches this rank will run before the next step.
-            tokens: this rank's loss-bearing tokens; if given, the sum over ranks is
-                returned (normalise the loss by it: ranks' shares differ).
-        """
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 0:
-            raise ValueError(f"micro_batches must be an int >= 0, got {micro_batches!r}")
-        return self.minibatch.declare_minibatch(micro_batches, tokens)
+    # -- minibatch protocol: begin / end / finish_minibatch ([implicit-events], MinibatchControl) ---------------
+    def _control_minibatch(self):
+        return self.minibatch
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradients summed over ranks and micro-batches by ``factor``, as FSDP2's method of that name.

@@ -8,8 +8,9 @@ A group's life, in numbered steps (its states are ``GroupState``):
    the unsharded storage back and gathers every rank's row into it (ahead of use on a
    side stream, [streams]); UNSHARDED (modules hold the unsharded parameters, [params]);
 3. in backward ([lifecycle] 5-7): ``prepare_grad`` gives the trained parameters a zeroed
-   gradient buffer ([grad-buffers]); after the group's last site, ``push_grad`` adds it
-   into the owners' accumulator rows; ``to_sharded`` frees the storage: SHARDED again;
+   gradient buffer ([grad-buffers]); after the group's last site, the lifecycle takes it
+   (``take_grad_buffer``) and pushes it into the owners' accumulator rows; ``to_sharded`` frees the storage:
+   SHARDED again;
 4. at the minibatch's meetings ([lifecycle] 8-10, [step-protocol]): ``attach_grads``
    shows the accumulator as the shards' ``.grad``; the optimizer updates the master
    in place; ``publish`` copies the master into the row, ``detach_grads`` and the
@@ -307,18 +308,13 @@ class FlatGroup:
                 found = True
         return found
 
-    def push_grad(self) -> bool:
-        """Scatter-accumulate the pending gradient into the owners' rows; return whether one was pushed.
-
-        On CUDA the push runs on the push stream, after everything queued so far on
-        the current stream (which wrote the gradient), overlapping what comes next.
-        """
-        if self.grad_buffer is None:
-            return False
-        with torch.no_grad():
-            self.comm.push(self.index, self.grad_buffer)
-        self.drop_grad_buffer()  # pushed: the push stream holds what it still reads ([streams] 2)
-        return True
+    def take_grad_buffer(self) -> torch.Tensor | None:
+        """The pending gradient buffer, handed over for its push ([lifecycle] 6-7): the group forgets it, and the
+        push stream holds what it still reads ([streams] 2). None: nothing pending."""
+        grad = self.grad_buffer
+        if grad is not None:
+            self.drop_grad_buffer()
+        return grad
 
     def drop_grad_buffer(self) -> None:
         """Forget the gradient buffer and the parameters' views of it: once pushed, or, unpushed, after an aborted

@@ -23,8 +23,9 @@ and code outside sees shards.
 The sharded parameter's ``.grad`` is a property: this rank's fp32 accumulator rows,
 as a DTensor of the same placement, made complete and attached when first read
 after the minibatch's backward passes ([grad-protocol] in ``protocol.py``). This
-tier knows nothing of that protocol: reads and writes of ``.grad`` are *events* it
-hands to the ``GradEvents`` sink it was given, which decides what they mean.
+tier knows nothing of that protocol: reads and writes of ``.grad`` are *events*, caught by
+the adapter's ``EventGrad`` ([implicit-events] in ``torch_private/events.py``) and handed to
+the sink the parameter was given (``events``: its model's ``Minibatch``), which decides what they mean.
 A sharded parameter that receives a gradient through autograd (it was used in a
 computation outside its module's forward) raises: that gradient would bypass the
 accumulators.
@@ -44,46 +45,18 @@ has no accumulator: unfreezing it is refused at the next forward, in one line.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.layout import GroupLayout
-from .optimizer_events import UNSHARDED
-from ...torch_private import TENSOR_GRAD as _tensor_grad  # the C-level .grad the property below wraps
+from ...torch_private.events import UNSHARDED, EventGrad, EventSink, store_grad, stored_grad
 from ...torch_private import DTensorSpec, TensorMeta, local_of, mark_parameter, register_foreach_types, set_local
 
 
-class GradEvents(Protocol):
-    """Where the ``.grad`` reads and writes of sharded parameters go (the step protocol, [grad-protocol])."""
-
-    def grad_read(self, sp: ShardedParam) -> torch.Tensor | None:
-        """``sp.sharded.grad`` was read: return what the read gives."""
-
-    def grad_written(self, sp: ShardedParam, value: torch.Tensor | None) -> None:
-        """``sp.sharded.grad`` was assigned ``value`` (None: cleared, as ``zero_grad`` does)."""
-
-
-class _EventGrad:
-    """``.grad`` read and written as events of the owning model's step protocol (see [grad-protocol])."""
-
-    @property
-    def grad(self):
-        """This rank's fully reduced gradient shard (reading it may be where ranks meet)."""
-        return self._odc.events.grad_read(self._odc)
-
-    @grad.setter
-    def grad(self, value):
-        self._odc.events.grad_written(self._odc, value)
-
-    @grad.deleter
-    def grad(self):
-        self._odc.events.grad_written(self._odc, None)
-
-
-class ODCParameter(_EventGrad, DTensor):
+class ODCParameter(EventGrad, DTensor):
     """A parameter of an ``ODCShard`` model outside forward: this rank's dim-0 shard as a DTensor.
 
     Its local tensor is a view of the group's master row; ``.grad`` is this rank's
@@ -91,7 +64,7 @@ class ODCParameter(_EventGrad, DTensor):
     """
 
 
-class ODCLocalParameter(_EventGrad, nn.Parameter):
+class ODCLocalParameter(EventGrad, nn.Parameter):
     """An ``ODCShard`` parameter outside forward in a single process without torch.distributed (see [params])."""
 
 
@@ -151,7 +124,7 @@ class ShardedParam:
         self.position = position
         self.trainable = original.requires_grad  # has an accumulator view: may be trained ([requires-grad])
         self.registrations = registrations
-        self.events: GradEvents | None = None  # where .grad reads and writes go: the model's Minibatch, once built
+        self.events: EventSink | None = None  # where .grad reads and writes go: the model's Minibatch, once built
         self.index = index
         self._device_mesh = device_mesh
         view = layout.param_view(buffer, index)
@@ -229,22 +202,22 @@ class ShardedParam:
     @property
     def attached(self) -> torch.Tensor | None:
         """The sharded parameter's ``.grad`` as stored (no protocol involved)."""
-        return _tensor_grad.__get__(self.sharded)
+        return stored_grad(self.sharded)
 
     def attach_grad(self, layout: GroupLayout | None = None, row: torch.Tensor | None = None, rank: int = 0) -> None:
         """Point ``.grad`` at this rank's accumulator shard, or at its shard of ``row`` (a row-shaped copy of the
         accumulator in the masters' dtype, with ``layout`` and ``rank``: see [precision])."""
         grad = self.grad_view if row is None else as_global(layout.local_view(row, self.index, rank), self.shape,
                                                             self._device_mesh)
-        _tensor_grad.__set__(self.sharded, grad)
+        store_grad(self.sharded, grad)
 
     def detach_grad(self) -> None:
         """Drop the sharded parameter's ``.grad`` (no event)."""
-        _tensor_grad.__set__(self.sharded, None)
+        store_grad(self.sharded, None)
 
     def assign_grad(self, value: torch.Tensor) -> None:
         """Store ``value`` as the sharded parameter's ``.grad`` (no event), as plain PyTorch keeps an assigned one."""
-        _tensor_grad.__set__(self.sharded, value)
+        store_grad(self.sharded, value)
 
     def release(self) -> None:
         """The wrapper is closing and its rows are about to be freed: drop the hook and the gradient, point the shard
@@ -270,7 +243,7 @@ class ShardedParam:
 
 
 def _used_while_sharded(name: str, param: torch.Tensor) -> None:
-    _tensor_grad.__set__(param, None)
+    store_grad(param, None)
     raise RuntimeError(
         f"parameter {name!r} got a gradient while sharded: it was used outside its module's forward. "
         "ODCShard gathers a parameter only while its module runs; call the module instead, hook the parent "

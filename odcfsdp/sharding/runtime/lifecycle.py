@@ -193,8 +193,15 @@ class StepLifecycle:
         self.minibatch.after_backward()
 
     def push(self, group: FlatGroup) -> None:
-        """Push ``group``'s pending gradient (if any) into the owners' accumulators; the minibatch counts it."""
-        self.minibatch.count_pushes(group.push_grad())
+        """Push ``group``'s pending gradient (if any): scatter-accumulate it into the owners' accumulator rows (on CUDA
+        on the push stream, after everything queued so far on the current stream, which wrote the gradient, and
+        overlapping what comes next: [streams] 2); the minibatch counts it."""
+        grad = group.take_grad_buffer()
+        if grad is None:
+            return
+        with torch.no_grad():
+            self.comm.push(group.index, grad)
+        self.minibatch.count_pushes(1)
 
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (the modules hold shards)."""

@@ -15,8 +15,9 @@ pass. What happens once the micro-batches are over is all here, in the order it 
 
 *When* each runs is the state machine of [step-protocol] (``protocol.py``): the events below
 (``grad_read``, ``grad_written``, ``optimizer_stepped``, ``before_forward``) run the transitions of
-``TRANSITIONS``, a table of this class's methods. *How* ranks meet is ``Meetings``
-(``meetings.py``), and where the streams wait is ``CommStreams`` (``streams.py``).
+``TRANSITIONS``, a table of this class's methods; the explicit path (``end``, ``finish_step``:
+``end_minibatch`` and ``finish_minibatch``) runs the same steps where the loop names them. *How* ranks meet is
+``Meetings`` (``meetings.py``), and where the streams wait is ``CommStreams`` (``streams.py``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import torch
 from ..groups.group import FlatGroup, reshard_all
 from ..placement.meetings import Meeting, Meetings
 from ..placement.mesh import ShardMesh
-from ..groups.optimizer_events import install_optimizer_hooks
 from ..groups.param import ShardedParam
 from ..groups.row_format import LatePublish
 from .phase_range import phase_range
-from .protocol import GradState, StepEvent, inside_zero_grad
+from .protocol import GradState, StepEvent
 from ..transport.streams import CommStreams
+from ...torch_private.events import inside_zero_grad, install_optimizer_hooks
 
 
 class Minibatch:
@@ -77,6 +78,8 @@ class Minibatch:
         self._pass_position: int | None = None  # model position of the last .grad read of the current pass
         self.fresh = True  # no forward in grad mode since the last finish or change ([zero-grad-pass])
         self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
+        self.implicit = True  # torch's implicit events drive steps 8 and 10 ([implicit-events]); False: only end/finish
+        self.ended = False  # end() synced this minibatch: .grad reads meet nobody until its finish
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
         self._to_consume: dict = {}  # READY: the parameters trained at the sync (ordered), all to be consumed
         self.publish_at_next_forward = False  # to_empty() ran: publish whatever the model's init writes ([meta-init])
@@ -118,16 +121,21 @@ class Minibatch:
                 f"trained parameters got gradients that no optimizer step consumed and no zero_grad() cleared "
                 f"({left[:3]}{' ...' if len(left) > 3 else ''}): put every trained parameter in an optimizer, "
                 "or freeze it (requires_grad=False) before wrapping; gradients cannot accumulate over steps")
+        if self.ended and torch.is_grad_enabled():
+            raise RuntimeError("a forward pass after end_minibatch() before its finish: call finish_minibatch() "
+                               "after the optimizer step (the next minibatch starts after it)")
         if self.publish_at_next_forward:  # [meta-init]: the values written since to_empty() reach the rows
             with self.rows_changing():
                 pass
         changed = [g for g in self.groups if g.master_changed]
         if changed:
             names = [sp.name for sp in changed[0].params]
+            explicit = "" if self.implicit else (" (with set_implicit_minibatch(False), call finish_minibatch() "
+                                                 "after each optimizer step)")
             raise RuntimeError(
                 f"parameters were changed in place outside an optimizer step (one of {names[:4]}"
                 f"{' ...' if len(names) > 4 else ''}), so the rows other ranks gather are stale: change them inside "
-                "`with model.changing_parameters():` (collective), or with model.load_state_dict()")
+                f"`with model.changing_parameters():` (collective), or with model.load_state_dict(){explicit}")
         if torch.is_grad_enabled():
             self.fresh = False
             self._fire(StepEvent.FORWARD)
@@ -136,10 +144,11 @@ class Minibatch:
         """Backward is over: the next ``.grad`` read starts a pass."""
         self._pass_position = None
 
-    # -- the parameters' events (GradEvents) and the optimizers' ---------------------------------------
+    # -- torch's implicit events ([implicit-events]): .grad reads and writes, optimizer steps ------------------
     def grad_read(self, sp: ShardedParam) -> torch.Tensor | None:
         """The ``.grad`` property of a sharded parameter (see [grad-protocol]); a closed model's meets nobody."""
-        if not sp.trained or self.closed or self.in_pass or self.state is GradState.READY:
+        if (not sp.trained or self.closed or self.in_pass or self.state is GradState.READY or self.ended
+                or not self.implicit):
             return sp.attached
         new_pass = self._pass_position is None or sp.position <= self._pass_position
         self._pass_position = sp.position
@@ -157,13 +166,40 @@ class Minibatch:
             sp.assign_grad(value)
             return
         sp.detach_grad()
-        if sp.trained and not self.closed:
+        if sp.trained and not self.closed and self.implicit:
             self._fire(StepEvent.CLEARED, (sp,))
 
     def optimizer_stepped(self, sps: list[ShardedParam]) -> None:
         """An optimizer stepped over ``sps`` (this model's): their gradients are consumed ([optimizer-events])."""
-        if not self.closed:
+        if not self.closed and self.implicit:
             self._fire(StepEvent.STEP, sps)
+
+    # -- the explicit path ([implicit-events]): what the events above stand for ---------------------------------
+    def end(self) -> None:
+        """``end_minibatch()``: this rank's micro-batches are over; step 8 (the sync: one meeting) unless this
+        minibatch already synced. Every rank calls it once per minibatch, with or without micro-batches."""
+        self._check_explicit("end_minibatch")
+        if self.state is GradState.ACCUMULATING or (self.state is GradState.EMPTY and not self.ended):
+            self._sync()
+        self.ended = True
+
+    def finish_step(self) -> None:
+        """``finish_minibatch()``: the optimizer stepped; step 10 (publish the masters, zero the accumulators: one
+        meeting) unless the minibatch already finished (an optimizer's step hook did it). Every rank calls it."""
+        self._check_explicit("finish_minibatch")
+        if self.state is not GradState.ACCUMULATING:
+            self._finish()
+        elif not self.fresh:
+            raise RuntimeError("finish_minibatch() before this minibatch's gradients were synced: call "
+                               "end_minibatch() after the last micro-batch's backward, then step, then finish")
+        elif any(g.master_changed for g in self.groups):  # stepped without gradients (a fresh minibatch)
+            self._finish()
+
+    def _check_explicit(self, name: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{name}() on a closed model")
+        if self.in_pass:
+            raise RuntimeError(f"{name}() inside a forward or backward pass: call it between passes")
 
     def _fire(self, event: StepEvent, params: Sequence[ShardedParam] = ()) -> None:
         """Run the transition of ``TRANSITIONS`` for (state, ``event``), if any; ``params``: whose event it is."""
@@ -189,6 +225,7 @@ class Minibatch:
 
     def _accumulate(self, _params=()) -> None:
         self.state = GradState.ACCUMULATING
+        self.ended = False
 
     def _consume(self, params: Sequence[ShardedParam]) -> None:
         self._consumed.update(sp for sp in params if sp in self._to_consume)
@@ -212,6 +249,7 @@ class Minibatch:
         self.minibatch += 1
         self.state = GradState.ACCUMULATING
         self.fresh = True
+        self.ended = False
         self._consumed = set()
         self._to_consume = {}
         self._pass_position = None

@@ -64,6 +64,13 @@ parameters ([optimizer-events]); CLEARED, a trained parameter's ``.grad`` set to
 forward in grad mode. Every root forward first checks that no gradient was half consumed and no row is stale;
 ``rows_changing`` works from any state and ends in ACCUMULATING.
 
+READ, STEP and CLEARED are torch's implicit events, caught in the adapter ([implicit-events] in
+``torch_private/events.py``) and ignored once ``set_implicit_minibatch(False)``.
+The explicit path calls the same two steps itself: ``end_minibatch`` (``Minibatch.end``) runs ``_sync`` in
+ACCUMULATING, or in EMPTY not yet ended, and marks the minibatch ended (reads meet nobody until its finish; a forward
+in grad mode before the finish raises); ``finish_minibatch`` (``Minibatch.finish_step``) runs ``_finish`` in READY or
+EMPTY, does nothing in a fresh ACCUMULATING (already finished), and raises in one with pushes not yet synced.
+
 Design note [grad-protocol]
 ---------------------------
 A rank without micro-batches reads ``.grad`` at the same points as the others (its
@@ -125,8 +132,6 @@ from __future__ import annotations
 
 import enum
 
-from ...torch_private import called_from
-
 
 class GradState(enum.Enum):
     """Where a minibatch's gradients are (see [grad-protocol])."""
@@ -152,10 +157,4 @@ class StepEvent(enum.Enum):
     """A root forward in grad mode."""
 
 
-def inside_zero_grad(depth: int = 3) -> bool:
-    """Whether a ``zero_grad`` method (an optimizer's or a module's) is among the nearest ``depth`` callers of
-    the ``.grad`` read being handled ([zero-grad-pass]): frames above ``grad_read`` and the property getter."""
-    return called_from("zero_grad", depth, skip=2)
-
-
-__all__ = ["GradState", "StepEvent", "inside_zero_grad"]
+__all__ = ["GradState", "StepEvent"]
