@@ -246,8 +246,9 @@ def _probe_rounds(rank: int, root: str, rounds: int, barrier, failures) -> None:
 
     from odcfsdp.app.preflight import preflight
 
+    cfg = config_from({"run": {"world_size": 1}})  # built once: each round changes only the directory
     for k in range(rounds):
-        cfg = config_from({"run": {"out_dir": f"{root}/round{k}/run", "world_size": 1}})
+        cfg.run.out_dir = f"{root}/round{k}/run"
         barrier.wait(timeout=60)
         if rank:
             time.sleep((k % 20) * 1e-5)

@@ -22,7 +22,7 @@ from odcfsdp.checkpoint.lock import LOCK_FILE, DirLock, InUseError, _started_tic
 from odcfsdp.interrupts import _before_exit_now
 
 from test_interrupts import finish, start, trained_steps, wait_for
-from test_train import _alive, _ranks_of
+from test_train import _alive, _ranks_of, cli
 
 IN_USE = re.compile(r"error: run\.out_dir='(?P<dir>[^']+)' is in use by run pid (?P<pid>\d+) \(started "
                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\): wait for it to end \(or stop it\), or choose another "
@@ -189,8 +189,7 @@ def test_a_killed_runs_lock_is_taken_over_and_sigterm_releases_it(tmp_path):
     again = start(tmp_path, "run.steps=400", "checkpoint.resume=auto", *common)
     cut = trained_steps(tmp_path)
     wait_for(lambda: trained_steps(tmp_path) >= cut + 2, again, "training after the take-over")
-    blocked = subprocess.run([sys.executable, "-m", "odcfsdp.train", "run.out_dir=other", "checkpoint.dir=ck",
-                              "run.steps=2"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    blocked = cli("run.out_dir=other", "checkpoint.dir=ck", "run.steps=2", cwd=tmp_path, timeout=120)
     again.send_signal(signal.SIGTERM)
     err = finish(again)
     assert again.returncode == 0, err[-2000:]
@@ -210,9 +209,7 @@ def test_a_checkpoint_dir_inside_another_runs_out_dir_is_refused(tmp_path):
     there (its run.out_dir elsewhere) is refused in one line, exit code 2 (both ran, and moved each other's saves)."""
     first = start(tmp_path, "run.steps=400", "checkpoint.interval=1", "data.micro_batch_tokens=1024")
     wait_for(lambda: trained_steps(tmp_path) >= 1, first, "training")
-    blocked = subprocess.run([sys.executable, "-m", "odcfsdp.train", "run.out_dir=other",
-                              "checkpoint.dir=run/checkpoints", "run.steps=2"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=120)
+    blocked = cli("run.out_dir=other", "checkpoint.dir=run/checkpoints", "run.steps=2", cwd=tmp_path, timeout=120)
     first.send_signal(signal.SIGTERM)
     err = finish(first)
     assert first.returncode == 0, err[-2000:]
@@ -228,8 +225,7 @@ def test_every_way_out_releases_the_lock(tmp_path):
     from odcfsdp.checkpoint import latest_checkpoint
 
     common = ["optim.lr=1e6", "run.steps=12", "checkpoint.interval=1"]
-    stopped = subprocess.run([sys.executable, "-m", "odcfsdp.train", "run.out_dir=run", *common], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
+    stopped = cli("run.out_dir=run", *common, cwd=tmp_path, timeout=300)
     assert stopped.returncode == 3 and not (tmp_path / "run" / LOCK_FILE).exists(), stopped.stderr[-2000:]
     starting = _cli(tmp_path, "run.out_dir=starting", "data.pool_tokens=30000000")
     wait_for(lambda: len(_ranks_of(starting.pid)) == 2, starting, "two ranks")
@@ -238,8 +234,7 @@ def test_every_way_out_releases_the_lock(tmp_path):
     assert starting.returncode == 130 and not (tmp_path / "starting" / LOCK_FILE).exists(), err[-2000:]
     file = latest_checkpoint(tmp_path / "run" / "checkpoints") / "rank00000.safetensors"
     file.write_bytes(file.read_bytes()[:-100] + bytes(100))  # same size, other values: the checksum fails
-    failed = subprocess.run([sys.executable, "-m", "odcfsdp.train", "run.out_dir=run", "checkpoint.resume=auto",
-                             *common], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    failed = cli("run.out_dir=run", "checkpoint.resume=auto", *common, cwd=tmp_path, timeout=300)
     assert failed.returncode == 1 and "checksum mismatch" in failed.stderr, failed.stderr[-2000:]
     assert not (tmp_path / "run" / LOCK_FILE).exists()
 

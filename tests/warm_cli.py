@@ -1,0 +1,145 @@
+"""``python -m odcfsdp.train`` for tests, without paying its imports on every call.
+
+Each call of the command line imports torch, Hydra and odcfsdp (about 3 s of CPU on CI's 2 cores) before it
+does anything; the suite makes about a hundred calls. ``run_cli`` keeps, per test process, one server that
+imported the command line once (``_serve``), and forks a child of it per call. The child is a real process, as
+``subprocess.run([sys.executable, "-m", "odcfsdp.train", ...])``'s would be: the caller's working directory and
+environment at the time of the call, its own stdout and stderr (captured), default signal dispositions, the
+command line's ``main()`` and the interpreter's exit functions, and an exit status that is its own
+(``-N`` for a signal, as ``subprocess`` gives it). Only the imports are shared, and the server runs nothing
+else: no torch op, no thread, before it forks. Tests that signal a run, or watch its process tree, start it with
+``subprocess`` themselves, as do tests whose environment must reach the imports (``PYTHONPATH``, ``TMPDIR``: the
+server imported with its own).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+_SERVER = None
+_LOCK = threading.Lock()
+
+
+def _send(fd: int, obj) -> None:
+    data = pickle.dumps(obj)
+    os.write(fd, struct.pack("<Q", len(data)) + data)
+
+
+def _recv(fd: int, timeout: float | None = None):
+    if timeout is not None and not select.select([fd], [], [], max(timeout, 0.0))[0]:
+        raise TimeoutError
+    head = _read_exactly(fd, 8)
+    return pickle.loads(_read_exactly(fd, struct.unpack("<Q", head)[0]))
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError("the warm command-line server is gone")
+        out += chunk
+    return out
+
+
+def _child(request: dict, proto: tuple[int, int]) -> None:
+    """The forked child: become ``python -m odcfsdp.train <args>`` in the caller's directory and environment."""
+    code = 1
+    try:
+        for fd in proto:
+            os.close(fd)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the interpreter's own, as at start-up
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC), 2)
+        sys.argv = [str(Path(sys.modules["odcfsdp.train"].__file__)), *request["args"]]
+        try:
+            sys.modules["odcfsdp.train"].main()
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()  # what the interpreter runs at exit (multiprocessing's clean-up among them)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _serve(path: list[str]) -> None:
+    """The server: import the command line once, then fork a child per request and report its exit status."""
+    sys.path[:] = path
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)  # a stray print must not reach the protocol
+    import odcfsdp.train  # noqa: F401  (imports torch, Hydra and the application)
+
+    while True:
+        try:
+            request = _recv(proto_in)
+        except EOFError:
+            return
+        pid = os.fork()
+        if pid == 0:
+            _child(request, (proto_in, proto_out))
+        _send(proto_out, pid)
+        _, status = os.waitpid(pid, 0)
+        _send(proto_out, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+def _server() -> subprocess.Popen:
+    global _SERVER
+    if _SERVER is None or _SERVER.poll() is not None:
+        code = (f"import sys; sys.path[:0] = {[str(Path(__file__).parent)]!r}; import warm_cli; "
+                f"warm_cli._serve({sys.path!r})")
+        _SERVER = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return _SERVER
+
+
+def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run ``python -m odcfsdp.train *args`` in ``cwd``, as ``subprocess.run(..., capture_output=True, text=True,
+    timeout=timeout, env=env)`` would (``env`` None: this process's environment now), in a child of the warm server;
+    raises ``subprocess.TimeoutExpired`` past ``timeout``."""
+    with _LOCK, tempfile.TemporaryDirectory() as tmp:
+        server = _server()
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        _send(server.stdin.fileno(), {"args": list(args), "cwd": str(cwd), "env": dict(os.environ if env is None else env),
+                                      "stdout": str(out), "stderr": str(err)})
+        pid = _recv(server.stdout.fileno(), timeout=60)
+        try:
+            code = _recv(server.stdout.fileno(), timeout=timeout)
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            _recv(server.stdout.fileno(), timeout=60)
+            raise subprocess.TimeoutExpired([sys.executable, "-m", "odcfsdp.train", *args], timeout,
+                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
+        return subprocess.CompletedProcess([sys.executable, "-m", "odcfsdp.train", *args], code,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
