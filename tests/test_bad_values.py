@@ -7,7 +7,7 @@ import torch
 
 from odcfsdp.checkpoint import list_checkpoints
 from odcfsdp.app.config import checkpoint_dir, config_from, validate
-from test_train import cli
+from warm_cli import cli
 
 BAD = [  # (overrides, the one line's message)
     ({"optim": {"lr": float("inf")}}, "optim.lr=inf must be a finite number >= 0"),

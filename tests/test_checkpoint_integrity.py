@@ -138,7 +138,7 @@ def test_resuming_a_damaged_checkpoint_names_the_newest_intact_one(tmp_path):
     """A flipped byte in the newest checkpoint: checkpoint.resume=auto exits with code 1 and one error line naming the
     file and checkpoint.resume=<the newest intact checkpoint before it>, writing nothing; resuming from there trains
     to the end."""
-    from test_train import cli
+    from warm_cli import cli
 
     common = ["run.out_dir=run", "checkpoint.interval=2"]
     first = cli("run.steps=4", *common, cwd=tmp_path, timeout=300)

@@ -16,7 +16,7 @@ from odcfsdp.checkpoint.files import naming, write_json_durably
 from odcfsdp.checkpoint.sweep import leftovers, sweep_leftovers, sweep_note
 from odcfsdp.checkpoint.verify import verify_checkpoint
 
-from test_train import cli
+from warm_cli import cli
 
 
 def _step(directory, name: str, complete: bool = True):

@@ -15,7 +15,7 @@ import torch
 
 from hf_fixtures import write_jsonl
 from odcfsdp.app.config import TrainConfig
-from test_train import cli
+from warm_cli import cli
 
 TEXTS = [f"sample {i}: " + "ab" * (3 + i) for i in range(12)]  # byte tokenizer: len(text) + 1 targets (EOS) each
 

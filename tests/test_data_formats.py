@@ -10,7 +10,7 @@ import torch
 
 from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases, reference_example, table_cases
 from hf_fixtures import write_jsonl
-from test_train import cli
+from warm_cli import cli
 
 from odcfsdp.app.config import FieldsConfig, config_from, validate
 from odcfsdp.data.formats import FORMATS, Chat, Completion, parse

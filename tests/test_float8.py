@@ -19,7 +19,7 @@ from odcfsdp.app import preflight
 from odcfsdp.app.config import config_from, validate
 from odcfsdp.sharding.groups import float8
 from odcfsdp.sharding.groups.float8 import convert_float8_linears, float8_problem
-from test_train import cli
+from warm_cli import cli
 
 #: every dim a multiple of 16, so every linear but the head is converted
 def _cpu_takes_rowwise_scales() -> bool:

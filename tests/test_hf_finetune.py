@@ -14,7 +14,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="fine-tuning HF models needs transformers (test extra)")
 
 from hf_fixtures import chat_records, save_pretrained_model, write_jsonl  # noqa: E402
-from test_train import cli  # noqa: E402
+from warm_cli import cli  # noqa: E402
 
 from odcfsdp import ODCShard  # noqa: E402
 from odcfsdp.checkpoint import export_hf, load_hf  # noqa: E402

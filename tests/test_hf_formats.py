@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="fine-tuning HF models
 
 from format_cases import FIELD_OVERRIDES, TOOL_TEMPLATE, format_cases, reference_example  # noqa: E402
 from hf_fixtures import save_pretrained_model, write_jsonl  # noqa: E402
-from test_train import cli  # noqa: E402
+from warm_cli import cli  # noqa: E402
 
 RECORDS = 4  # per file: one global minibatch, so the first step sees every record whatever the shuffle
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from odcfsdp.app.resume_setup import setup_changes
-from test_train import cli
+from warm_cli import cli
 
 BASE = ["run.world_size=1", "optim.schedule=cosine", "optim.warmup_steps=1", "checkpoint.interval=2",
         "optim.lr=0.01"]

@@ -22,7 +22,8 @@ from odcfsdp.checkpoint.lock import LOCK_FILE, DirLock, InUseError, _started_tic
 from odcfsdp.interrupts import _before_exit_now
 
 from test_interrupts import finish, start, trained_steps, wait_for
-from test_train import _alive, _ranks_of, cli
+from test_train import _alive, _ranks_of
+from warm_cli import cli
 
 IN_USE = re.compile(r"error: run\.out_dir='(?P<dir>[^']+)' is in use by run pid (?P<pid>\d+) \(started "
                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\): wait for it to end \(or stop it\), or choose another "

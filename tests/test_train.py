@@ -15,7 +15,7 @@ from odcfsdp.app.config import TrainConfig, config_from, validate
 from odcfsdp.launch import spawn
 from odcfsdp.app.plot import plot_run
 from odcfsdp.app.train import _train_worker
-from warm_cli import run_cli
+from warm_cli import cli, cold_cli
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 GOLDEN_OVERRIDES = {
@@ -29,20 +29,6 @@ def run_ranks(overrides: dict, out_dir: str, world_size: int = 2) -> list[dict]:
     """Train with ``overrides`` on ``world_size`` spawned CPU ranks; rank 0's metrics."""
     cfg = {**overrides, "run": {**overrides.get("run", {}), "out_dir": str(out_dir)}}
     return spawn(_train_worker, world_size, cfg, timeout=600)[0]
-
-
-def cli(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m odcfsdp.train *args`` in ``cwd`` (with ``env``: else this process's environment), its output
-    captured, within ``timeout`` seconds: a process of
-    its own, forked from a server that imported the command line once (``warm_cli``: the imports are most of a
-    refused run's time)."""
-    return run_cli(list(args), cwd=cwd, timeout=timeout, env=env)
-
-
-def cold_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``cli`` in a new interpreter, as a user runs it (imports included)."""
-    return subprocess.run([sys.executable, "-m", "odcfsdp.train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
 
 
 def test_default_job_short_run(tmp_path):

@@ -143,3 +143,15 @@ def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | 
                                             out.read_text(errors="replace"), err.read_text(errors="replace"))
         return subprocess.CompletedProcess([sys.executable, "-m", "odcfsdp.train", *args], code,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+def cli(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m odcfsdp.train *args`` in ``cwd`` (with ``env``: else this process's environment), its output
+    captured, within ``timeout`` seconds: ``run_cli``, a process of its own forked from the warm server."""
+    return run_cli(list(args), cwd=cwd, timeout=timeout, env=env)
+
+
+def cold_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``cli`` in a new interpreter, as a user runs it (imports included)."""
+    return subprocess.run([sys.executable, "-m", "odcfsdp.train", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
