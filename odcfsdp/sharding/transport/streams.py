@@ -17,9 +17,8 @@ done*:
    current stream's work (which wrote ``grad``), which must not be reused before the push
    has read it. Freed with ``record_stream``, the allocator reuses such a block only once the
    host sees that push done, and the host runs layers ahead, so where backward outruns
-   the pushes their buffers pile up: 3.7 GiB of them (9 layers' worth) at the peak of 8B
-   float8 on 2 H200s (``results/e2e/n2_8b_balanced_fp8_gather_d987601``), 5.7 GiB at 8B bf16 balanced
-   (``n2_8b_balanced_memory_949626a``). So pushes are bounded per site by default (``pushes_in_flight = 1``,
+   the pushes their buffers pile up, several layers' worth at the peak (the measured bytes: docs/design.md,
+   Memory and precision). So pushes are bounded per site by default (``pushes_in_flight = 1``,
    ``PUSHES_IN_FLIGHT``), as FSDP2 bounds its reduce-scatters per unit: once a site's groups are pushed
    (``site_pushed``, step 6 of [lifecycle]) the current stream waits for the previous
    site's pushes, and only then are that site's buffers dropped (no ``record_stream``:
