@@ -138,6 +138,12 @@ def test_explicit_calls_in_the_wrong_place_are_refused():
     with pytest.raises(ValueError, match="True or False"):
         model.set_implicit_minibatch(1)
     model.set_implicit_minibatch(False)
+    with pytest.raises(RuntimeError, match="before this minibatch's gradients were synced"):
+        model.finish_minibatch()  # a rank without micro-batches refuses it as one with them does: no rank meets
+    model.end_minibatch()  # nothing pushed anywhere: synced, no gradients
+    with pytest.raises(RuntimeError, match="inside a minibatch"):
+        model.set_implicit_minibatch(True)  # ended, not finished: as on a rank that ran micro-batches
+    model.finish_minibatch()
     model(torch.randn(4, 8)).sum().backward()
     with pytest.raises(RuntimeError, match="inside a minibatch"):
         model.set_implicit_minibatch(True)
@@ -147,8 +153,9 @@ def test_explicit_calls_in_the_wrong_place_are_refused():
     model.end_minibatch()  # once synced, again is a no-op
     assert all(p.grad is not None for p in model.parameters())
     model.finish_minibatch()
-    model.finish_minibatch()  # finished: a no-op
     assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="before this minibatch's gradients were synced"):
+        model.finish_minibatch()  # implicit events off: the next minibatch has synced nothing (no hook finished it)
     model.close()
     with pytest.raises(RuntimeError, match="closed model"):
         model.end_minibatch()

@@ -4,12 +4,14 @@ Each call of the command line imports torch, Hydra and odcfsdp (about 3 s of CPU
 does anything; the suite makes about a hundred calls. ``run_cli`` keeps, per test process, one server that
 imported the command line once (``_serve``), and forks a child of it per call. The child is a real process, as
 ``subprocess.run([sys.executable, "-m", "odcfsdp.train", ...])``'s would be: the caller's working directory and
-environment at the time of the call, its own stdout and stderr (captured), default signal dispositions, the
-command line's ``main()`` and the interpreter's exit functions, and an exit status that is its own
-(``-N`` for a signal, as ``subprocess`` gives it). Only the imports are shared, and the server runs nothing
-else: no torch op, no thread, before it forks. Tests that signal a run, or watch its process tree, start it with
-``subprocess`` themselves, as do tests whose environment must reach the imports (``PYTHONPATH``, ``TMPDIR``: the
-server imported with its own).
+environment at the time of the call, its own stdout and stderr (captured, and read until every process that
+holds them has closed them), the interpreter's signal dispositions, the command line's ``main()``, the
+interpreter's exit (threads joined, exit functions run) and an exit status that is its own (``-N`` for a signal,
+as ``subprocess`` gives it). Only the imports are shared, and the server runs nothing else (no torch op) before
+it forks. A call that does not end in order (a timeout, an alarm, Ctrl-C) kills its child and the server; the next
+call starts a new one. Tests that signal a run, or watch its process tree, start it with ``subprocess``
+themselves, as do tests whose environment must reach the imports (``PYTHONPATH``, ``TMPDIR``: the server imported
+with its own).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ _LOCK = threading.Lock()
 
 
 def _send(fd: int, obj) -> None:
-    data = pickle.dumps(obj)
-    os.write(fd, struct.pack("<Q", len(data)) + data)
+    payload = pickle.dumps(obj)
+    data = memoryview(struct.pack("<Q", len(payload)) + payload)
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _recv(fd: int, timeout: float | None = None):
@@ -51,22 +55,25 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return out
 
 
-def _child(request: dict, proto: tuple[int, int]) -> None:
+def _child(request: dict, proto: tuple[int, int], out_w: int, err_w: int) -> None:
     """The forked child: become ``python -m odcfsdp.train <args>`` in the caller's directory and environment."""
     code = 1
     try:
         for fd in proto:
             os.close(fd)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the interpreter's own, as at start-up
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # what the interpreter sets at start-up
+            signal.signal(sig, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.close(out_w)
+        os.close(err_w)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC), 1)
-        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC), 2)
         sys.argv = [str(Path(sys.modules["odcfsdp.train"].__file__)), *request["args"]]
         try:
             sys.modules["odcfsdp.train"].main()
@@ -76,6 +83,8 @@ def _child(request: dict, proto: tuple[int, int]) -> None:
                 code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
+        except KeyboardInterrupt:  # as the interpreter ends on an uncaught one: by the signal
+            code = -signal.SIGINT
         except BaseException:
             import traceback
 
@@ -84,30 +93,55 @@ def _child(request: dict, proto: tuple[int, int]) -> None:
         try:
             import atexit
 
-            atexit._run_exitfuncs()  # what the interpreter runs at exit (multiprocessing's clean-up among them)
+            threading._shutdown()  # non-daemon threads joined, then the exit functions, as at the interpreter's exit
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
 
 
 def _serve(path: list[str]) -> None:
-    """The server: import the command line once, then fork a child per request and report its exit status."""
+    """The server: import the command line once, then per request fork a child, copy its stdout and stderr into
+    the caller's files until every process holding them has closed them (as ``subprocess.run`` reads its pipes to
+    the end), and report the child's exit status."""
     sys.path[:] = path
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # a stray print must not reach the protocol
     import odcfsdp.train  # noqa: F401  (imports torch, Hydra and the application)
 
+    _send(proto_out, "ready")
     while True:
         try:
             request = _recv(proto_in)
         except EOFError:
             return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(request, (proto_in, proto_out))
+            os.close(out_r)
+            os.close(err_r)
+            _child(request, (proto_in, proto_out), out_w, err_w)
+        os.close(out_w)
+        os.close(err_w)
         _send(proto_out, pid)
+        with open(request["stdout"], "wb") as out, open(request["stderr"], "wb") as err:
+            sinks = {out_r: out, err_r: err}
+            while sinks:
+                for fd in select.select(list(sinks), [], [])[0]:
+                    chunk = os.read(fd, 1 << 16)
+                    if chunk:
+                        sinks[fd].write(chunk)
+                        sinks[fd].flush()
+                    else:
+                        os.close(fd)
+                        del sinks[fd]
         _, status = os.waitpid(pid, 0)
         _send(proto_out, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 
@@ -118,7 +152,27 @@ def _server() -> subprocess.Popen:
         code = (f"import sys; sys.path[:0] = {[str(Path(__file__).parent)]!r}; import warm_cli; "
                 f"warm_cli._serve({sys.path!r})")
         _SERVER = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert _recv(_SERVER.stdout.fileno(), timeout=600) == "ready"
+        except BaseException:
+            _drop_server()
+            raise
     return _SERVER
+
+
+def _drop_server(child: int | None = None) -> None:
+    """After a call that did not end in order (a timeout, pytest-timeout's alarm, Ctrl-C): kill its child and the
+    server, whose replies are no longer in step; the next call starts a new one."""
+    global _SERVER
+    if child is not None and child > 0:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if _SERVER is not None:
+        _SERVER.kill()
+        _SERVER.wait()
+        _SERVER = None
 
 
 def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | None = None
@@ -133,14 +187,17 @@ def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | 
         err.touch()
         _send(server.stdin.fileno(), {"args": list(args), "cwd": str(cwd), "env": dict(os.environ if env is None else env),
                                       "stdout": str(out), "stderr": str(err)})
-        pid = _recv(server.stdout.fileno(), timeout=60)
+        pid = None
         try:
+            pid = _recv(server.stdout.fileno(), timeout=60)
             code = _recv(server.stdout.fileno(), timeout=timeout)
         except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            _recv(server.stdout.fileno(), timeout=60)
+            _drop_server(pid)
             raise subprocess.TimeoutExpired([sys.executable, "-m", "odcfsdp.train", *args], timeout,
                                             out.read_text(errors="replace"), err.read_text(errors="replace"))
+        except BaseException:
+            _drop_server(pid)
+            raise
         return subprocess.CompletedProcess([sys.executable, "-m", "odcfsdp.train", *args], code,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
 

@@ -19,6 +19,7 @@ they are the only way a minibatch syncs and finishes::
 from __future__ import annotations
 
 from ..runtime.minibatch import Minibatch
+from ..runtime.protocol import GradState
 
 
 class MinibatchControl:
@@ -54,18 +55,21 @@ class MinibatchControl:
     def finish_minibatch(self) -> None:
         """The optimizer has stepped ([lifecycle] 10, collective): the updated masters are published to the rows
         peers gather, ``.grad`` is dropped and the accumulators are zeroed around one meeting. A no-op where an
-        optimizer step already finished the minibatch; raises if its gradients were never synced."""
+        optimizer step already finished the minibatch (implicit events on); raises, on every rank, where nothing
+        was synced (a master changed by every rank's step without gradients is finished)."""
         self._control_minibatch().finish_step()
 
     def set_implicit_minibatch(self, enabled: bool) -> None:
         """Whether torch's implicit events drive the minibatch (default True): ``.grad`` reads sync, optimizer
         steps and ``zero_grad`` finish ([implicit-events]). With False, ``.grad`` reads and writes are plain and
         only ``end_minibatch()`` and ``finish_minibatch()`` sync and finish: for optimizers that step outside
-        ``torch.optim.Optimizer.step``, or loops that read ``.grad`` mid-minibatch. Set it between minibatches."""
+        ``torch.optim.Optimizer.step``, or loops that read ``.grad`` mid-minibatch. Set it between minibatches, to the
+        same value on every rank."""
         if not isinstance(enabled, bool):
             raise ValueError(f"set_implicit_minibatch takes True or False, got {enabled!r}")
         minibatch = self._control_minibatch()
-        if minibatch.in_pass or not minibatch.fresh:
+        between = minibatch.state is GradState.ACCUMULATING and minibatch.fresh and not minibatch.ended
+        if minibatch.in_pass or not between:
             raise RuntimeError("set_implicit_minibatch() inside a minibatch: call it before its first forward")
         minibatch.implicit = enabled
 

@@ -185,15 +185,16 @@ class Minibatch:
 
     def finish_step(self) -> None:
         """``finish_minibatch()``: the optimizer stepped; step 10 (publish the masters, zero the accumulators: one
-        meeting) unless the minibatch already finished (an optimizer's step hook did it). Every rank calls it."""
+        meeting) unless the minibatch already finished (an optimizer's step hook did it: implicit events on, no
+        forward since). Raises where nothing was synced, on every rank alike. Every rank calls it."""
         self._check_explicit("finish_minibatch")
         if self.state is not GradState.ACCUMULATING:
             self._finish()
-        elif not self.fresh:
+        elif any(g.master_changed for g in self.groups):  # every rank stepped without gradients (DCP's state init)
+            self._finish()
+        elif not self.fresh or not self.implicit:  # never synced: alike on ranks with micro-batches and without
             raise RuntimeError("finish_minibatch() before this minibatch's gradients were synced: call "
                                "end_minibatch() after the last micro-batch's backward, then step, then finish")
-        elif any(g.master_changed for g in self.groups):  # stepped without gradients (a fresh minibatch)
-            self._finish()
 
     def _check_explicit(self, name: str) -> None:
         if self.closed:

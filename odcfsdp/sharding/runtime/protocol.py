@@ -69,7 +69,9 @@ READ, STEP and CLEARED are torch's implicit events, caught in the adapter ([impl
 The explicit path calls the same two steps itself: ``end_minibatch`` (``Minibatch.end``) runs ``_sync`` in
 ACCUMULATING, or in EMPTY not yet ended, and marks the minibatch ended (reads meet nobody until its finish; a forward
 in grad mode before the finish raises); ``finish_minibatch`` (``Minibatch.finish_step``) runs ``_finish`` in READY or
-EMPTY, does nothing in a fresh ACCUMULATING (already finished), and raises in one with pushes not yet synced.
+EMPTY, and in ACCUMULATING where a master changed (every rank stepped without gradients); otherwise it does
+nothing in a fresh ACCUMULATING with implicit events on (a step hook finished it) and raises on every rank where
+nothing was synced.
 
 Design note [grad-protocol]
 ---------------------------
