@@ -43,7 +43,8 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from ..torch_private import TENSOR_GRAD, local_of
+from ..torch_private import local_of
+from ..torch_private.events import stored_grad
 from .park_fit import DeviceMemory, ParkFit
 from .parked_host import host_buffers, host_value, share_of
 
@@ -127,7 +128,7 @@ class ParkedOptimizerState:
         # a state tensor sharing a parameter's or a gradient's storage must not be emptied with the state
         # (the C-level .grad slot: a sharded parameter's .grad property is an event, [grad-protocol])
         seen = {local_of(t).untyped_storage().data_ptr() for p in params
-                for t in (p, TENSOR_GRAD.__get__(p)) if t is not None}
+                for t in (p, stored_grad(p)) if t is not None}
         for p in params:
             for key, value in self.optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:

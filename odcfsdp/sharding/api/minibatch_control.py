@@ -19,7 +19,6 @@ they are the only way a minibatch syncs and finishes::
 from __future__ import annotations
 
 from ..runtime.minibatch import Minibatch
-from ..runtime.protocol import GradState
 
 
 class MinibatchControl:
@@ -65,13 +64,7 @@ class MinibatchControl:
         only ``end_minibatch()`` and ``finish_minibatch()`` sync and finish: for optimizers that step outside
         ``torch.optim.Optimizer.step``, or loops that read ``.grad`` mid-minibatch. Set it between minibatches, to the
         same value on every rank."""
-        if not isinstance(enabled, bool):
-            raise ValueError(f"set_implicit_minibatch takes True or False, got {enabled!r}")
-        minibatch = self._control_minibatch()
-        between = minibatch.state is GradState.ACCUMULATING and minibatch.fresh and not minibatch.ended
-        if minibatch.in_pass or not between:
-            raise RuntimeError("set_implicit_minibatch() inside a minibatch: call it before its first forward")
-        minibatch.implicit = enabled
+        self._control_minibatch().set_implicit(enabled)
 
 
 __all__ = ["MinibatchControl"]

@@ -196,6 +196,16 @@ class Minibatch:
             raise RuntimeError("finish_minibatch() before this minibatch's gradients were synced: call "
                                "end_minibatch() after the last micro-batch's backward, then step, then finish")
 
+    def set_implicit(self, enabled: bool) -> None:
+        """``set_implicit_minibatch``: whether torch's implicit events drive steps 8 and 10; only between
+        minibatches (no pass in flight, nothing pushed, synced or ended since the last finish)."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_implicit_minibatch takes True or False, got {enabled!r}")
+        between = self.state is GradState.ACCUMULATING and self.fresh and not self.ended
+        if self.in_pass or not between:
+            raise RuntimeError("set_implicit_minibatch() inside a minibatch: call it before its first forward")
+        self.implicit = enabled
+
     def _check_explicit(self, name: str) -> None:
         if self.closed:
             raise RuntimeError(f"{name}() on a closed model")
