@@ -239,3 +239,25 @@ model = ODCShard(nn.Linear(4, 4), offload_policy=OffloadPolicy())  # FSDP2's "no
 assert all(not g.offloaded for g in model.groups)
 model.close()
 """)
+
+
+def test_a_forgotten_end_minibatch_is_refused_on_every_rank(tmp_path):
+    """With implicit events off, ``finish_minibatch()`` without ``end_minibatch()`` raises alike on a rank that ran
+    micro-batches and on one that ran none: no rank goes on to a meeting its peer never reaches (the run ends
+    cleanly within the bound, never by a hang)."""
+    run_case(tmp_path, """
+    def body():
+        model = ODCShard(llama(), 4096, comm="shm")
+        model.set_implicit_minibatch(False)
+        if dist.get_rank() == 0:
+            x = torch.randint(0, 64, (1, 4))
+            causal_lm_loss(model(x), x).backward()
+        expect(RuntimeError, "before this minibatch's gradients were synced", model.finish_minibatch)
+        model.end_minibatch()  # both ranks still meet afterwards: the refusal left them in step
+        model.finish_minibatch()
+        model.close()
+        return True
+
+    if __name__ == "__main__":
+        assert spawn(body, 2, timeout=120) == [True, True]
+    """)
