@@ -28,8 +28,8 @@ Design note [step-gc]
 ---------------------
 CPython's collector starts a full (generation 2) collection on its own once enough objects have
 survived younger collections; its cost grows with every object the process tracks, and a compiled
-model's process tracks millions (inductor's graphs and code). On one H200 such a collection took
-0.56 s inside a 0.6 s step (``results/e2e/n1_1b_balanced_host_profile_712e730``). With several ranks one rank's pause
+model's process tracks millions (inductor's graphs and code), so one such collection can take as long
+as a step (docs/design.md, Figures behind the design notes). With several ranks one rank's pause
 is everyone's: the others wait for it at the next meeting. torchtitan's answer, followed here with its
 default frequency (``training.gc_freq = 50``): switch automatic collection off for the run and
 collect the young generations (``gc.collect(1)``) every N steps, between steps, where it is cheap

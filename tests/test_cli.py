@@ -130,7 +130,7 @@ def test_optimizer_by_name_matches_plain_torch_sgd(tmp_path):
     from odcfsdp.loop import plan_step
     from odcfsdp.models import causal_lm_loss
     from odcfsdp.optim import param_groups
-    from odcfsdp.schedule import warmup_cosine
+    from odcfsdp.optim import warmup_cosine
     from odcfsdp.app.specs import model_spec
 
     args = {"optim": {"name": "SGD", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},

@@ -12,8 +12,8 @@ PACKAGE = ROOT / "odcfsdp"
 # everything but ``app`` (the training application) and the four command-line shims above it, which keep the
 # documented ``python -m odcfsdp.<name>``.
 LAYERS = [
-    ["torch_private"],  # [torch-private]: the adapter, the one package that touches torch's private APIs
-    ["kernels", "schedule", "mfu", "checks", "data", "interrupts"],
+    ["torch_private"],  # [torch-private]: the adapter, the one module that touches torch's private APIs
+    ["kernels", "mfu", "checks", "data", "interrupts"],
     ["sharding", "models", "optim", "launch"],
     ["checkpoint", "memory", "loop"],
     ["app"],

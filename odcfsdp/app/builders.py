@@ -10,7 +10,7 @@ import torch
 
 from ..data.balance import CostModel
 from ..optim import ParkedOptimizerState, optimizer_class, optimizer_keywords, param_groups
-from ..schedule import warmup_cosine
+from ..optim.schedule import warmup_cosine
 from ..sharding import ODCShard
 from ..sharding.placement.hsdp import hybrid_mesh
 from ..sharding.transport import capabilities

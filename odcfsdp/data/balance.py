@@ -23,10 +23,9 @@ A rank's peak activation memory follows its *largest* micro-batch (activations, 
 the logits of the loss, grow with its positions), while its compute depends only on
 which samples it runs. First-fit decreasing fills the first micro-batches to the cap
 and leaves the last ones short, so with the same number of micro-batches an even
-spread of positions lowers the peak for free: measured on one H200 (1B, long-tailed
-8K-64K samples, activation checkpointing; ``results/memory/``), odcfsdp + FFD-packed
-lb_mini peaked 6.9 GiB above the same run with lb_micro's balanced micro-batches,
-every other category equal. ``_pack_even`` keeps FFD's micro-batch count and places
+spread of positions lowers the peak for free (the FFD-packed run's activation peak
+against even packing, every other category equal: docs/design.md, Figures behind the design notes).
+``_pack_even`` keeps FFD's micro-batch count and places
 samples, longest first, into the emptiest micro-batch with room.
 
 Design note [never-worse]
@@ -35,12 +34,12 @@ LPT's partition is within (4/3 - 1/(3N)) of the best one (Graham), not always be
 than the one ``lb_micro`` reaches through its balanced micro-batches: over the
 minibatches of the step simulator's sweep (``benchmarks/step_sim.py``, seed 0,
 LongAlign-like and SWE-Smith-like lengths, 2-16 ranks, 1-16 samples per rank) LPT's
-busiest rank cost more than ``lb_micro``'s in 85 of 2064, by up to 3.8% (never at
-1-2 samples per rank). Since one-sided ranks need not run equal micro-batch
-counts, any partition is open to ``lb_mini``; it plans both (``lb_micro``'s is a few
-list passes) and keeps ``lb_micro``'s shares where their busiest rank costs strictly
-less, so by the cost model ``lb_mini`` is never worse than ``lb_micro`` and is LPT
-wherever LPT is at least as good (plans of earlier runs replay unchanged there).
+busiest rank cost more than ``lb_micro``'s in a few of them (docs/design.md, Figures
+behind the design notes). Since one-sided ranks need not run equal micro-batch counts,
+any partition is open to ``lb_mini``; it plans both (``lb_micro``'s is a few list
+passes) and keeps ``lb_micro``'s shares where their busiest rank costs strictly less, so
+by the cost model ``lb_mini`` is never worse than ``lb_micro`` and is LPT wherever LPT is
+at least as good (plans of earlier runs replay unchanged there).
 """
 
 from __future__ import annotations
@@ -69,8 +68,8 @@ class CostModel:
         them masked out by causality; backward doubles forward: 6 * s^2 * dim per layer.
         ``attention_factor`` weighs an attention FLOP against a matmul FLOP, for a cost
         that tracks time rather than FLOPs: attention kernels run at a lower rate than
-        large matmuls (on H200 with cuDNN attention a fit of measured compute times gave
-        1.8; ``results/e2e/``). Keep 1.0 where the model's FLOPs are wanted (MFU).
+        large matmuls (the value fitted from measured compute times: ``balance.attention_cost_factor``
+        in docs/cli.md). Keep 1.0 where the model's FLOPs are wanted (MFU).
         """
         if attention_factor <= 0:
             raise ValueError(f"attention_factor must be > 0, got {attention_factor}")

@@ -2,9 +2,9 @@
 
 Design note [truncate-first]
 ----------------------------
-A sample keeps its first ``data.micro_batch_tokens + 1`` tokens. Tokenizing a 50 MB record
-whole to keep a few thousand of its tokens took 1.93 GiB a rank (the token list, its mask,
-the tokenizer's own buffers), against 0.28 with the text cut first. ``encode_prefix`` tokenizes a
+A sample keeps its first ``data.micro_batch_tokens + 1`` tokens. Tokenizing a large record
+whole to keep a few thousand of its tokens holds the whole record's token list, its mask and
+the tokenizer's buffers, several times the text, on every rank. ``encode_prefix`` tokenizes a
 prefix of the text instead: cutting a text changes only the tokens next to the cut (a
 tokenizer splits text into words, or bytes, before it merges neighbours into tokens), so
 once a prefix yields ``margin(limit)`` tokens more than the ``limit`` kept, the kept ones are

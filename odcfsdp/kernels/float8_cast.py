@@ -8,8 +8,8 @@ of the row's size is built besides the float8 row itself: the pass reads 4 bytes
 
 Why a kernel: the same cast in torch operators expands the scales to the row's length first
 (``repeat_interleave``, an int64 index and an fp32 tensor per element) and then multiplies, clamps and casts in
-three more passes. On one H200 at 4 layers of 8B shape that took 131 ms a step in ``repeat_interleave``'s index
-kernel alone (``results/fp8/``), more than the step's matmuls.
+three more passes: memory traffic of several times the row per element, where the kernel reads 4 bytes and writes 1
+(the profile that showed it costing more than a step's matmuls: docs/design.md, Figures behind the design notes).
 
 The arithmetic is torchao's ``hp_tensor_and_scale_to_float8``: fp32 multiply, clamp to +-448, round to nearest
 even; the bytes equal ``to_float8`` in ``sharding/groups/float8_rows.py`` (tested on a GPU, to the bit:

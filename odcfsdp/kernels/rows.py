@@ -10,7 +10,7 @@ one launch touches every rank's row:
   offsets from the caller's own row, which is passed as a pointer argument: Triton
   then knows every address is 16-byte aligned and issues 16-byte vector loads
   (an address loaded from a table and cast to a pointer has unknown alignment, and
-  the loads it gets are narrow: measured ~240 vs ~330 GB/s over NVLink);
+  the loads it gets are narrow, so a gather moves fewer bytes a second: ``benchmarks/comm_bench.py``);
 * ``scatter_accumulate_rows``: acc_r[row order] += grad[param-major], for every
   owner r, with relaxed atomic adds: owners do no work and pushers never wait for
   each other.
@@ -42,8 +42,8 @@ def _this_chunk(
 ):
     """Decode this program's work: (rank r, chunk start in r's row, length, start in the param-major buffer)."""
     # One flat axis (no 65535 limit of a second axis), ranks varying fastest so local copies
-    # interleave with NVLink reads. Measured on 2x H200 at 32 MiB: interleaved 207-217 GB/s,
-    # all remote chunks first 179, rank by rank from rank 0 148 (benchmarks/comm_bench.py).
+    # interleave with NVLink reads and neighbouring programs read different peers (one rank at a time, or all remote
+    # chunks first, crowd one link at a time: both slower in benchmarks/comm_bench.py).
     pid = tl.program_id(0)
     c = pid // world_size
     r = (pid + first) % world_size
@@ -87,14 +87,14 @@ def _scatter_accumulate_kernel(
     BLOCK: tl.constexpr,
 ):
     r, row_start, length, src = _this_chunk(chunks, world_size, first, ALIGN, DST_ALIGN)
-    # No alignment hint on the destination: with one, Triton vectorises the fp32 atomics, and
-    # those ran 4x slower over NVLink on H200 (35 vs 143 GB/s, benchmarks/comm_bench.py).
+    # No alignment hint on the destination: with one, Triton vectorises the fp32 atomics, and vector
+    # atomics over NVLink run several times slower than scalar ones (benchmarks/comm_bench.py).
     dst = tl.load(acc_offsets + r) + row_start
     offs = tl.arange(0, BLOCK)
     mask = offs < length
     g = tl.load(grad + src + offs, mask=mask).to(acc_base.dtype.element_ty)
     # System scope: the owner's GPU adds into the same row concurrently; "gpu" scope is atomic only
-    # among one GPU's threads and lost updates on 2x H200 (benchmarks/comm_bench.py caught it).
+    # among one GPU's threads, and peers' adds into the same row are lost (benchmarks/comm_bench.py checks the sums).
     tl.atomic_add(acc_base + dst + offs, g, mask=mask, sem="relaxed", scope="sys")
 
 

@@ -47,8 +47,8 @@ Under ``torchrun`` the store is the agent's (its ``--rdzv-*`` settings decide wh
 
 CPU (gloo) workers are forked from a fork server (``multiprocessing``'s "forkserver",
 Python 3.14's default on Linux) that imported torch and odcfsdp once per calling process:
-a call then costs ~0.1 s instead of ~5 s of imports per rank (most of a multi-process
-test; measured on 2 cores). A worker starts with the caller's current environment,
+a call then costs a fork instead of a rank's imports of torch and odcfsdp (most of a
+multi-process test's time). A worker starts with the caller's current environment,
 working directory and ``sys.path``, and imports ``fn``'s module (and a script's main
 module) itself, as a spawned one does. NCCL workers are spawned: a process forked after
 CUDA's driver was initialised (``torch.cuda.is_available()`` in a module the server would

@@ -2,11 +2,10 @@
 
 Design note [attention-kernels]
 -------------------------------
-On Hopper, cuDNN's attention runs forward + backward 1.5x faster than PyTorch's
-FlashAttention-2 at every length we train on (4K-64K, 32 query / 8 key-value heads,
-head dim 64: ``results/attention/``). cuDNN builds an execution plan for every new
-shape (100-200 ms, once per shape and process), which long-tailed data would pay at
-almost every document. So with cuDNN each document is padded at its end to a
+On Hopper, cuDNN's attention runs forward + backward faster than PyTorch's
+FlashAttention-2 at every length we train on (docs/design.md, Figures behind the design
+notes). cuDNN builds an execution plan for every new shape, once per shape and process, a
+cost long-tailed data would pay at almost every document. So with cuDNN each document is padded at its end to a
 *bucket* length (``bucket_length``: less than 1/8 or 128 tokens longer, 8 buckets per
 doubling), and ``warm_attention`` can build the plans of the buckets a run will meet
 before it starts. Padding at the end is exact under a causal mask: real queries never see the

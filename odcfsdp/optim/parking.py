@@ -43,8 +43,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from ..torch_private import local_of
-from ..torch_private.events import stored_grad
+from ..torch_private import local_of, stored_grad
 from .park_fit import DeviceMemory, ParkFit
 from .parked_host import host_buffers, host_value, share_of
 

@@ -2,7 +2,7 @@
 
 By default a minibatch's two meetings are inferred from the standard loop: its first ``.grad`` read
 after the micro-batches syncs, and its optimizer step finishes ([implicit-events] in
-``torch_private/events.py``). These methods make both points explicit; they compose with the
+``torch_private.py``). These methods make both points explicit; they compose with the
 inferred ones (a point already reached is not repeated), and after ``set_implicit_minibatch(False)``
 they are the only way a minibatch syncs and finishes::
 

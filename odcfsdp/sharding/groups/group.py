@@ -34,7 +34,7 @@ Design note [grad-buffers]
 A trained parameter's ``.grad`` is, during backward, a view of its group's
 parameter-major gradient buffer, so autograd's own gradient accumulation adds into
 the buffer in place: no Python runs per parameter (a post-accumulate-grad hook per
-parameter cost ~0.1 ms of host time each, which made backward launch-bound). The
+parameter cost host time per parameter, which made backward launch-bound). The
 post-backward of a site runs after the gradients of its parameters have been
 accumulated: autograd runs gradient accumulation first among the nodes that are
 ready together, which FSDP2 relies on too. A gradient that reaches a parameter after
@@ -71,8 +71,7 @@ FSDP2 overlaps its copies because each layer's reduce-scatter output is final in
 each layer's parameters are needed only at its forward; doing the same here needs per-group
 device-side flags (a peer's gather of group g waits for g's row, the copy of g's gradient
 starts once its last push landed), and the user's single ``opt.step()`` reads every ``.grad``
-before it updates any. Measured at 1B on one H100: the step is 2.7x FSDP2-offload's, the
-run 7.4x faster (``results/memory/n1_1b_offload_06fdec6``). The
+before it updates any (how the step compares with FSDP2's offload: docs/design.md, Figures behind the design notes). The
 clip's norm is reduced over host gradients, so the process group needs a CPU backend
 (``cuda:nccl,cpu:gloo``, as for FSDP2's offload; ``odcfsdp.launch`` sets it up).
 

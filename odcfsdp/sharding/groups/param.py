@@ -24,7 +24,7 @@ The sharded parameter's ``.grad`` is a property: this rank's fp32 accumulator ro
 as a DTensor of the same placement, made complete and attached when first read
 after the minibatch's backward passes ([grad-protocol] in ``protocol.py``). This
 tier knows nothing of that protocol: reads and writes of ``.grad`` are *events*, caught by
-the adapter's ``EventGrad`` ([implicit-events] in ``torch_private/events.py``) and handed to
+the adapter's ``EventGrad`` ([implicit-events] in ``torch_private.py``) and handed to
 the sink the parameter was given (``events``: its model's ``Minibatch``), which decides what they mean.
 A sharded parameter that receives a gradient through autograd (it was used in a
 computation outside its module's forward) raises: that gradient would bypass the
@@ -52,8 +52,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.layout import GroupLayout
-from ...torch_private.events import UNSHARDED, EventGrad, EventSink, store_grad, stored_grad
-from ...torch_private import DTensorSpec, TensorMeta, local_of, mark_parameter, register_foreach_types, set_local
+from ...torch_private import (UNSHARDED, DTensorSpec, EventGrad, EventSink, TensorMeta, local_of, mark_parameter,
+                              register_foreach_types, set_local, store_grad, stored_grad)
 
 
 class ODCParameter(EventGrad, DTensor):
@@ -137,7 +137,7 @@ class ShardedParam:
                 UNSHARDED[id(original)] = original
             self._original = original
             # Its values are in the master now: keep the object (it is refused to optimizers by id), not its full
-            # values (26 GiB a rank at 8B, measured, while anything held it: this object, a user's list).
+            # values (the whole model's, on every rank, while anything held it: this object, a user's list).
             original.data = torch.empty(0, dtype=original.dtype, device=original.device)
         else:
             if original.is_meta:

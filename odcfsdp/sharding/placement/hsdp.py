@@ -18,11 +18,10 @@ micro-batches in any replica; the watchdog's arrival at each meeting spans all r
 
 Across nodes HSDP is the layout to run, not only the one that exists: one-sided gets and
 pushes move a copy of every remote shard per *rank*, g (GPUs per node) times the
-inter-node bytes of a NCCL ring, which enters each node once. For 8B on 2 x 8 GPUs over
-400 Gb/s per GPU (``benchmarks/multinode_cost_model.py``, ``results/cost_model/``) full
-sharding over such a path takes 0.71 s of InfiniBand per micro-batch against 0.31 s of
-compute for 2K tokens; HSDP moves nothing across nodes per micro-batch and 4 GiB per rank
-per minibatch (0.10 s at the step), for twice the sharded state (16.8 vs 8.4 GiB per GPU).
+inter-node bytes of a NCCL ring, which enters each node once, and each micro-batch pays them.
+HSDP moves nothing across nodes per micro-batch and one gradient all-reduce per minibatch, for
+twice the sharded state. The cost model's figures for 8B on 2 x 8 GPUs are in docs/design.md
+(Hybrid sharding; ``benchmarks/multinode_cost_model.py``, ``results/cost_model/``).
 """
 
 from __future__ import annotations

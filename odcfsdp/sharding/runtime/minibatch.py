@@ -36,7 +36,7 @@ from ..groups.row_format import LatePublish
 from .phase_range import phase_range
 from .protocol import GradState, StepEvent
 from ..transport.streams import CommStreams
-from ...torch_private.events import inside_zero_grad, install_optimizer_hooks
+from ...torch_private import inside_zero_grad, install_optimizer_hooks
 
 
 class Minibatch:

@@ -65,7 +65,7 @@ forward in grad mode. Every root forward first checks that no gradient was half 
 ``rows_changing`` works from any state and ends in ACCUMULATING.
 
 READ, STEP and CLEARED are torch's implicit events, caught in the adapter ([implicit-events] in
-``torch_private/events.py``) and ignored once ``set_implicit_minibatch(False)``.
+``torch_private.py``) and ignored once ``set_implicit_minibatch(False)``.
 The explicit path calls the same two steps itself: ``end_minibatch`` (``Minibatch.end``) runs ``_sync`` in
 ACCUMULATING, or in EMPTY not yet ended, and marks the minibatch ended (reads meet nobody until its finish; a forward
 in grad mode before the finish raises); ``finish_minibatch`` (``Minibatch.finish_step``) runs ``_finish`` in READY or

@@ -42,7 +42,7 @@ from .one_sided import OneSidedTransport
 
 HEAP_HEADROOM = 64 << 20  # NVSHMEM's own allocations share the heap
 
-# Tuned on 2x H200 (see benchmarks/comm_bench.py and results/); change with NvshmemTransport.tune.
+# The fastest of benchmarks/comm_bench.py's sweep on NVLink (its results: results/); change with NvshmemTransport.tune.
 GATHER_BLOCK, GATHER_WARPS = 8192, 8
 SCATTER_BLOCK, SCATTER_WARPS = 2048, 4
 GATHER_MODES = ("kernel", "copy_engine", "get")
