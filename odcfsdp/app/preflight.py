@@ -56,8 +56,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab
 
 
 def _tokenizer_files(cfg: TrainConfig) -> None:
-    """A JSONL run that reads its tokenizer from a directory finds one there (else the ranks failed after ~17 s
-    asking for sentencepiece or tiktoken)."""
+    """A JSONL run that reads its tokenizer from a directory finds one there (else the ranks fail after their
+    start-up, asking for sentencepiece or tiktoken)."""
     path = tokenizer_path(cfg) if source_of(cfg).tokenized else None
     if path and Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         key = "data.tokenizer_path" if cfg.data.tokenizer_path else "model.path"

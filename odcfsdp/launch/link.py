@@ -3,8 +3,8 @@
 Design note [launcher-link]
 ---------------------------
 A launcher killed with SIGKILL can clean nothing up, so its ranks must notice by themselves, at
-once and quietly (before this, they ran on for ~2 s, finished a checkpoint and printed a C++
-stack of the store they had lost):
+once and quietly (else a rank runs on, may write a checkpoint no launcher will see, and prints
+a C++ stack of the store it lost):
 
 1. the kernel kills the rank when its parent dies (``PR_SET_PDEATHSIG``). Under
    ``multiprocessing``'s fork server the parent is the server, which outlives the launcher by a
