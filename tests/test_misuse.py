@@ -1,15 +1,15 @@
-"""API misuse never crashes the process: each case runs in a subprocess with bounded time, which must exit 0 (the
-script asserts what it saw), never by a signal. Before DTensor parameters, reading a parameter outside forward,
+"""API misuse never crashes the process: each case runs in a process of its own (``run_script``) with bounded time,
+which must exit 0 (the script asserts what it saw), never by a signal. Before DTensor parameters, reading a parameter outside forward,
 ``model.module.double()`` or wrapping in DDP ended the interpreter with a segmentation fault."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from warm_cli import run_script
 
 PRELUDE = """
 import torch, torch.nn as nn, torch.distributed as dist
@@ -52,7 +52,7 @@ def run_case(tmp_path: Path, script: str, timeout: float = 180) -> subprocess.Co
     """Run ``script`` (after ``PRELUDE``) as a file (spawned ranks re-import it); its exit must be clean."""
     path = tmp_path / "case.py"
     path.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(script))
-    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    proc = run_script(path, cwd=tmp_path, timeout=timeout)
     assert proc.returncode >= 0, f"killed by signal {-proc.returncode}:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -1,4 +1,4 @@
-"""``python -m odcfsdp.train`` for tests, without paying its imports on every call.
+"""``python -m odcfsdp.train`` and ``python script.py`` for tests, without paying their imports on every call.
 
 Each call of the command line imports torch, Hydra and odcfsdp (about 3 s of CPU on CI's 2 cores) before it
 does anything; the suite makes about a hundred calls. ``run_cli`` keeps, per test process, one server that
@@ -8,7 +8,8 @@ environment at the time of the call, its own stdout and stderr (captured, and re
 holds them has closed them), the interpreter's signal dispositions, the command line's ``main()``, the
 interpreter's exit (threads joined, exit functions run) and an exit status that is its own (``-N`` for a signal,
 as ``subprocess`` gives it). Only the imports are shared, and the server runs nothing else (no torch op) before
-it forks. A call that does not end in order (a timeout, an alarm, Ctrl-C) kills its child and the server; the next
+it forks. ``run_script`` runs a Python file the same way (``python path``: ``runpy.run_path`` as ``__main__``,
+so ranks it spawns import the file as a spawned process's would). A call that does not end in order (a timeout, an alarm, Ctrl-C) kills its child and the server; the next
 call starts a new one. Tests that signal a run, or watch its process tree, start it with ``subprocess``
 themselves, as do tests whose environment must reach the imports (``PYTHONPATH``, ``TMPDIR``: the server imported
 with its own).
@@ -74,9 +75,17 @@ def _child(request: dict, proto: tuple[int, int], out_w: int, err_w: int) -> Non
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [str(Path(sys.modules["odcfsdp.train"].__file__)), *request["args"]]
+        script = request.get("script")
         try:
-            sys.modules["odcfsdp.train"].main()
+            if script is None:
+                sys.argv = [str(Path(sys.modules["odcfsdp.train"].__file__)), *request["args"]]
+                sys.modules["odcfsdp.train"].main()
+            else:  # as `python script`: its directory first on sys.path, its globals a fresh __main__
+                import runpy
+
+                sys.argv = [script, *request["args"]]
+                sys.path.insert(0, str(Path(script).resolve().parent))
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -175,30 +184,31 @@ def _drop_server(child: int | None = None) -> None:
         _SERVER = None
 
 
-def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | None = None
-            ) -> subprocess.CompletedProcess:
-    """Run ``python -m odcfsdp.train *args`` in ``cwd``, as ``subprocess.run(..., capture_output=True, text=True,
-    timeout=timeout, env=env)`` would (``env`` None: this process's environment now), in a child of the warm server;
-    raises ``subprocess.TimeoutExpired`` past ``timeout``."""
+def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | None = None,
+            script: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m odcfsdp.train *args`` (``script``: ``python script *args``) in ``cwd``, as
+    ``subprocess.run(..., capture_output=True, text=True, timeout=timeout, env=env)`` would (``env`` None: this
+    process's environment now), in a child of the warm server; raises ``subprocess.TimeoutExpired`` past ``timeout``."""
+    command = [sys.executable, *(["-m", "odcfsdp.train"] if script is None else [script]), *args]
     with _LOCK, tempfile.TemporaryDirectory() as tmp:
         server = _server()
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         out.touch()
         err.touch()
         _send(server.stdin.fileno(), {"args": list(args), "cwd": str(cwd), "env": dict(os.environ if env is None else env),
-                                      "stdout": str(out), "stderr": str(err)})
+                                      "stdout": str(out), "stderr": str(err), "script": script})
         pid = None
         try:
             pid = _recv(server.stdout.fileno(), timeout=60)
             code = _recv(server.stdout.fileno(), timeout=timeout)
         except TimeoutError:
             _drop_server(pid)
-            raise subprocess.TimeoutExpired([sys.executable, "-m", "odcfsdp.train", *args], timeout,
+            raise subprocess.TimeoutExpired(command, timeout,
                                             out.read_text(errors="replace"), err.read_text(errors="replace"))
         except BaseException:
             _drop_server(pid)
             raise
-        return subprocess.CompletedProcess([sys.executable, "-m", "odcfsdp.train", *args], code,
+        return subprocess.CompletedProcess(command, code,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
@@ -206,6 +216,13 @@ def cli(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) ->
     """``python -m odcfsdp.train *args`` in ``cwd`` (with ``env``: else this process's environment), its output
     captured, within ``timeout`` seconds: ``run_cli``, a process of its own forked from the warm server."""
     return run_cli(list(args), cwd=cwd, timeout=timeout, env=env)
+
+
+def run_script(path: Path | str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+    """``python path *args`` in ``cwd``, its output captured, within ``timeout`` seconds: a process of its own forked
+    from the warm server (``run_cli``), for scripts that need no interpreter of their own."""
+    return run_cli(list(args), cwd=cwd, timeout=timeout, env=env, script=str(path))
 
 
 def cold_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
