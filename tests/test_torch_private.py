@@ -114,13 +114,15 @@ def test_torchs_fully_shard_state_finds_a_registered_state():
     assert torch_fully_shard.state(module) is state
 
 
-def test_pyproject_states_the_oldest_tested_torch():
-    """The supported range starts at the oldest torch this module was tested with (issue 43: the range was
-    torch>=2.4, tested on 2.11 and 2.13 only)."""
+def test_pyproject_states_the_tested_torch_range():
+    """The supported range runs from the oldest torch this module was tested with to just past the newest one's minor
+    version (issue 43: the range was torch>=2.4, tested on 2.11 and 2.13 only)."""
     import re
 
     text = (PACKAGE.parent / "pyproject.toml").read_text()
-    assert re.search(r'"torch>=([\d.]+)"', text).group(1) == tp.TESTED_TORCH[0]
+    floor, ceiling = re.search(r'"torch>=([\d.]+),<([\d.]+)"', text).groups()
+    newest = tp.TESTED_TORCH[-1].split(".")
+    assert floor == tp.TESTED_TORCH[0] and ceiling == f"{newest[0]}.{int(newest[1]) + 1}"
     assert torch.__version__.split("+")[0].rsplit(".", 1)[0] in tp.TESTED_TORCH  # this torch is a tested one
 
 
