@@ -217,7 +217,7 @@ def _slow_zeroing_on_rank_0(barrier: bool, run: Run) -> dict:
     """``sharded_run`` with rank 0's accumulator zeroing ([streams] 5) held back ~0.5 s on its push stream, so rank 1
     pushes its next minibatch's gradients long before rank 0 zeroes; ``barrier=False`` makes the barrier's
     all-reduce a no-op on both ranks (the protocol broken on purpose, to show the delay makes the race happen).
-    The production ``zero_around_meeting`` runs either way: only what it calls is wrapped."""
+    The production ``zero_after_meeting`` runs either way: only what it calls is wrapped."""
     import sys
 
     import torch.distributed as dist
@@ -232,7 +232,7 @@ def _slow_zeroing_on_rank_0(barrier: bool, run: Run) -> dict:
         zero(tensors)
 
     def no_barrier(self, t):
-        return t if sys._getframe(1).f_code.co_name == "zero_around_meeting" else all_reduce_sum(self, t)
+        return t if sys._getframe(1).f_code.co_name == "zero_after_meeting" else all_reduce_sum(self, t)
 
     if dist.get_rank() == 0:
         streams._zero = late_zero

@@ -309,3 +309,33 @@ def test_under_nohup_a_hang_up_is_ignored(tmp_path):
     err = finish(proc, timeout=300)
     assert proc.returncode == 0 and trained_steps(tmp_path) == 30, err[-2000:]
     assert "SIGHUP" not in err
+
+
+def _peer_stopped_while_starting(launcher: int) -> None:
+    """Both ranks deaf to the forwarded signal, as inside a C++ call; rank 0 sends the launcher one, then ends by SIGTERM (what a
+    rank still starting gets for it); rank 1 fails at once on the lost connection, as CI saw once in gloo's connect
+    during start-up."""
+    import torch
+    import torch.distributed as dist
+
+    for sig in (signal.SIGHUP, signal.SIGTERM):  # what the launcher forwards (SIGTERM to a rank it thinks starting)
+        signal.signal(sig, signal.SIG_IGN)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(launcher, signal.SIGHUP)
+        time.sleep(1.0)  # the launcher has it, and forwards it to both ranks (ignored here)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    dist.recv(torch.zeros(1), src=0)  # fails as soon as rank 0 is gone
+    raise AssertionError("rank 0 sent nothing")
+
+
+def test_a_rank_that_lost_a_peer_the_signal_ended_reads_as_the_signal():
+    """After a forwarded SIGHUP, a rank whose only fault is a peer the signal ended (killed while it started) makes
+    the call end as interrupted by SIGHUP (exit 129 in the CLI), not as a failure naming the lost connection."""
+    from odcfsdp.interrupts import Interrupted
+    from odcfsdp.launch import spawn
+
+    with pytest.raises(Interrupted) as caught:
+        spawn(_peer_stopped_while_starting, 2, os.getpid(), forward=(signal.SIGHUP,), timeout=60)
+    assert caught.value.args[0] == signal.SIGHUP

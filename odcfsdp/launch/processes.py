@@ -79,7 +79,8 @@ import torch.distributed as dist
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
 from .tempdir import pin_multiprocessing_tempdir
-from .rank_outcomes import collect_stacks, dead_peers, died, ended_by_signal, failure_report, stop_ranks
+from .rank_outcomes import (collect_stacks, dead_peers, died, ended_by_signal, failure_report, stop_ranks,
+                            stopped_by_signal)
 
 
 
@@ -340,9 +341,7 @@ def spawn(
                 # A queue is flushed before its process exits, so an exited rank with nothing
                 # delivered after a full second of silence has died without a result.
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                # Ended by the forwarded signal (a rank still starting gets SIGTERM for a SIGINT, see _forward_signals)
-                ended = {-received[0], -signal.SIGTERM} if received else set()
-                if dead and all(procs[r].exitcode in ended for r in dead):
+                if stopped_by_signal(procs, dead, received):
                     raise Interrupted(received[0])
                 if dead:
                     raise RuntimeError(died(procs, dead))
@@ -358,6 +357,10 @@ def spawn(
             if not ok:  # a real failure, even after a signal (e.g. the checkpoint a signal asks for could not be saved)
                 after = f" after {signal.Signals(received[0]).name}" if received else ""
                 dead = dead_peers(procs, out, rank)
+                if stopped_by_signal(procs, dead, received):  # a peer the forwarded signal ended as it started:
+                    # this rank only lost its connection to it, inside a C++ call (gloo's connect) where its own
+                    # handler could not run first
+                    raise Interrupted(received[0])
                 if dead:  # the peer that died is the cause: this rank only lost its connection to it
                     raise RuntimeError(f"{died(procs, dead)}; then rank {rank} failed{after}:\n{payload}")
                 raise RuntimeError(f"rank {rank} failed{after}:\n{payload}")

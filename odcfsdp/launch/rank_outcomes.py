@@ -53,6 +53,12 @@ def ended_by_signal(payload: str) -> bool:
     return last.startswith(("KeyboardInterrupt", "odcfsdp.interrupts.Interrupted", "Interrupted"))
 
 
+def stopped_by_signal(procs, dead: list[int], received: list[int]) -> bool:
+    """Whether the ranks in ``dead`` (some) all ended by the signal the launcher ``received`` and forwarded: by it,
+    or by the SIGTERM a rank still in its bootstrap gets in its place (``_forward_signals``)."""
+    return bool(received and dead) and all(procs[r].exitcode in (-received[0], -signal.SIGTERM) for r in dead)
+
+
 def collect_stacks(procs, paths: list[str], delivered: dict) -> str:
     """Every rank that has not delivered a result: its Python stack, asked for with SIGUSR1 where it still
     runs, read from its stack file ([bounded-spawn] 3). Empty when there is nothing to show."""
@@ -90,4 +96,5 @@ def stop_ranks(procs, delivered: dict, world_size: int, paths: list[str]) -> Non
                           "driver call?); left behind", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["DUMP_WAIT_S", "KILL_WAIT_S", "collect_stacks", "dead_peers", "died", "ended_by_signal", "stop_ranks"]
+__all__ = ["DUMP_WAIT_S", "KILL_WAIT_S", "collect_stacks", "dead_peers", "died", "ended_by_signal", "stop_ranks",
+           "stopped_by_signal"]

@@ -198,7 +198,7 @@ class Float8Rows:
     def cast(self, table: torch.Tensor) -> None:
         """Every rank's amaxes (``(ranks, weights)``, the same table on every rank) -> the scales, then this rank's
         master slices cast into its rows with them. Peers must not gather until every owner has cast
-        (``CommStreams.zero_around_meeting``'s ``rows_after`` orders that).
+        (``CommStreams.late_rows_written`` orders that).
 
         On CUDA one kernel a group (``kernels/float8_cast.py``: 4 bytes read and 1 written per element, no
         temporaries); elsewhere (CPU runs, tests) torch's operators segment by segment, the same arithmetic."""

@@ -332,13 +332,13 @@ class Minibatch:
                 g.detach_grads()
             self._divided_by = 1.0  # the accumulators are zeroed below
             self.comm.rows_published()
+            self.comm.zero_before_meeting(self._accumulators)
             if self.late is None:
-                self.comm.zero_around_meeting(self._accumulators, lambda: self.meet(kind), self.mesh)
-                return
-            # [row-format]: the masters are final, so what late rows need of them rides this meeting; they follow it
-            carry, table = self.late.carry(self.mesh.device), []
-            self.comm.zero_around_meeting(self._accumulators, lambda: table.append(self.meet_carrying(kind, carry)),
-                                          self.mesh, rows_after=lambda: self.late.publish_after(table[0]))
+                self.meet(kind)
+            else:  # [row-format]: the masters are final, so what late rows need of them rides this meeting
+                self.late.publish_after(self.meet_carrying(kind, self.late.carry(self.mesh.device)))
+                self.comm.late_rows_written(self.mesh)
+            self.comm.zero_after_meeting(self._accumulators, self.mesh)
 
     @contextlib.contextmanager
     def rows_changing(self) -> Iterator[None]:

@@ -36,9 +36,9 @@ done*:
    and the transport makes them complete and visible to their owners.
 4. ``rows_published()`` (after a finish or a change): the transport makes the new
    rows visible, and later prefetches (side stream) start after them.
-5. ``zero_around_meeting(accumulators, meet)`` (a finish's or a change's meeting):
+5. ``zero_before_meeting`` / ``zero_after_meeting`` (around a finish's or a change's meeting):
    the accumulators must be zero before any rank's next push. Without a push stream
-   they are zeroed before ``meet()``, which orders that. With one, ``meet()`` comes
+   they are zeroed before the meeting, which orders that. With one, the meeting comes
    first, then the zeroing runs on the push stream after the current stream's work
    (the step read the accumulators), followed on the same stream, where pushes are
    one-sided (``TransportCaps.remote_pushes``), by one device-side all-reduce of a zero
@@ -52,7 +52,7 @@ done*:
    a step waits for the current stream only (``loop.train_step``); a device-wide sync
    would wait for the zeroing too. The standard loop's ``zero_grad()`` after the step
    meets nobody and waits for nothing ([zero-grad-pass] in ``protocol.py``).
-6. ``rows_after`` (float8 rows, [float8-gather] in ``float8.py``): the owner casts its float8 rows
+6. ``late_rows_written`` (float8 rows, [float8-gather] in ``float8.py``): the owner casts its float8 rows
    *after* the meeting (the scales come from it), on the current stream, so where peers read rows
    one-sidedly (``remote_pushes``: the one-sided transports) one all-reduce of a flag follows on the
    same stream: every later gather (current stream, or the gather stream after ``rows_published``)
@@ -66,7 +66,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from typing import Callable
 
 import torch
 
@@ -207,30 +206,26 @@ class CommStreams:
             for t in tensors:
                 t.record_stream(self.push_stream)
 
-    def zero_around_meeting(self, accumulators: list[torch.Tensor], meet: Callable[[], object], shard_group,
-                            rows_after: Callable[[], object] | None = None) -> None:
-        """Run ``meet()`` and zero this rank's ``accumulators`` before any rank's next push (5).
-
-        Every rank calls it at the same point. ``shard_group`` (a ``RankGroup``): the ranks that push into each
-        other; its ``all_reduce_sum`` is the device-side barrier. ``rows_after``: writes rows right after the
-        meeting (the float8 cast, 6), ordered before any peer's next gather.
-        """
+    def zero_before_meeting(self, accumulators: list[torch.Tensor]) -> None:
+        """5, first half (every rank, right before a finish's or a change's meeting): without a push stream, zero
+        this rank's ``accumulators`` now, which the meeting then orders before any rank's next push."""
         if self.push_stream is None:
             _zero(accumulators)
-            meet()
-            self._rows_after(rows_after, shard_group)
+
+    def zero_after_meeting(self, accumulators: list[torch.Tensor], shard_group) -> None:
+        """5, second half (every rank, right after that meeting and any late rows): with a push stream, zero
+        ``accumulators`` on it after the current stream's work, then, where pushes are one-sided, the flag's
+        all-reduce over ``shard_group`` (a ``RankGroup``), the device-side barrier every later push waits for."""
+        if self.push_stream is None:
             return
-        meet()
-        self._rows_after(rows_after, shard_group)
         with self._after_current(self.push_stream):
             _zero(accumulators)
             if self._flag is not None:  # one-sided pushes: every rank's later pushes wait for every owner
                 shard_group.all_reduce_sum(self._flag)  # completes once every rank's push stream has zeroed
 
-    def _rows_after(self, write: Callable[[], object] | None, shard_group) -> None:
-        if write is None:
-            return
-        write()
+    def late_rows_written(self, shard_group) -> None:
+        """6 (every rank, after it wrote its late rows right after the meeting: the float8 cast): those rows are
+        ordered before any peer's next gather."""
         if self.transport.caps.remote_pushes:  # the one-sided transports: peers read this rank's rows themselves
             if self._row_flag is None:
                 self._row_flag = torch.zeros(1, device=self.device)
