@@ -1,6 +1,7 @@
 """API misuse never crashes the process: each case runs in a process of its own (``run_script``) with bounded time,
-which must exit 0 (the script asserts what it saw), never by a signal. Before DTensor parameters, reading a parameter outside forward,
-``model.module.double()`` or wrapping in DDP ended the interpreter with a segmentation fault."""
+which must exit 0 (the script asserts what it saw), never by a signal. Before DTensor parameters, reading a
+parameter outside forward, ``model.module.double()`` or wrapping in DDP ended the interpreter with a segmentation
+fault."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ holds them has closed them), the interpreter's signal dispositions, the command 
 interpreter's exit (threads joined, exit functions run) and an exit status that is its own (``-N`` for a signal,
 as ``subprocess`` gives it). Only the imports are shared, and the server runs nothing else (no torch op) before
 it forks. ``run_script`` runs a Python file the same way (``python path``: ``runpy.run_path`` as ``__main__``,
-so ranks it spawns import the file as a spawned process's would). A call that does not end in order (a timeout, an alarm, Ctrl-C) kills its child and the server; the next
-call starts a new one. Tests that signal a run, or watch its process tree, start it with ``subprocess``
+so ranks it spawns import the file as a spawned process's would). A call that does not end in order (a timeout,
+an alarm, Ctrl-C) kills its child and the server; the next call starts a new one. Tests that signal a run, or watch its process tree, start it with ``subprocess``
 themselves, as do tests whose environment must reach the imports (``PYTHONPATH``, ``TMPDIR``: the server imported
 with its own).
 """
@@ -57,7 +57,8 @@ def _read_exactly(fd: int, n: int) -> bytes:
 
 
 def _child(request: dict, proto: tuple[int, int], out_w: int, err_w: int) -> None:
-    """The forked child: become ``python -m odcfsdp.train <args>`` in the caller's directory and environment."""
+    """The forked child: become ``python -m odcfsdp.train <args>`` (or ``python <script> <args>``) in the caller's
+    directory and environment."""
     code = 1
     try:
         for fd in proto:
@@ -83,6 +84,8 @@ def _child(request: dict, proto: tuple[int, int], out_w: int, err_w: int) -> Non
             else:  # as `python script`: its directory first on sys.path, its globals a fresh __main__
                 import runpy
 
+                # absolute: multiprocessing resolves a relative __main__ path against the server's start directory
+                script = str(Path(request["cwd"], script).resolve())
                 sys.argv = [script, *request["args"]]
                 sys.path.insert(0, str(Path(script).resolve().parent))
                 runpy.run_path(script, run_name="__main__")
@@ -195,8 +198,9 @@ def run_cli(args: list[str], cwd: Path | str, timeout: float = 600, env: dict | 
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         out.touch()
         err.touch()
-        _send(server.stdin.fileno(), {"args": list(args), "cwd": str(cwd), "env": dict(os.environ if env is None else env),
-                                      "stdout": str(out), "stderr": str(err), "script": script})
+        _send(server.stdin.fileno(), {"args": list(args), "cwd": str(cwd), "script": script,
+                                      "env": dict(os.environ if env is None else env),
+                                      "stdout": str(out), "stderr": str(err)})
         pid = None
         try:
             pid = _recv(server.stdout.fileno(), timeout=60)

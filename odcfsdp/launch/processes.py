@@ -157,11 +157,12 @@ def _context(backend: str, fn: Callable):
     return ctx
 
 
-def _forward_signals(signals: tuple[int, ...], procs, received: list[int], started: set[int]) -> list:
-    """Pass ``signals`` on to ``procs`` while they run, appending each to ``received``; a second SIGINT raises
-    ``Interrupted(again=True)`` instead. A worker not yet ``started`` (still in multiprocessing's bootstrap, where
-    a KeyboardInterrupt prints a traceback) gets SIGTERM, which ends it silently. Returns the (signal, previous
-    handler) pairs to restore."""
+def _forward_signals(signals: tuple[int, ...], procs, received: list[int], started: set[int],
+                     sent: dict[int, set[int]]) -> list:
+    """Pass ``signals`` on to ``procs`` while they run, appending each to ``received`` and what each rank got to
+    ``sent``; a second SIGINT raises ``Interrupted(again=True)`` instead. A worker not yet ``started`` (still in
+    multiprocessing's bootstrap, where a KeyboardInterrupt prints a traceback) gets SIGTERM, which ends it
+    silently. Returns the (signal, previous handler) pairs to restore."""
     if not signals:
         return []
 
@@ -171,7 +172,9 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int], start
             raise Interrupted(sig, again=True)
         for r, p in enumerate(procs):  # (a SIGHUP too: a starting worker may still ignore it, see _start_helpers)
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, sig if r in started or sig not in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM)
+                to = sig if r in started or sig not in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM
+                sent.setdefault(r, set()).add(to)
+                os.kill(p.pid, to)
 
     return install(forward, signals)
 
@@ -293,8 +296,8 @@ def spawn(
     SIGHUP, the fork server and resource tracker outlive a closed terminal, see ``_start_helpers``).
     With SIGINT among them the workers get their own process group, so that a terminal's Ctrl-C
     reaches them once, through this process, and a second Ctrl-C raises ``Interrupted`` here
-    (the workers are killed). A worker that fails or dies after a forwarded signal raises
-    ``Interrupted`` too (it was stopped before it could finish a step), not ``RuntimeError``.
+    (the workers are killed). A worker that the forwarded signal ended (it was stopped before it could finish a
+    step), or that failed only because such a worker went away, raises ``Interrupted`` too, not ``RuntimeError``.
     The signals forwarded are appended to ``received`` when the caller passes a list.
     """
     if world_size < 1:
@@ -325,7 +328,8 @@ def spawn(
     ]
     received = [] if received is None else received
     started: set[int] = set()  # workers past their bootstrap (own_group workers say so first)
-    forwarded = _forward_signals(forward, procs, received, started)  # before starting: no window without it
+    sent: dict[int, set[int]] = {}  # rank -> the signals forwarded to it
+    forwarded = _forward_signals(forward, procs, received, started, sent)  # before starting: no window without it
     out: dict[int, Any] = {}
     try:
         for p in procs:
@@ -341,7 +345,7 @@ def spawn(
                 # A queue is flushed before its process exits, so an exited rank with nothing
                 # delivered after a full second of silence has died without a result.
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if stopped_by_signal(procs, dead, received):
+                if stopped_by_signal(procs, dead, sent):
                     raise Interrupted(received[0])
                 if dead:
                     raise RuntimeError(died(procs, dead))
@@ -357,10 +361,12 @@ def spawn(
             if not ok:  # a real failure, even after a signal (e.g. the checkpoint a signal asks for could not be saved)
                 after = f" after {signal.Signals(received[0]).name}" if received else ""
                 dead = dead_peers(procs, out, rank)
-                if stopped_by_signal(procs, dead, received):  # a peer the forwarded signal ended as it started:
+                if stopped_by_signal(procs, dead, sent):  # a peer the forwarded signal ended as it started:
                     # this rank only lost its connection to it, inside a C++ call (gloo's connect) where its own
-                    # handler could not run first
-                    raise Interrupted(received[0])
+                    # handler could not run first; its report stays on the interrupt, as a note
+                    interrupted = Interrupted(received[0])
+                    interrupted.add_note(f"{died(procs, dead)}; then rank {rank} failed{after}:\n{payload}")
+                    raise interrupted
                 if dead:  # the peer that died is the cause: this rank only lost its connection to it
                     raise RuntimeError(f"{died(procs, dead)}; then rank {rank} failed{after}:\n{payload}")
                 raise RuntimeError(f"rank {rank} failed{after}:\n{payload}")

@@ -53,10 +53,10 @@ def ended_by_signal(payload: str) -> bool:
     return last.startswith(("KeyboardInterrupt", "odcfsdp.interrupts.Interrupted", "Interrupted"))
 
 
-def stopped_by_signal(procs, dead: list[int], received: list[int]) -> bool:
-    """Whether the ranks in ``dead`` (some) all ended by the signal the launcher ``received`` and forwarded: by it,
-    or by the SIGTERM a rank still in its bootstrap gets in its place (``_forward_signals``)."""
-    return bool(received and dead) and all(procs[r].exitcode in (-received[0], -signal.SIGTERM) for r in dead)
+def stopped_by_signal(procs, dead: list[int], sent: dict[int, set[int]]) -> bool:
+    """Whether the ranks in ``dead`` (some) all ended by a signal the launcher forwarded to them (``sent``: rank ->
+    the signals it got, SIGTERM in place of SIGINT or SIGHUP for a rank still in its bootstrap)."""
+    return bool(dead) and all(procs[r].exitcode is not None and -procs[r].exitcode in sent.get(r, ()) for r in dead)
 
 
 def collect_stacks(procs, paths: list[str], delivered: dict) -> str:

@@ -88,7 +88,7 @@ def _chunk_loss_and_grad(z: torch.Tensor, t: torch.Tensor, with_grad: bool):
 
 # On CUDA the chunk's elementwise work runs compiled: one reduction and one pointwise kernel reading the
 # compute-dtype logits, instead of eager passes over an fp32 copy, each a round trip through memory of the
-# chunk's (tokens x vocab) size (the timing that decided it: docs/design.md, The loss).
+# chunk's (tokens x vocab) size, which made the fused loss slower than the unfused one (docs/design.md, The loss).
 _compiled_chunk = None
 
 
