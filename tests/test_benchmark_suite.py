@@ -9,7 +9,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from benchmarks import best_fit, checkpoint_bench, comm_bench, e2e_bench, e2e_summary, optim_bench
+from benchmarks import best_fit, checkpoint_bench, comm_bench, e2e_bench, e2e_summary, optim_bench, park_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -36,7 +36,8 @@ def _check_suite_command(section: str, cmd: str) -> None:
         from benchmarks import fp8_bench, hf_finetune_check
 
         i = scripts[0]
-        module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "checkpoint_bench": checkpoint_bench,
+        module = {"comm_bench": comm_bench, "optim_bench": optim_bench, "park_bench": park_bench,
+                  "checkpoint_bench": checkpoint_bench,
                   "e2e_bench": e2e_bench, "best_fit": best_fit, "e2e_summary": e2e_summary,
                   "hf_finetune_check": hf_finetune_check, "fp8_bench": fp8_bench}[words[i].removeprefix("benchmarks.")]
         module.parse(words[i + 1:])  # argparse exits (SystemExit) on an argument the script no longer takes

@@ -22,7 +22,7 @@ BENCH = ROOT / "benchmarks"
 RESULTS = ROOT / "results"
 
 from benchmarks import (attention_bench, best_fit, checkpoint_bench, comm_bench, e2e_summary, gpu_test_report, harness,
-                        multinode_cost_model, optim_bench, step_sim)
+                        multinode_cost_model, optim_bench, park_bench, step_sim)
 
 #: scripts whose result file another module writes (through harness.write_result)
 WRITTEN_BY = {"e2e_bench": "e2e_report"}
@@ -278,6 +278,23 @@ def test_optim_bench(out):
     assert (d / "optim_bench.md").read_text().count("| tiny |") == len(optim_bench.BYTES_PER_PARAM)
 
 
+def test_park_bench(out):
+    """The parked state's copies on rank 0's shards of the tiny Llama, on the CPU: each fraction parks the share
+    ``share_of`` picks (whole state tensors, in order, until the share is reached; all of it at 1.0), and its parts
+    are timed."""
+    d = out / "park"
+    park_bench.main(["--size", "tiny", "--vocab", "256", "--iters", "1", "--warmup", "0", "--fractions", "0.5", "1.0",
+                     "--out", str(d)])
+    rows = json.loads((d / "park_bench.json").read_text())["rows"]
+    assert [r["fraction"] for r in rows] == [0.0, 0.5, 1.0]
+    shapes = park_bench.shard_shapes("tiny", 256, 2)
+    tensors = [8 * math.prod(s) / 2**30 for _, s in shapes]  # AdamW's two fp32 moments per parameter
+    assert all(r["state_gib"] == pytest.approx(sum(tensors)) for r in rows)
+    assert rows[0]["parked_gib"] == 0 and rows[2]["parked_gib"] == pytest.approx(sum(tensors))
+    assert 0.5 * sum(tensors) <= rows[1]["parked_gib"] < 0.5 * sum(tensors) + max(tensors)
+    assert all(finite_positive(r["step_ms"]) for r in rows) and finite_positive(rows[2]["back_ms"], rows[2]["park_ms"])
+
+
 def test_best_fit(out):
     """Every method runs the same candidates; a fit is the fastest completed run under the memory bound; CPU run."""
     d = out / "best_fit"
@@ -339,6 +356,7 @@ RESULT_FILES = {"attention_bench": "attention_bench.json", "best_fit": "best_fit
                 "gpu_test_report": "gpu_tests.json", "hf_finetune_check": "hf_finetune_check.json",
                 "hf_load_memory": "hf_load_memory.json", "loss_bench": "loss_bench.json",
                 "multinode_cost_model": "cost_model.json", "optim_bench": "optim_bench.json",
+                "park_bench": "park_bench.json",
                 "step_sim": "step_sim.json",
                 "e2e_bench": "e2e_bench.json"}  # e2e_bench: best_fit's candidates (its own test: test_e2e_bench.py)
 FURTHER_TABLES = {"step_sim.json": {"measured"}, "gpu_tests.json": {"measured"}}

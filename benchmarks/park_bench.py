@@ -1,0 +1,148 @@
+"""A parked optimizer state's copies on one GPU ([parking]): how fast it goes to the host and back, against the link.
+
+    python -m benchmarks.park_bench --size 8b --world 2 --fractions 0.5 0.8 1.0 --out results/optim/<name>
+    python -m benchmarks.park_bench --size tiny --iters 1 --warmup 0   # CPU smoke run
+
+Issue 41 item 4: on 2 H200s held to an 80 GB card's budget, parking 80% of AdamW's state cost about 0.75 s a step
+(``results/e2e/n2_8b_longtail_parkfit_201ef99``), about 29 GB/s for the bytes that moved. This takes the copies apart
+on one GPU, at rank 0's shard sizes of ``--world`` ranks (``optim_bench.shard_shapes``): AdamW (fused on CUDA) over
+one fp32 tensor per parameter, its state parked by ``ParkedOptimizerState(fraction=f)``, then per step:
+
+* ``back``: ``prefetch_parked`` until its copies are done (host to device, the share parked);
+* ``step``: the optimizer step on the state brought back (its pre-hook waits for nothing more);
+* ``park``: from the step's end until the copies out are done (device to host, on the side stream).
+
+Each is wall-clock time between device synchronisations (medians of ``--iters`` after ``--warmup``), so they do not
+overlap here as they would under a meeting or a forward: the sum is the worst case, each part what it costs alone.
+Next to them, one pinned buffer of the parked bytes copied each way by itself: the link's rate on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks import harness, provenance
+from benchmarks.optim_bench import shard_shapes
+from odcfsdp.optim import ParkedOptimizerState, prefetch_parked
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ms(fn, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
+def link_rates(nbytes: int, device: torch.device, iters: int) -> dict:
+    """GB/s of one pinned host buffer of ``nbytes`` copied to ``device`` and back (each way alone)."""
+    n = max(1, nbytes // 4)
+    host = torch.empty(n, dtype=torch.float32, pin_memory=device.type == "cuda")
+    dev = torch.empty(n, dtype=torch.float32, device=device)
+    dev.copy_(host), host.copy_(dev)  # first touches (page faults, lazy init) are not the link's
+    to_dev = statistics.median(_ms(lambda: dev.copy_(host, non_blocking=True), device) for _ in range(iters))
+    to_host = statistics.median(_ms(lambda: host.copy_(dev, non_blocking=True), device) for _ in range(iters))
+    return {"h2d_gb_s": 4 * n / to_dev / 1e6, "d2h_gb_s": 4 * n / to_host / 1e6}
+
+
+def run_fraction(shapes, fraction: float, args, device: torch.device) -> dict:
+    """The three parts of a parked step (``fraction`` 0: the step alone, nothing parked)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)) for _, shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device).mul_(1e-3)
+    opt = torch.optim.AdamW(params, lr=3e-4, fused=device.type == "cuda")
+    opt.step()  # the state exists from here
+    parking = ParkedOptimizerState(opt, fraction=fraction) if fraction > 0 else None
+    opt.step()  # parked after it
+    parts: dict[str, list[float]] = {"back": [], "step": [], "park": []}
+    for i in range(args.warmup + args.iters):
+        back = _ms(lambda: prefetch_parked(opt), device)
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()  # the pre-hook waits for the copies back, the post-hook queues the copies out
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        step = 1e3 * (time.perf_counter() - start)
+        park = _ms(lambda: None, device)  # the side stream's copies out, still running after the step
+        if i >= args.warmup:
+            for key, value in (("back", back), ("step", step), ("park", park)):
+                parts[key].append(value)
+    moved = parking.parked_bytes if parking is not None else 0
+    state = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    row = {"fraction": fraction, "state_gib": state / 2**30, "parked_gib": moved / 2**30}
+    for key, values in parts.items():
+        ms = statistics.median(values)
+        row[f"{key}_ms"] = ms
+        if key != "step":
+            row[f"{key}_gb_s"] = moved / ms / 1e6 if moved and ms > 0 else None
+    if parking is not None:
+        parking.close()
+    return row
+
+
+def report(rows: list[dict], meta: dict) -> str:
+    """The markdown table of one run."""
+    def gb(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = [f"# Parked optimizer state: copies on one device ({meta['device']})", "",
+             f"- commit {meta['commit']}, {meta['date']}; `{meta['command']}`",
+             f"- rank 0's shards of {meta['world']} ranks, model {meta['size']}; the link alone: host to device "
+             f"{meta['h2d_gb_s']:.1f} GB/s, device to host {meta['d2h_gb_s']:.1f} GB/s (one pinned buffer)", "",
+             "| fraction | state GiB | parked GiB | back ms (GB/s) | step ms | park ms (GB/s) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['fraction']:.2f} | {r['state_gib']:.2f} | {r['parked_gib']:.2f} | "
+                     f"{r['back_ms']:.1f} ({gb(r['back_gb_s'])}) | {r['step_ms']:.1f} | "
+                     f"{r['park_ms']:.1f} ({gb(r['park_gb_s'])}) |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="8b")
+    p.add_argument("--world", type=int, default=2, help="ranks the model is sharded over (rank 0's shards are used)")
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.8, 1.0],
+                   help="shares of the state parked, each in (0, 1]; the step alone (0) is always measured first")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default="")
+    p.add_argument("--commit", default=provenance.default_commit())
+    args = p.parse_args(argv)
+    if any(not 0.0 < f <= 1.0 for f in args.fractions):
+        p.error(f"--fractions {args.fractions}: each is a share in (0, 1]")
+    return args
+
+
+def main(argv=None) -> None:
+    """Measure every fraction on this process's device; write the report (and files under ``--out``)."""
+    args = parse(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    shapes = shard_shapes(args.size, args.vocab, args.world)
+    state = 8 * sum(torch.Size(s).numel() for _, s in shapes)
+    meta = harness.meta(args.commit, harness.command(__name__, argv), harness.device_name(device), world=args.world,
+                        size=args.size, **link_rates(min(state, 8 << 30), device, max(1, args.iters)))
+    rows = []
+    for fraction in [0.0, *args.fractions]:
+        rows.append(run_fraction(shapes, fraction, args, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the last fraction's tensors are gone with its call
+        print(report(rows, meta), flush=True)
+    if args.out:
+        harness.write_result(args.out, "park_bench", meta, rows, report(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
