@@ -6,7 +6,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from odcfsdp.models import LlamaConfig
 from odcfsdp.models.attention import _per_document, bucket_length, causal_attention, warm_attention

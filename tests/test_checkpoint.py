@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from odcfsdp import ODCShard, param_groups
+from odcfsdp import ODCShard
 from odcfsdp.checkpoint import (
     CheckpointError, export_hf, latest_checkpoint, list_checkpoints, load_checkpoint, load_hf, save_checkpoint,
 )

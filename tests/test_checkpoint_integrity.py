@@ -8,7 +8,6 @@ import shutil
 import zlib
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from odcfsdp.checkpoint import CheckpointError, NonFiniteStateError, list_checkpoints, load_checkpoint, save_checkpoint

@@ -8,8 +8,6 @@ the released models' parameter counts.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
