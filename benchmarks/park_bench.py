@@ -21,26 +21,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from benchmarks import harness, provenance
+from benchmarks import harness, provenance, timing
 from benchmarks.optim_bench import shard_shapes
 from odcfsdp.optim import ParkedOptimizerState, prefetch_parked
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _ms(fn, device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return 1e3 * (time.perf_counter() - start)
+def _ms(fn, device: torch.device, stream_only: bool = False) -> float:
+    """Wall-clock milliseconds from an idle device until ``fn``'s work is done: the whole device's (every stream:
+    side-stream copies included), or with ``stream_only`` the current stream's alone."""
+    if device.type != "cuda":
+        return timing.elapsed_ms(fn, cuda=False)
+    torch.cuda.synchronize(device)
+    wait = torch.cuda.current_stream(device).synchronize if stream_only else torch.cuda.synchronize
+    return timing.elapsed_ms(lambda: (fn(), wait()), cuda=False)
 
 
 def link_rates(nbytes: int, device: torch.device, iters: int) -> dict:
@@ -67,13 +63,10 @@ def run_fraction(shapes, fraction: float, args, device: torch.device) -> dict:
     parts: dict[str, list[float]] = {"back": [], "step": [], "park": []}
     for i in range(args.warmup + args.iters):
         back = _ms(lambda: prefetch_parked(opt), device)
-        _sync(device)
-        start = time.perf_counter()
-        opt.step()  # the pre-hook waits for the copies back, the post-hook queues the copies out
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        step = 1e3 * (time.perf_counter() - start)
-        park = _ms(lambda: None, device)  # the side stream's copies out, still running after the step
+        # the pre-hook waits for the copies back, the post-hook queues the copies out (the side stream: not waited)
+        step = _ms(opt.step, device, stream_only=True)
+        # the side stream's copies out, still running after the step: waited for from here, with no sync before
+        park = timing.elapsed_ms(lambda: device.type == "cuda" and torch.cuda.synchronize(device), cuda=False)
         if i >= args.warmup:
             for key, value in (("back", back), ("step", step), ("park", park)):
                 parts[key].append(value)

@@ -10,9 +10,9 @@ interpreter's exit (threads joined, exit functions run) and an exit status that 
 as ``subprocess`` gives it). Only the imports are shared, and the server runs nothing else (no torch op) before
 it forks. ``run_script`` runs a Python file the same way (``python path``: ``runpy.run_path`` as ``__main__``,
 so ranks it spawns import the file as a spawned process's would). A call that does not end in order (a timeout,
-an alarm, Ctrl-C) kills its child and the server; the next call starts a new one. Tests that signal a run, or watch its process tree, start it with ``subprocess``
-themselves, as do tests whose environment must reach the imports (``PYTHONPATH``, ``TMPDIR``: the server imported
-with its own).
+an alarm, Ctrl-C) kills its child and the server; the next call starts a new one. Tests that signal a run, or
+watch its process tree, start it with ``subprocess`` themselves, as do tests whose environment must reach the
+imports (``PYTHONPATH``, ``TMPDIR``: the server imported with its own).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _child(request: dict, proto: tuple[int, int], out_w: int, err_w: int) -> Non
                 # absolute: multiprocessing resolves a relative __main__ path against the server's start directory
                 script = str(Path(request["cwd"], script).resolve())
                 sys.argv = [script, *request["args"]]
-                sys.path.insert(0, str(Path(script).resolve().parent))
+                sys.path.insert(0, str(Path(script).parent))
                 runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:

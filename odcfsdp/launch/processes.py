@@ -361,15 +361,15 @@ def spawn(
             if not ok:  # a real failure, even after a signal (e.g. the checkpoint a signal asks for could not be saved)
                 after = f" after {signal.Signals(received[0]).name}" if received else ""
                 dead = dead_peers(procs, out, rank)
-                if stopped_by_signal(procs, dead, sent):  # a peer the forwarded signal ended as it started:
-                    # this rank only lost its connection to it, inside a C++ call (gloo's connect) where its own
-                    # handler could not run first; its report stays on the interrupt, as a note
+                # a peer that died first is the cause: this rank only lost its connection to it
+                report = f"{died(procs, dead) + '; then ' if dead else ''}rank {rank} failed{after}:\n{payload}"
+                if stopped_by_signal(procs, dead, sent):  # and the forwarded signal ended that peer as it started
+                    # (this rank was inside a C++ call, gloo's connect, where its own handler could not run first):
+                    # an interrupt, with the report as a note
                     interrupted = Interrupted(received[0])
-                    interrupted.add_note(f"{died(procs, dead)}; then rank {rank} failed{after}:\n{payload}")
+                    interrupted.add_note(report)
                     raise interrupted
-                if dead:  # the peer that died is the cause: this rank only lost its connection to it
-                    raise RuntimeError(f"{died(procs, dead)}; then rank {rank} failed{after}:\n{payload}")
-                raise RuntimeError(f"rank {rank} failed{after}:\n{payload}")
+                raise RuntimeError(report)
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     except (RuntimeError, TimeoutError) as e:  # [bounded-spawn] 3: where the others stood, before the kill
         stacks = collect_stacks(procs, paths, out)

@@ -54,9 +54,9 @@ def ended_by_signal(payload: str) -> bool:
 
 
 def stopped_by_signal(procs, dead: list[int], sent: dict[int, set[int]]) -> bool:
-    """Whether the ranks in ``dead`` (some) all ended by a signal the launcher forwarded to them (``sent``: rank ->
-    the signals it got, SIGTERM in place of SIGINT or SIGHUP for a rank still in its bootstrap)."""
-    return bool(dead) and all(procs[r].exitcode is not None and -procs[r].exitcode in sent.get(r, ()) for r in dead)
+    """Whether the ranks in ``dead`` (some, all exited) all ended by a signal the launcher forwarded to them
+    (``sent``: rank -> the signals it got, SIGTERM in place of SIGINT or SIGHUP for a rank still in its bootstrap)."""
+    return bool(dead) and all(-procs[r].exitcode in sent.get(r, ()) for r in dead)
 
 
 def collect_stacks(procs, paths: list[str], delivered: dict) -> str:
