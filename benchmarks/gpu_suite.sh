@@ -13,7 +13,8 @@
 # moved to the CUDA mesh), trl (issue 42 item 6: tests/test_gpu_trl.py, TRL's SFTTrainer through accelerate's FSDP2
 # plugin on torch's fully_shard and, after odcfsdp.patch_fsdp2, on ours, 5 steps to 1e-5; needs trl and datasets,
 # carried as wheels: skipped without them), comm, optim, park (issue 41 item 4: the parked optimizer state's copies
-# against the host link; one GPU is enough for these two),
+# against the host link; one GPU is enough for these two), park_backward (issue 41 item 4 on one GPU: the parked state
+# brought back under the last backward against after it),
 # checkpoint, train1b, e2e_balanced, e2e_balanced_8b, e2e_longtail, e2e_longtail_8b, memory_8b_balanced,
 # memory_8b_longtail, best_fit_1b, best_fit_8b_balanced_odc, best_fit_8b_balanced_fsdp2, best_fit_8b_longtail_odc,
 # best_fit_8b_longtail_fsdp2 (issue 23's search split to fit one call each; merge them with
@@ -49,7 +50,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [park]=240 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [park]=360 [park_backward]=480 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -99,6 +100,12 @@ section_cmd() {  # section, gpus in lane, port, dir
     park)  # issue 41 item 4: the parked optimizer state's copies at 8B's rank-0 shards of 2 ranks, one GPU
       echo "python3 -m benchmarks.park_bench --size 8b --world 2 --fractions 0.5 0.8 1.0 --out $dir --commit $COMMIT" \
            "$extra" ;;
+    park_backward)  # issue 41 item 4, one GPU: odc with all of AdamW's state parked, brought back under the last
+      # backward ([park-backward]) or only after it (park_late), against odc unparked; 3B long-tailed, 4 samples of
+      # 8K-64K, each method in its own process
+      echo "python3 -m benchmarks.e2e_bench --isolate --size 3b --workloads longtail --batch $((4 * n)) --steps 3" \
+           "--warmup 1 --balancers lb_mini --activation-checkpointing --compile --methods odc" \
+           "--variants park park+park_late --memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
     checkpoint) echo "$run -m benchmarks.checkpoint_bench --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
     train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;
     e2e_balanced)  # weak scaling: 8 samples of 4096 tokens per GPU per minibatch

@@ -13,7 +13,8 @@ A step, as numbered steps:
 3. ``clip_grad_norm_`` over the model's parameters (the global pre-clip norm), the
    optimizer's step, the scheduler's step, ``zero_grad``: the standard loop, which
    with ``ODCShard`` is also where ranks meet ([lifecycle] 8-10, [step-protocol]); optimizer state parked on the
-   host ([parking]) starts back once the micro-batches are done;
+   host ([parking]) comes back under the last backward as far as the memory it frees allows ([park-backward]),
+   the rest once the micro-batches are done;
 4. ``gather_stats``: every rank's numbers in one small all-gather, after the step.
 
 ``evaluate`` is the held-out loss between steps: the same packing and loss, without
@@ -54,7 +55,8 @@ import torch.nn as nn
 
 from .data.balance import CostModel, plan_minibatch
 from .data.packing import Sample, empty_micro_batch, pack
-from .optim.parking import prefetch_parked, settle_parked
+from .optim.park_backward import returning_under_backward
+from .optim.parked import prefetch_parked, settle_parked
 from .sharding.placement.collectives import all_gather_tensor
 
 
@@ -116,7 +118,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
     for k, mb in enumerate(minibatch.mine):
         micro = (pack([minibatch.samples[i] for i in mb]) if mb else empty_micro_batch()).to(device)
         sync = no_sync() if no_sync is not None and k < last else contextlib.nullcontext()
-        with sync:  # around backward too: FSDP2 reads its sync flag in backward, DDP at forward
+        # parked optimizer state comes back under the last backward, in the memory it frees ([park-backward])
+        early = (returning_under_backward(optimizer, getattr(model, "register_post_backward_hook", None))
+                 if k == last else contextlib.nullcontext())
+        with sync, early:  # around backward too: FSDP2 reads its sync flag in backward, DDP at forward
             with autocast():
                 # The model returns the summed loss of its targets, its head fused with the loss
                 # ([linear-cross-entropy]): no micro-batch holds its full logits.
@@ -128,8 +133,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
     if cuda:
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
-    # Optimizer state parked on the host ([parking] 2) starts back now, with every activation freed: its copies
-    # run under the meeting and clipping below (a rank that waits there for a slower one hides them).
+    # Optimizer state parked on the host ([parking] 2) that did not come back under the last backward starts back
+    # now, with every activation freed: its copies run under the meeting and clipping below.
     prefetch_parked(optimizer)
     # The global gradient norm, which clipping needs anyway, is the non-finite guard: a NaN or inf
     # in any rank's loss or gradient makes it non-finite on every rank alike, with no extra meeting.

@@ -230,6 +230,9 @@ def test_park_variants_name_their_share_and_bad_ones_are_refused():
     assert variant("parkfit51+gather_masters") == "parkfit51+gather_masters"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'parkfit100'"):
         variant("parkfit100")
+    assert variant("parkfit51+park_late") == "parkfit51+park_late"  # [park-backward] off
+    with pytest.raises(argparse.ArgumentTypeError, match="park_late says when parked state comes back"):
+        variant("gather_masters+park_late")
 
 
 def test_pushes_variants_name_their_bound():

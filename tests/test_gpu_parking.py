@@ -121,3 +121,71 @@ def test_the_share_that_fits_reads_cudas_peaks():
     ref = parked_steps(ref_model, ref_opt, 1, micro=3, shape=(4, 33))
     assert losses == ref + parked_steps(ref_model, ref_opt, 1, seed=2, micro=3, shape=(4, 33))
     _assert_equal(_state(model, opt), _state(ref_model, ref_opt))
+
+
+def _under_backward_run(mode: str) -> dict:
+    """One rank on GPU 0: a Llama with recomputation under ODCShard (its layers the units), 4 steps of
+    ``odcfsdp.loop.train_step`` of 2 micro-batches, AdamW's state resident (``resident``) or all of it parked and
+    brought back under the last backward (``under``) or only after it (``late``); what came back early and each
+    step's peak are recorded."""
+    from odcfsdp import ODCShard
+    from odcfsdp.loop import train_step
+    from odcfsdp.models import Llama, LlamaConfig
+    from odcfsdp.optim.park_fit import CudaMemory
+    from test_park_backward import _minibatch
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, activation_checkpointing=True)
+    inner = Llama(cfg).cuda()
+    model = ODCShard(inner, comm="nvshmem", units=(type(inner.layers[0]),))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    early: list[int] = []
+
+    class Watched(CudaMemory):  # CUDA's own readings; the most state that had come back at any of them
+        def allocated(self, device):
+            p = opt._odc_parking
+            early[-1] = max(early[-1], sum(self.footprint(e.host.nbytes) for e in p._parked[:p._arrived]))
+            return super().allocated(device)
+
+    if mode != "resident":
+        ParkedOptimizerState(opt, 1.0, memory=Watched(), under_backward=mode == "under")
+    losses, peaks = [], []
+    for step in range(4):
+        early.append(0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        # micro-batches of 4096 tokens: each recomputed layer's backward frees its saved input
+        out = train_step(model, opt, None, _minibatch(step, 2, length=4097, vocab=cfg.vocab_size),
+                         torch.device("cuda"), max_norm=1.0)
+        torch.cuda.synchronize()
+        losses.append(out["loss"])
+        peaks.append(torch.cuda.max_memory_allocated())
+    state = {k: v.float().sum().item() for k, v in model.state_dict().items()}
+    state_bytes = sum(-(-t.nbytes // 512) * 512 for s in opt.state.values() for t in s.values() if t.dim())
+    model.close()
+    return {"losses": losses, "peaks": peaks, "early": early, "state": state, "state_bytes": state_bytes}
+
+
+@one_gpu
+@pytest.mark.timeout(300)
+def test_parked_state_comes_back_under_the_last_backward_on_a_gpu():
+    """[park-backward] on one GPU (nvshmem on one PE): after the first step the parked state starts back under the
+    last backward (as much as its recomputed layers free); each step's peak is the peak with the
+    state brought back only after the micro-batches, within 2 MiB; losses and the final weights are the resident
+    run's to the bit."""
+    from odcfsdp.launch import spawn
+
+    runs = {mode: spawn(_under_backward_run, 1, mode, backend="nccl", timeout=240)[0]
+            for mode in ("resident", "late", "under")}
+    assert runs["under"]["losses"] == runs["late"]["losses"] == runs["resident"]["losses"]
+    assert runs["under"]["state"] == runs["resident"]["state"]
+    assert runs["late"]["early"] == [0, 0, 0, 0]
+    under = runs["under"]
+    assert under["early"][0] == 0 and all(0 < b <= under["state_bytes"] for b in under["early"][1:]), under
+    for under, late in zip(runs["under"]["peaks"][1:], runs["late"]["peaks"][1:]):
+        assert under <= late + (2 << 20), (runs["under"]["peaks"], runs["late"]["peaks"])
+    path = os.environ.get("ODC_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": "park_under_backward_1gpu", **{f"{m}_{k}": runs[m][k] for m in runs
+                                                                       for k in ("peaks", "early")}}) + "\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optim.parking import parked_copy
+from ..optim.parked import parked_copy
 from ..sharding.api.sharded_model import ShardedModel
 from ..torch_private import local_of
 from .manifest import CheckpointError

@@ -47,7 +47,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..optim.parking import owned_loads
+from ..optim.parked import owned_loads
 from ..sharding.placement.layout import overlapping_shards, shard_range
 from ..sharding.groups.param import as_global
 from ..sharding.api.sharded_model import ShardedModel, sharded

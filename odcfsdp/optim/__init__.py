@@ -3,7 +3,8 @@ keeps its state in host memory between steps ([parking]); ``warmup_cosine`` is t
 
 from .by_name import optimizer_class, optimizer_keywords
 from .param_groups import DEFAULT_NO_DECAY, param_groups
-from .parking import ParkedOptimizerState, parked_copy, parking_of, prefetch_parked, settle_parked, unparked
+from .parked import parked_copy, prefetch_parked, settle_parked, unparked
+from .parking import ParkedOptimizerState, parking_of
 from .schedule import warmup_cosine
 
 __all__ = ["DEFAULT_NO_DECAY", "ParkedOptimizerState", "optimizer_class", "optimizer_keywords", "param_groups",

@@ -66,6 +66,9 @@ class DeviceMemory(Protocol):
     def footprint(self, nbytes: int) -> int:
         """The bytes the allocator takes for a tensor of ``nbytes`` (what its peak counts)."""
 
+    def allocated(self, device: torch.device) -> int | None:
+        """The torch-allocated bytes now (what its peak is the most of); None where the device reports none."""
+
 
 class CudaMemory:
     """``DeviceMemory`` of CUDA devices, from torch's allocator statistics and ``cudaMemGetInfo``; none on CPU."""
@@ -82,6 +85,9 @@ class CudaMemory:
 
     def footprint(self, nbytes: int) -> int:
         return -(-nbytes // 512) * 512  # CUDA's caching allocator rounds every block up to 512 bytes
+
+    def allocated(self, device: torch.device) -> int | None:
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 class ParkFit:

@@ -9,16 +9,18 @@ read (2P/N). Parking the state during forward and backward frees more than that:
 
 1. **Park** (the optimizer's step post-hook). A side stream waits for the step, copies each element-wise state
    tensor into a pinned host buffer of its own (allocated once, reused), and the device storage is freed at
-   once with ``record_stream``: torch's allocator reuses the block only after the copy is done, early in the
-   next forward (PCIe, which one-sided gathers and pushes over NVLink do not use). The tensors stay the
+   tensor by tensor with ``record_stream``: torch's allocator reuses each block once its own copy is done, early
+   in the next forward (PCIe, which one-sided gathers and pushes over NVLink do not use). The tensors stay the
    optimizer's own objects: only their storage is emptied (``untyped_storage().resize_(0)``, as FSDP2 frees
    its unsharded parameters).
 2. **Prefetch** (``prefetch_parked(optimizer)``, which ``odcfsdp.loop.train_step`` calls once the micro-batches
    are done on the device). The storage is allocated again on the current stream and the copies back run on
    the side stream after it, under the meeting and ``clip_grad_norm_``: a rank that waits there for a slower
-   one hides them, the slowest rank does not. Allocated earlier, during the last backward, the state would
-   sit beside that backward's activations, which may make the peak (a rank with one micro-batch): measured,
-   the peak then stayed where it was without parking. The copies back cost about 8P/N bytes over PCIe a step.
+   one hides them, the slowest rank does not. Allocated all at once earlier, during the last backward, the
+   state would sit beside that backward's activations, which may make the peak (a rank with one micro-batch).
+   What fits in the memory the last backward frees comes back under it, unit by unit ([park-backward] in
+   ``park_backward.py``; ``odcfsdp.loop.train_step`` does it for ODCShard models). The copies back cost about
+   8P/N bytes over PCIe a step.
 3. **Unpark** (the step pre-hook). The current stream waits for the copies back (issuing them first if no
    prefetch came), then the step runs on the state as if it had never moved: the same tensors, the same
    values, bit for bit.
@@ -44,7 +46,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from ..torch_private import local_of, stored_grad
-from .park_fit import DeviceMemory, ParkFit
+from .park_fit import CudaMemory, DeviceMemory, ParkFit
 from .parked_host import host_buffers, host_value, share_of
 
 _ATTRIBUTE = "_odc_parking"  # the optimizer's ParkedOptimizerState, held by the optimizer: freed with it
@@ -80,11 +82,15 @@ class ParkedOptimizerState:
             its copies. None: the least share that keeps the device's peak under ``budget`` of its memory,
             chosen from the measured peaks ([park-fit]); nothing while it fits, and nothing on CPU.
         budget: ``fraction=None``: the share of the device's memory the peak may reach.
-        memory: ``fraction=None``: how the device's memory is read (``park_fit.CudaMemory()`` by default).
+        memory: how the device's memory is read (``park_fit.CudaMemory()`` by default): the fitted share's peaks,
+            and the room the last backward frees.
+        under_backward: bring back what fits in the memory the last micro-batch's backward frees, under it
+            ([park-backward]; ``odcfsdp.loop.train_step`` does it for ODCShard models); False: all of it once the
+            micro-batches are done.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, fraction: float | None = 1.0, budget: float = 0.9,
-                 memory: DeviceMemory | None = None):
+                 memory: DeviceMemory | None = None, under_backward: bool = True):
         if parking_of(optimizer) is not None:
             raise ValueError("this optimizer's state is already parked between steps (one ParkedOptimizerState "
                              "per optimizer)")
@@ -92,7 +98,9 @@ class ParkedOptimizerState:
             raise ValueError(f"fraction={fraction}: the share of the optimizer's state to park is in (0, 1] "
                              "(None: the share that fits, measured)")
         self.optimizer = optimizer
-        self.fit = ParkFit(budget, memory=memory) if fraction is None else None
+        self.memory = memory if memory is not None else CudaMemory()
+        self.under_backward = under_backward
+        self.fit = ParkFit(budget, memory=self.memory) if fraction is None else None
         self.fraction = 0.0 if fraction is None else fraction  # fit: the share chosen at the last step
         self._device = local_of(optimizer.param_groups[0]["params"][0]).device
         self._observed = False  # fit: this minibatch's peak is read
@@ -101,6 +109,7 @@ class ParkedOptimizerState:
         self.where = Where.RESIDENT
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of param, state key) -> host copy
         self._parked: list[_Parked] = []
+        self._arrived = 0  # parked: the first entries of _parked already coming back ([park-backward])
         self._host_of: dict[int, torch.Tensor] = {}  # id of a parked local tensor -> its host copy
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
@@ -113,9 +122,14 @@ class ParkedOptimizerState:
         setattr(optimizer, _ATTRIBUTE, self)
 
     @property
+    def device(self) -> torch.device:
+        """The device the state lives on (its first parameter's)."""
+        return self._device
+
+    @property
     def parked_bytes(self) -> int:
-        """Bytes of state the device does not hold now (0 unless parked)."""
-        return sum(e.host.nbytes for e in self._parked) if self.where is Where.PARKED else 0
+        """Bytes of state the device does not hold now (0 unless parked; less what came back under a backward)."""
+        return sum(e.host.nbytes for e in self._parked[self._arrived:]) if self.where is Where.PARKED else 0
 
     def host_copy(self, value: torch.Tensor) -> torch.Tensor | None:
         """The host tensor holding ``value``'s values while it is parked or arriving (read it, never write it);
@@ -147,27 +161,23 @@ class ParkedOptimizerState:
 
     def _copies(self, entries: list[_Parked], back: bool) -> None:
         """Each entry's host copy from its device tensor (``back``: the other way), on the side stream of each
-        CUDA device after the work its current stream has queued."""
+        CUDA device after the work its current stream has queued. Copied out, each tensor's device storage is
+        freed as soon as its copy is queued: the allocator reuses each block once its own copy is done."""
         for device in {e.local.device for e in entries}:
             mine = [e for e in entries if e.local.device == device]
-            if device.type != "cuda":
+            side = self._side_stream(device) if device.type == "cuda" else None
+            if side is not None:  # the step's results; the blocks' earlier users
+                side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 for e in mine:
-                    (e.local if back else e.host).copy_(e.host if back else e.local)
-                continue
-            side = self._side_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))  # the step's results; the blocks' earlier users
-            with torch.cuda.stream(side):
-                for e in mine:
-                    (e.local if back else e.host).copy_(e.host if back else e.local, non_blocking=True)
-
-    def _empty(self, entries: list[_Parked]) -> None:
-        for e in entries:
-            if e.local.is_cuda:
-                e.local.record_stream(self._side_stream(e.local.device))  # reused once the copy is done
-            e.local.untyped_storage().resize_(0)
+                    (e.local if back else e.host).copy_(e.host if back else e.local, non_blocking=side is not None)
+                    if not back:
+                        if side is not None:
+                            e.local.record_stream(side)  # its block is reused once this copy is done
+                        e.local.untyped_storage().resize_(0)
 
     def _set_parked(self, entries: list[_Parked]) -> None:
-        self._parked = entries
+        self._parked, self._arrived = entries, 0
         self._host_of = {id(e.local): e.host for e in entries}
         self.where = Where.PARKED
 
@@ -178,10 +188,12 @@ class ParkedOptimizerState:
             self._observed = True
 
     def _resident_footprint(self) -> int:
-        # the state on the device as the allocator counts it (parked tensors' storage is empty)
-        return sum(self.fit.memory.footprint(local_of(v).untyped_storage().nbytes())
+        # the state on the device through the forward and backward, as the allocator counts it: parked tensors'
+        # storage is empty, and what came back under the last backward came into memory that backward had freed
+        early = sum(self.memory.footprint(e.host.nbytes) for e in self._parked[:self._arrived])
+        return sum(self.memory.footprint(local_of(v).untyped_storage().nbytes())
                    for state in self.optimizer.state.values() for v in state.values()
-                   if isinstance(v, torch.Tensor) and v.device == self._device)
+                   if isinstance(v, torch.Tensor) and v.device == self._device) - early
 
     def _passed(self) -> None:
         # [park-fit] 3: the peak since the last reading was not a backward's; the next minibatch is read afresh
@@ -213,7 +225,6 @@ class ParkedOptimizerState:
             self._host = host_buffers([(key, local) for key, _, local in (found if self.fit is None else everything)])
         entries = [_Parked(value, local, self._host[key]) for key, value, local in found]
         self._copies(entries, back=False)
-        self._empty(entries)
         self._set_parked(entries)
 
     def prefetch(self) -> None:
@@ -224,10 +235,30 @@ class ParkedOptimizerState:
     def _bring_back(self) -> None:
         if self.where is not Where.PARKED:
             return
-        for e in self._parked:
-            e.local.untyped_storage().resize_(e.host.nbytes)
-        self._copies(self._parked, back=True)
+        self._arrive(len(self._parked))
         self.where = Where.ARRIVING
+
+    def _arrive(self, end: int) -> None:
+        # entries [arrived, end): device storage allocated on the current stream, copies back on the side stream
+        coming = self._parked[self._arrived:end]
+        for e in coming:
+            e.local.untyped_storage().resize_(e.host.nbytes)
+        self._copies(coming, back=True)
+        self._arrived = end
+
+    def bring_back_within(self, room: int) -> int:
+        """Start bringing back the next parked tensors, in order, while their blocks fit in ``room`` bytes (part
+        of step 2, [park-backward]); return the bytes of the blocks allocated. The rest comes back with
+        ``prefetch``, or before the step."""
+        if self.where is not Where.PARKED:
+            return 0
+        end, used = self._arrived, 0
+        while end < len(self._parked) and used + self.memory.footprint(self._parked[end].host.nbytes) <= room:
+            used += self.memory.footprint(self._parked[end].host.nbytes)
+            end += 1
+        if end > self._arrived:
+            self._arrive(end)
+        return used
 
     def unpark(self) -> None:
         """Step 3: the state is on its device for the current stream (before a step: the pre-hook)."""
@@ -237,17 +268,18 @@ class ParkedOptimizerState:
         for device in self._streams.keys() & {e.local.device for e in self._parked}:
             # the blocks were allocated on the current stream: only the wait is needed
             torch.cuda.current_stream(device).wait_stream(self._streams[device])
-        self._parked, self._host_of = [], {}
+        self._parked, self._host_of, self._arrived = [], {}, 0
         self.where = Where.RESIDENT
 
     def settle(self) -> None:
         """Free a prefetch no step used (a skipped step): the host still holds the same values, nothing is copied."""
-        if self.where is not Where.ARRIVING:
+        if self.where is Where.RESIDENT or not self._arrived:
             return
         for device in self._streams.keys() & {e.local.device for e in self._parked}:
             self._streams[device].synchronize()  # the copies back write into the storage freed here
-        for e in self._parked:
+        for e in self._parked[:self._arrived]:
             e.local.untyped_storage().resize_(0)
+        self._arrived = 0
         self.where = Where.PARKED
         self._passed()  # the state brought back for nothing is no backward's peak
 
@@ -320,48 +352,3 @@ class ParkedOptimizerState:
 def parking_of(optimizer: torch.optim.Optimizer) -> ParkedOptimizerState | None:
     """The optimizer's ``ParkedOptimizerState``, if its state is parked between steps."""
     return getattr(optimizer, _ATTRIBUTE, None)
-
-
-def parked_copy(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> torch.Tensor | None:
-    """The host tensor holding a state tensor's values while the optimizer's state is parked (read only); None for
-    a resident tensor or an optimizer without parking."""
-    parking = parking_of(optimizer)
-    return parking.host_copy(value) if parking is not None else None
-
-
-def prefetch_parked(optimizer: torch.optim.Optimizer) -> None:
-    """Start bringing a parked optimizer's state back ([parking] 2); nothing for any other optimizer."""
-    parking = parking_of(optimizer)
-    if parking is not None:
-        parking.prefetch()
-
-
-def settle_parked(optimizer: torch.optim.Optimizer) -> None:
-    """After a skipped step: free an unused prefetch again; nothing for an optimizer without parking."""
-    parking = parking_of(optimizer)
-    if parking is not None:
-        parking.settle()
-
-
-@contextlib.contextmanager
-def unparked(optimizer: torch.optim.Optimizer, changes: bool = False) -> Iterator[None]:
-    """The optimizer's state resident inside the block (for readers and writers of ``optimizer.state``), parked
-    again after it if it was; a no-op for an optimizer without parking."""
-    parking = parking_of(optimizer)
-    with parking.resident(changes) if parking is not None else contextlib.nullcontext():
-        yield
-
-
-@contextlib.contextmanager
-def owned_loads(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Inside the block, ``optimizer.load_state_dict`` takes state dicts that nobody else holds: a parked optimizer
-    parks their tensors as they are instead of copying them first (odcfsdp's checkpoint loader)."""
-    parking = parking_of(optimizer)
-    if parking is None:
-        yield
-        return
-    parking.owns_loads = True
-    try:
-        yield
-    finally:
-        parking.owns_loads = False

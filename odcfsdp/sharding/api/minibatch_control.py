@@ -18,14 +18,36 @@ they are the only way a minibatch syncs and finishes::
 
 from __future__ import annotations
 
+from typing import Callable
+
+from torch.utils.hooks import RemovableHandle
+
+from ..runtime.lifecycle import StepLifecycle
 from ..runtime.minibatch import Minibatch
 
 
 class MinibatchControl:
-    """The explicit minibatch methods of ``ODCShard`` and of ``fully_shard`` modules (over the model's engine)."""
+    """The explicit minibatch methods of ``ODCShard`` and of ``fully_shard`` modules (over the model's engine),
+    and the hook on each unit's end of backward."""
 
     def _control_minibatch(self) -> Minibatch:
         raise NotImplementedError
+
+    def _control_lifecycle(self) -> StepLifecycle:
+        raise NotImplementedError
+
+    def register_post_backward_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` after each unit's backward, in every backward pass until the handle's ``remove()``.
+
+        It runs once the unit's gradients are done and handed to the pushes ([lifecycle] 6), in the thread that
+        runs the backward, with the backward's stream current: work it queues follows the unit's. Its activations
+        are freed by then, which is what ``odcfsdp.loop.train_step`` uses to bring a parked optimizer's state back
+        under the last backward ([park-backward]). The hook must not start a forward or a backward.
+        """
+        hooks = self._control_lifecycle().post_backward_hooks
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
         """Declare this rank's share of the coming minibatch; return the global token count.

@@ -127,6 +127,9 @@ class ODCModule(MinibatchControl, FSDPSurface):
     def _control_minibatch(self):  # MinibatchControl's: the model's one minibatch, whichever unit is asked
         return self._odc_engine.minibatch
 
+    def _control_lifecycle(self):  # MinibatchControl's: the model's one lifecycle, whichever unit is asked
+        return self._odc_engine.lifecycle
+
     def _get_fsdp_state(self) -> UnitState:
         """This unit's ``UnitState``, as FSDP2's ``_get_fsdp_state`` returns its ``FSDPState``: torch's
         ``register_fsdp_forward_method(module, name)`` runs its ``_pre_forward``/``_post_forward`` around the

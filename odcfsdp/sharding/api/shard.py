@@ -182,6 +182,9 @@ class ODCShard(MinibatchControl, nn.Module):
     def _control_minibatch(self):
         return self.minibatch
 
+    def _control_lifecycle(self):
+        return self.lifecycle
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradients summed over ranks and micro-batches by ``factor``, as FSDP2's method of that name.
 

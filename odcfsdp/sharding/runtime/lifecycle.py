@@ -53,6 +53,7 @@ and Hugging Face loads) run step 10's work around their own meetings.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -98,6 +99,8 @@ class StepLifecycle:
         self.minibatch = minibatch
         self.checks = checks
         self.phase = TrainingPhase.IDLE
+        # torch's RemovableHandle's ids -> hooks (an OrderedDict: the handle holds it by a weak reference)
+        self.post_backward_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     # -- 1-4: forward ---------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -167,7 +170,8 @@ class StepLifecycle:
 
     def post_backward(self, site: Site) -> None:
         """Step 6: the gradients of all of ``site``'s inputs are done: push each group whose last site is
-        through, and reshard it (unless its ``reshard_after_backward`` is off: then the step's finish does)."""
+        through, and reshard it (unless its ``reshard_after_backward`` is off: then the step's finish does); then
+        the model's post-backward hooks run (``register_post_backward_hook``)."""
         with phase_range("push"):
             for g in site:
                 if g.backward_use_done():
@@ -175,6 +179,8 @@ class StepLifecycle:
                     if g.reshard_after_backward:
                         g.to_sharded()
             self.comm.site_pushed()  # bounded pushes ([streams] 2): wait for an earlier site's
+        for hook in tuple(self.post_backward_hooks.values()):
+            hook()
 
     def finalize_backward(self) -> None:
         """Step 7: autograd's end of backward: push everything still pending, late gradients too

@@ -1,0 +1,80 @@
+"""A parked optimizer's state brought back under the last micro-batch's backward, into the memory it frees.
+
+Design note [park-backward]
+---------------------------
+Parking ([parking] in ``parking.py``) brings the state back once the micro-batches are done, under the meeting.
+The rank every other one waits for there has nothing to hide those copies under: its step waits for about S_p / B
+(S_p the parked bytes, B the host-to-device rate of PCIe; docs/design.md, Figures behind the design notes). Its
+last backward frees memory as it goes, each unit's saved activations once that unit's gradients are done, and
+the state can come back into it, its copies running under the rest of the backward:
+
+1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
+   read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
+   first unit's, as a backward frees more than it keeps.
+2. **Room.** Start bringing back the next parked tensors, in order, while their blocks fit in L - a_k
+   (``bring_back_within``): each block is allocated on the backward's stream and filled on the parking's side
+   stream after the work queued so far. From then on a_k counts them.
+3. **The rest.** ``prefetch_parked`` once the micro-batches are done brings back what did not fit, as before.
+
+Why the peak does not rise. Between units the allocated bytes are a_k; inside a unit's backward they rise by a
+transient T_k (its recomputed activations, its gathered parameters and gradient buffers) and fall back. The
+backward's peak is at least L + T_1 (the first unit, before anything came back). A decoder's units are alike, so
+T_k is about T_1, and filling to the level keeps every later unit's a_k + T_k at or under L + T_k: the peak and
+its reading by the fitted share ([park-fit], which counts what came back here as not resident) are the run's
+without this. Both count the allocator's blocks, so they agree to the byte.
+
+What it hides: min(S_p, F) of the copies back, where F is what the last backward frees above the level: about
+that micro-batch's saved activations (one hidden state per unit with recomputation). A rank whose last
+micro-batch is short frees little and waits as before; the last rank of a long-tailed minibatch runs a long one.
+The copies share the backward's time with its gathers and pushes, but not their link (PCIe, not NVLink). Units
+are known to the sharding wrapper only: for other models (FSDP2, DDP) nothing comes back early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from .parking import ParkedOptimizerState, Where, parking_of
+
+
+class BackwardReturn:
+    """Steps 1-2 of [park-backward], one call after each unit's backward: keep the level, fill the room.
+
+    Args:
+        parking: the optimizer's parked state.
+        device: the device whose allocated bytes are read (the state's).
+    """
+
+    def __init__(self, parking: ParkedOptimizerState, device: torch.device):
+        self.parking, self.device = parking, device
+        self.level: int | None = None
+        self.brought = 0  # bytes of blocks allocated here
+
+    def __call__(self) -> None:
+        allocated = self.parking.memory.allocated(self.device)
+        if allocated is None or self.parking.where is not Where.PARKED:
+            return
+        if self.level is None or allocated >= self.level:
+            self.level = allocated
+            return
+        self.brought += self.parking.bring_back_within(self.level - allocated)
+
+
+@contextlib.contextmanager
+def returning_under_backward(optimizer: torch.optim.Optimizer,
+                             register: Callable[[Callable[[], None]], object] | None) -> Iterator[None]:
+    """Around the last micro-batch's forward and backward: its units' backward bring the parked state back
+    ([park-backward]). ``register`` is the model's ``register_post_backward_hook`` (None: a model without units,
+    nothing comes back early); nothing either for an optimizer without parking, or with ``under_backward`` off."""
+    parking = parking_of(optimizer)
+    if register is None or parking is None or not parking.under_backward or parking.where is not Where.PARKED:
+        yield
+        return
+    handle = register(BackwardReturn(parking, parking.device))
+    try:
+        yield
+    finally:
+        handle.remove()

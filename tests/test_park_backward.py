@@ -1,0 +1,168 @@
+"""[park-backward]: a parked optimizer's state brought back under the last micro-batch's backward, in the memory it
+frees, through the model's ``register_post_backward_hook``: the hook's calls, the room never exceeded, and training
+through ``odcfsdp.loop.train_step`` equal to the bit to the same run with resident state (single process, CPU; the
+device's allocated bytes are a model of one whose backward frees a fixed amount per unit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from odcfsdp import ODCShard
+from odcfsdp.data.packing import Sample
+from odcfsdp.loop import Minibatch, train_step
+from odcfsdp.models import Llama, LlamaConfig
+from odcfsdp.optim import ParkedOptimizerState, parking_of
+from odcfsdp.optim.park_backward import BackwardReturn
+from odcfsdp.optim.park_fit import CudaMemory
+from odcfsdp.optim.parking import Where
+from odcfsdp.sharding import fully_shard
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2)
+
+
+def _model(front: str = "odcshard"):
+    torch.manual_seed(0)
+    inner = Llama(CFG)
+    if front == "odcshard":
+        return ODCShard(inner, group_bytes=8 << 10)
+    for layer in inner.layers:
+        fully_shard(layer)
+    return fully_shard(inner)
+
+
+def _minibatch(step: int, micro: int = 2, length: int = 9, vocab: int = CFG.vocab_size) -> Minibatch:
+    """``micro`` micro-batches of one sample of ``length`` tokens each, drawn from ``step``."""
+    g = torch.Generator().manual_seed(step)
+    samples = [Sample(i, torch.randint(0, vocab, (length,), generator=g), torch.ones(length, dtype=torch.bool))
+               for i in range(micro)]
+    return Minibatch(samples, [[i] for i in range(micro)], sum(s.n_targets for s in samples))
+
+
+class FreeingBackward(CudaMemory):
+    """A device whose allocated bytes fall by ``per_unit`` at each unit's end of backward from ``base``, plus the
+    state that came back (the parking's own count of it); every reading is kept with the room it left."""
+
+    def __init__(self, per_unit: int, base: int = 1 << 30):
+        self.per_unit, self.base, self.units = per_unit, base, 0
+        self.parking: ParkedOptimizerState | None = None
+        self.readings: list[tuple[int, int]] = []  # (allocated, state brought back before this reading)
+
+    def peak(self, device):
+        return None  # no fitted share: a fixed one
+
+    def allocated(self, device):
+        self.units += 1
+        brought = sum(self.footprint(e.host.nbytes) for e in self.parking._parked[:self.parking._arrived])
+        self.readings.append((self.base - self.per_unit * self.units + brought, brought))
+        return self.readings[-1][0]
+
+
+@pytest.mark.parametrize("front", ["odcshard", "fully_shard"])
+def test_post_backward_hook_runs_after_each_unit_until_removed(front):
+    """The hook runs after each site's backward (ODCShard without units: each module holding parameters; fully_shard:
+    each layer, and the root's own parameters), as often in every backward, in the backward's thread, and not after
+    ``remove()``; two hooks both run."""
+    model = _model(front)
+    calls, phases = [], []
+    handle = model.register_post_backward_hook(lambda: calls.append(torch.is_grad_enabled()))
+    other = model.register_post_backward_hook(lambda: phases.append(model._control_lifecycle().phase.name))
+    tokens = torch.randint(0, CFG.vocab_size, (2, 8))
+    model(tokens).float().pow(2).mean().backward()
+    first = len(calls)
+    model(tokens).float().pow(2).mean().backward()
+    leaves = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    assert first >= (leaves - 1 if front == "odcshard" else CFG.n_layers + 1)
+    assert len(calls) == 2 * first and set(phases) == {"BACKWARD"} and len(phases) == len(calls)
+    handle.remove()
+    model(tokens).float().pow(2).mean().backward()
+    assert len(calls) == 2 * first and len(phases) == 3 * first
+    other.remove()
+
+
+def _train(steps: int, park: bool, per_unit: int = 0, under_backward: bool = True, front: str = "fully_shard",
+           micro: int = 2):
+    model = _model(front)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    memory = None
+    if park:
+        memory = FreeingBackward(per_unit)
+        memory.parking = ParkedOptimizerState(opt, 1.0, memory=memory, under_backward=under_backward)
+    losses, early = [], []
+    for step in range(steps):
+        out = train_step(model, opt, None, _minibatch(step, micro), torch.device("cpu"), max_norm=1.0)
+        losses.append(out["loss"])
+        if memory is not None:
+            early.append(max((b for _, b in memory.readings), default=0))
+            memory.readings.clear()
+            memory.units = 0
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return losses, state, opt, early
+
+
+def test_state_comes_back_under_the_last_backward_within_the_room_and_trains_like_resident_state():
+    """fully_shard's 3 layers and root: from the second step on (the first creates the state) the parked state
+    starts back at the units' ends of backward of the last micro-batch, in order, never past the level minus what
+    the backward freed; training equals the resident run to the bit."""
+    ref_losses, ref_state, ref_opt, _ = _train(4, park=False)
+    per_tensor = max(t.nbytes for s in ref_opt.state.values() for t in s.values() if t.dim() > 0)
+    losses, state, opt, early = _train(4, park=True, per_unit=2 * per_tensor)
+    assert losses == ref_losses
+    for k in ref_state:
+        assert torch.equal(state[k], ref_state[k]), k
+    parking = parking_of(opt)
+    assert parking.where is Where.PARKED and parking._arrived == 0
+    assert early[0] == 0 and all(b > 0 for b in early[1:])  # nothing parked before the first step
+    state_bytes = sum(t.nbytes for s in ref_opt.state.values() for t in s.values() if t.dim() > 0)
+    assert all(b < state_bytes for b in early)  # the room was less than the state: the rest came after
+
+
+def test_the_room_is_the_level_less_what_is_allocated():
+    """``BackwardReturn`` alone: the first reading sets the level, a higher one raises it, a lower one leaves room
+    for whole blocks in order, and what came back counts as allocated from then on."""
+    model = _model("odcshard")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    memory = FreeingBackward(0)
+    parking = memory.parking = ParkedOptimizerState(opt, 1.0, memory=memory)
+    model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    sizes = [memory.footprint(e.host.nbytes) for e in parking._parked]
+    readings = iter([100, 120, 120 - sizes[0] - 1, 120 - sizes[0] - sizes[1]])  # backward's own bytes
+
+    class Scripted(CudaMemory):
+        def allocated(self, device):
+            return next(readings) + sum(sizes[:parking._arrived])
+
+    parking.memory = Scripted()
+    back = BackwardReturn(parking, parking.device)
+    back(), back()
+    assert back.level == 120 and parking._arrived == 0
+    back()  # room for the first block and a byte
+    assert parking._arrived == 1 and back.brought == sizes[0]
+    back()  # room for exactly the second block (its byte freed again): not for the third
+    assert parking._arrived == 2 and back.brought == sizes[0] + sizes[1]
+    assert parking.parked_bytes == sum(e.host.nbytes for e in parking._parked[2:])
+    hosts = [e.host.clone() for e in parking._parked]
+    parking.settle()  # a skipped step: what came back is freed again, all of it parked
+    assert parking._arrived == 0 and parking.parked_bytes == sum(h.nbytes for h in hosts)
+    assert all(e.local.untyped_storage().nbytes() == 0 for e in parking._parked)
+    entries = list(parking._parked)
+    parking.unpark()
+    assert parking.where is Where.RESIDENT
+    assert all(torch.equal(e.local, h) for e, h in zip(entries, hosts))
+
+
+def test_state_stays_parked_through_the_backward_with_under_backward_off_or_without_units():
+    """``under_backward=False``, and a model without units (no ``register_post_backward_hook``): all of it comes
+    back once the micro-batches are done, as before."""
+    _, _, opt, early = _train(3, park=True, per_unit=1 << 40, under_backward=False)
+    assert early == [0, 0, 0] and parking_of(opt).where is Where.PARKED
+    torch.manual_seed(0)
+    plain = Llama(CFG)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    memory = FreeingBackward(1 << 40)
+    memory.parking = ParkedOptimizerState(opt, 1.0, memory=memory)
+    for step in range(2):
+        train_step(plain, opt, None, _minibatch(step), torch.device("cpu"), max_norm=1.0)
+    assert memory.readings == []
