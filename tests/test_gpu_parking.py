@@ -189,3 +189,39 @@ def test_parked_state_comes_back_under_the_last_backward_on_a_gpu():
         with open(path, "a") as f:
             f.write(json.dumps({"test": "park_under_backward_1gpu", **{f"{m}_{k}": runs[m][k] for m in runs
                                                                        for k in ("peaks", "early")}}) + "\n")
+
+
+def _meetings_while_another_stream_works(_: int) -> list[bool]:
+    """One rank on GPU 0 (nvshmem on one PE): a backward, then a second of work queued on a stream that is not the
+    model's; whether that stream is still busy after the sync (``clip_grad_norm_``) and after the finish (the step,
+    ``zero_grad``), and the grads' norm is that of the same step without the other stream's work."""
+    from odcfsdp import ODCShard
+    from odcfsdp.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = ODCShard(Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)).cuda(),
+                     comm="nvshmem")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model(torch.randint(0, 256, (2, 64), device="cuda")).float().pow(2).mean().backward()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(1 << 31)  # about a second of GPU clock cycles
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the sync: its meeting's quiesce
+    busy = [not other.query()]
+    opt.step()
+    opt.zero_grad()  # the finish: rows published, its meeting's quiesce
+    busy.append(not other.query())
+    other.synchronize()
+    model.close()
+    return busy
+
+
+@one_gpu
+@pytest.mark.timeout(120)
+def test_meetings_wait_for_the_models_streams_not_for_others():
+    """The meetings' quiesce waits for the current stream (which waits for the pushes and gathers), not for the
+    whole device: a parked optimizer's copies out on its side stream run on under the finish and the next forward
+    ([parking] 1). Both meetings return while another stream still sleeps."""
+    from odcfsdp.launch import spawn
+
+    assert spawn(_meetings_while_another_stream_works, 1, 0, backend="nccl", timeout=100)[0] == [True, True]

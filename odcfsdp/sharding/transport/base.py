@@ -118,7 +118,9 @@ class Transport(ABC):
         """Add parameter-major ``grad`` (length N*C) into the owners' accumulator rows of group ``g``."""
 
     def quiesce(self) -> None:
-        """Make every write this rank issued (pushes, row updates) complete and visible to its peers."""
+        """Make every write this rank issued (pushes, row updates) complete and visible to its peers; the caller has
+        ordered them all on the current stream (``CommStreams.pushes_done`` / ``rows_published``), and only that
+        stream is waited for."""
 
     def close(self) -> None:
         """Release rows, accumulators and any shared resources."""

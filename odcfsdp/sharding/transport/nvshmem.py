@@ -269,4 +269,7 @@ class NvshmemTransport(OneSidedTransport):
                                 self.world_size, num_warps=self.scatter_warps, rank=self.rank)
 
     def quiesce(self) -> None:
-        torch.cuda.synchronize(self.device)  # atomics and row updates are done (system scope) once the kernels are
+        # atomics and row updates are done (system scope) once their kernels are. The callers order every such
+        # write on the current stream first (pushes_done waits for the push stream; rows are written on it), so
+        # its completion is theirs: other streams' work (a parked optimizer's copies, [parking]) goes on
+        torch.cuda.current_stream(self.device).synchronize()

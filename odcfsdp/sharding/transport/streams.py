@@ -32,8 +32,9 @@ done*:
    frees each buffer with ``record_stream`` instead. With the collective transport a push is a
    reduce-scatter, so the wait is for a collective every rank issues in the same order: ranks must run
    equal micro-batch counts there anyway.
-3. ``pushes_done()`` (before a meeting): the current stream waits for the pushes,
-   and the transport makes them complete and visible to their owners.
+3. ``pushes_done()`` (before a meeting): the current stream waits for the pushes and the gathers,
+   and the transport makes them complete and visible to their owners: it waits for the current stream
+   only, so work on streams that are not the model's (a parked optimizer's copies) goes on.
 4. ``rows_published()`` (after a finish or a change): the transport makes the new
    rows visible, and later prefetches (side stream) start after them.
 5. ``zero_before_meeting`` / ``zero_after_meeting`` (around a finish's or a change's meeting):
@@ -197,6 +198,8 @@ class CommStreams:
             _current(self.push_stream).wait_stream(self.push_stream)
             self._held.clear()  # every push waited for: their buffers may go in stream order
             self._site.clear()
+        if self.gather_stream is not None:  # no read of a peer's rows outlives the meeting (they change after it)
+            _current(self.gather_stream).wait_stream(self.gather_stream)
         self.transport.quiesce()
 
     def written_aside(self, tensors: list[torch.Tensor]) -> None:
