@@ -160,7 +160,9 @@ def _under_backward_run(mode: str) -> dict:
         torch.cuda.synchronize()
         losses.append(out["loss"])
         peaks.append(torch.cuda.max_memory_allocated())
-    state = {k: v.float().sum().item() for k, v in model.state_dict().items()}
+    with unparked(opt):  # AdamW's moments: sums over each tensor, in parameter order
+        state = {f"{i}.{k}": v.float().sum().item() for i, st in enumerate(opt.state.values())
+                 for k, v in st.items() if v.dim()}
     state_bytes = sum(-(-t.nbytes // 512) * 512 for s in opt.state.values() for t in s.values() if t.dim())
     model.close()
     return {"losses": losses, "peaks": peaks, "early": early, "state": state, "state_bytes": state_bytes}
@@ -171,19 +173,23 @@ def _under_backward_run(mode: str) -> dict:
 def test_parked_state_comes_back_under_the_last_backward_on_a_gpu():
     """[park-backward] on one GPU (nvshmem on one PE): after the first step the parked state starts back under the
     last backward (as much as its recomputed layers free); each step's peak is the peak with the
-    state brought back only after the micro-batches, within 2 MiB; losses and the final weights are the resident
-    run's to the bit."""
+    state brought back only after the micro-batches, within 2 MiB; losses and AdamW's moments are the resident
+    run's (within the GPU attention's run-to-run spread)."""
     from odcfsdp.launch import spawn
 
     runs = {mode: spawn(_under_backward_run, 1, mode, backend="nccl", timeout=240)[0]
             for mode in ("resident", "late", "under")}
-    assert runs["under"]["losses"] == runs["late"]["losses"] == runs["resident"]["losses"]
-    assert runs["under"]["state"] == runs["resident"]["state"]
     assert runs["late"]["early"] == [0, 0, 0, 0]
     under = runs["under"]
     assert under["early"][0] == 0 and all(0 < b <= under["state_bytes"] for b in under["early"][1:]), under
-    for under, late in zip(runs["under"]["peaks"][1:], runs["late"]["peaks"][1:]):
-        assert under <= late + (2 << 20), (runs["under"]["peaks"], runs["late"]["peaks"])
+    for u, late in zip(under["peaks"][1:], runs["late"]["peaks"][1:]):
+        assert u <= late + (2 << 20), (under["peaks"], runs["late"]["peaks"])
+    # the attention's backward sums in no fixed order on a GPU, so runs in separate processes differ by about 1e-6
+    # (and AdamW's first updates, lr * sign(g), flip where g is about 0: weights are not compared). A moment read
+    # before its copy back arrived would be another tensor's bytes or zeros: far outside these bounds
+    for mode in ("under", "late"):
+        torch.testing.assert_close(runs[mode]["losses"], runs["resident"]["losses"], rtol=1e-4, atol=0)
+        torch.testing.assert_close(runs[mode]["state"], runs["resident"]["state"], rtol=1e-3, atol=1e-6)
     path = os.environ.get("ODC_RESULTS")
     if path:
         with open(path, "a") as f:
@@ -202,10 +208,16 @@ def _meetings_while_another_stream_works(_: int) -> list[bool]:
     model = ODCShard(Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)).cuda(),
                      comm="nvshmem")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    model(torch.randint(0, 256, (2, 64), device="cuda")).float().pow(2).mean().backward()
+    for step in range(2):  # the first step compiles every kernel of a step
+        model(torch.randint(0, 256, (2, 64), device="cuda")).float().pow(2).mean().backward()
+        if step == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    torch.cuda.synchronize()
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):
-        torch.cuda._sleep(1 << 31)  # about a second of GPU clock cycles
+        torch.cuda._sleep(1 << 33)  # seconds of GPU clock cycles
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the sync: its meeting's quiesce
     busy = [not other.query()]
     opt.step()
