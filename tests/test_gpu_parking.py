@@ -160,8 +160,8 @@ def _under_backward_run(mode: str) -> dict:
         torch.cuda.synchronize()
         losses.append(out["loss"])
         peaks.append(torch.cuda.max_memory_allocated())
-    with unparked(opt):  # AdamW's moments: sums over each tensor, in parameter order
-        state = {f"{i}.{k}": v.float().sum().item() for i, st in enumerate(opt.state.values())
+    with unparked(opt):  # AdamW's moments: sums of magnitudes over each tensor (no cancellation), in parameter order
+        state = {f"{i}.{k}": v.float().abs().sum().item() for i, st in enumerate(opt.state.values())
                  for k, v in st.items() if v.dim()}
     state_bytes = sum(-(-t.nbytes // 512) * 512 for s in opt.state.values() for t in s.values() if t.dim())
     model.close()
