@@ -184,12 +184,13 @@ def test_parked_state_comes_back_under_the_last_backward_on_a_gpu():
     assert under["early"][0] == 0 and all(0 < b <= under["state_bytes"] for b in under["early"][1:]), under
     for u, late in zip(under["peaks"][1:], runs["late"]["peaks"][1:]):
         assert u <= late + (2 << 20), (under["peaks"], runs["late"]["peaks"])
-    # the attention's backward sums in no fixed order on a GPU, so runs in separate processes differ by about 1e-6
-    # (and AdamW's first updates, lr * sign(g), flip where g is about 0: weights are not compared). A moment read
-    # before its copy back arrived would be another tensor's bytes or zeros: far outside these bounds
+    # The attention's backward sums in no fixed order on a GPU at these lengths, so runs in separate processes
+    # differ: losses by about 1e-5, and AdamW's first updates, lr * sign(g), flip where g is about 0, which moves
+    # the later moments (measured at a91d4e2: a moment's sum of magnitudes 0.15% apart; weights are not compared).
+    # A moment read before its copy back arrived holds another tensor's bytes or zeros: far outside these bounds
     for mode in ("under", "late"):
         torch.testing.assert_close(runs[mode]["losses"], runs["resident"]["losses"], rtol=1e-4, atol=0)
-        torch.testing.assert_close(runs[mode]["state"], runs["resident"]["state"], rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(runs[mode]["state"], runs["resident"]["state"], rtol=1e-2, atol=1e-6)
     path = os.environ.get("ODC_RESULTS")
     if path:
         with open(path, "a") as f:
