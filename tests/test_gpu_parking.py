@@ -238,3 +238,24 @@ def test_meetings_wait_for_the_models_streams_not_for_others():
     from odcfsdp.launch import spawn
 
     assert spawn(_meetings_while_another_stream_works, 1, 0, backend="nccl", timeout=100)[0] == [True, True]
+
+
+@one_gpu
+@pytest.mark.timeout(120)
+def test_state_dict_right_after_a_step_reads_the_finished_copies():
+    """``state_dict()`` called as soon as ``step()`` returns, while the copies out still run on the side stream:
+    its host copies hold the step's values (host_copy waits for the copies), equal to the state read back on the
+    device afterwards. Large tensors, so that the copies outlast the host's work by far."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda", generator=gen)) for _ in range(4)]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    ParkedOptimizerState(opt, 1.0)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        opt.step()
+        saved = opt.state_dict()["state"]  # no synchronisation before it
+        with unparked(opt):
+            for i, p in enumerate(params):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(saved[i][key], opt.state[p][key].cpu()), (i, key)

@@ -110,6 +110,7 @@ class ParkedOptimizerState:
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of param, state key) -> host copy
         self._parked: list[_Parked] = []
         self._arrived = 0  # parked: the first entries of _parked already coming back ([park-backward])
+        self._copying_out: list[torch.cuda.Event] = []  # recorded after the last copies out, per device
         self._host_of: dict[int, torch.Tensor] = {}  # id of a parked local tensor -> its host copy
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
@@ -133,8 +134,12 @@ class ParkedOptimizerState:
 
     def host_copy(self, value: torch.Tensor) -> torch.Tensor | None:
         """The host tensor holding ``value``'s values while it is parked or arriving (read it, never write it);
-        None for a tensor that is not parked (resident state, scalars)."""
-        return self._host_of.get(id(local_of(value))) if self.where is not Where.RESIDENT else None
+        None for a tensor that is not parked (resident state, scalars). The copies out are done when it returns."""
+        if self.where is Where.RESIDENT:
+            return None
+        while self._copying_out:  # the copies out run on the side stream after the step: their host bytes
+            self._copying_out.pop().synchronize()
+        return self._host_of.get(id(local_of(value)))
 
     def _state_tensors(self) -> Iterator[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -175,6 +180,8 @@ class ParkedOptimizerState:
                         if side is not None:
                             e.local.record_stream(side)  # its block is reused once this copy is done
                         e.local.untyped_storage().resize_(0)
+                if side is not None and not back:  # what a reader of the host copies waits for (host_copy)
+                    self._copying_out.append(side.record_event())
 
     def _set_parked(self, entries: list[_Parked]) -> None:
         self._parked, self._arrived = entries, 0
