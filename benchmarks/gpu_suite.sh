@@ -98,7 +98,7 @@ section_cmd() {  # section, gpus in lane, port, dir
     comm) echo "$run -m benchmarks.comm_bench --iters 20 --out $dir --commit $COMMIT $extra" ;;
     optim) echo "python3 -m benchmarks.optim_bench --sizes 1b 8b --world 2 --out $dir --commit $COMMIT $extra" ;;
     park)  # issue 41 item 4: the parked optimizer state's copies at 8B's rank-0 shards of 2 ranks, one GPU
-      echo "python3 -m benchmarks.park_bench --size 8b --world 2 --fractions 0.5 0.8 1.0 --out $dir --commit $COMMIT" \
+      echo "python3 -m benchmarks.park_bench --size 8b --world 2 --fractions 0.8 1.0 --out $dir --commit $COMMIT" \
            "$extra" ;;
     park_backward)  # issue 41 item 4, one GPU: odc with all of AdamW's state parked, brought back under the last
       # backward ([park-backward]) or only after it (park_late), against odc unparked; 3B long-tailed, 4 samples of

@@ -15,6 +15,11 @@ one fp32 tensor per parameter, its state parked by ``ParkedOptimizerState(fracti
 Each is wall-clock time between device synchronisations (medians of ``--iters`` after ``--warmup``), so they do not
 overlap here as they would under a meeting or a forward: the sum is the worst case, each part what it costs alone.
 Next to them, one pinned buffer of the parked bytes copied each way by itself: the link's rate on this host.
+
+In training the copies are queued behind device work (the copies back behind the last backward, the copies out behind
+the step), and the host should return at once. ``--busy-ms`` queues that much work on the current stream first and
+times how long the host takes to return from ``prefetch_parked`` and from the step (its post-hook queues the copies
+out): about the busy time, or more, means the host waits for the device while it queues copies.
 """
 
 from __future__ import annotations
@@ -39,6 +44,26 @@ def _ms(fn, device: torch.device, stream_only: bool = False) -> float:
     return timing.elapsed_ms(lambda: (fn(), wait()), cuda=False)
 
 
+class BusyWork:
+    """About ``ms`` milliseconds of matrix products queued on the current stream (calibrated once; none on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.per_ms = device, 0.0
+        if device.type == "cuda":
+            self.a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+            self.out = torch.empty_like(self.a)
+            self.queue(20)
+            torch.cuda.synchronize(device)
+            self.per_ms = 50 / _ms(lambda: self.queue(50), device)
+
+    def queue(self, count: int) -> None:
+        for _ in range(count):
+            torch.mm(self.a, self.a, out=self.out)
+
+    def __call__(self, ms: float) -> None:
+        self.queue(round(ms * self.per_ms))
+
+
 def link_rates(nbytes: int, device: torch.device, iters: int) -> dict:
     """GB/s of one pinned host buffer of ``nbytes`` copied to ``device`` and back (each way alone)."""
     n = max(1, nbytes // 4)
@@ -50,8 +75,9 @@ def link_rates(nbytes: int, device: torch.device, iters: int) -> dict:
     return {"h2d_gb_s": 4 * n / to_dev / 1e6, "d2h_gb_s": 4 * n / to_host / 1e6}
 
 
-def run_fraction(shapes, fraction: float, args, device: torch.device) -> dict:
-    """The three parts of a parked step (``fraction`` 0: the step alone, nothing parked)."""
+def run_fraction(shapes, fraction: float, args, device: torch.device, busy: BusyWork) -> dict:
+    """The three parts of a parked step (``fraction`` 0: the step alone, nothing parked), and the host's time to
+    queue the copies behind ``--busy-ms`` of device work."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)) for _, shape in shapes]
     for p in params:
@@ -60,15 +86,22 @@ def run_fraction(shapes, fraction: float, args, device: torch.device) -> dict:
     opt.step()  # the state exists from here
     parking = ParkedOptimizerState(opt, fraction=fraction) if fraction > 0 else None
     opt.step()  # parked after it
-    parts: dict[str, list[float]] = {"back": [], "step": [], "park": []}
+    parts: dict[str, list[float]] = {"back": [], "step": [], "park": [], "back_issue_busy": [],
+                                     "step_issue_busy": []}
     for i in range(args.warmup + args.iters):
         back = _ms(lambda: prefetch_parked(opt), device)
         # the pre-hook waits for the copies back, the post-hook queues the copies out (the side stream: not waited)
         step = _ms(opt.step, device, stream_only=True)
         # the side stream's copies out, still running after the step: waited for from here, with no sync before
         park = timing.elapsed_ms(lambda: device.type == "cuda" and torch.cuda.synchronize(device), cuda=False)
+        busy(args.busy_ms)  # the same calls queued behind device work: the host's time until each returns
+        back_issue = timing.elapsed_ms(lambda: prefetch_parked(opt), cuda=False)
+        busy(args.busy_ms)
+        step_issue = timing.elapsed_ms(opt.step, cuda=False)
+        _ms(lambda: None, device)  # everything done before the next iteration
         if i >= args.warmup:
-            for key, value in (("back", back), ("step", step), ("park", park)):
+            for key, value in (("back", back), ("step", step), ("park", park), ("back_issue_busy", back_issue),
+                               ("step_issue_busy", step_issue)):
                 parts[key].append(value)
     moved = parking.parked_bytes if parking is not None else 0
     state = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
@@ -76,7 +109,7 @@ def run_fraction(shapes, fraction: float, args, device: torch.device) -> dict:
     for key, values in parts.items():
         ms = statistics.median(values)
         row[f"{key}_ms"] = ms
-        if key != "step":
+        if key in ("back", "park"):
             row[f"{key}_gb_s"] = moved / ms / 1e6 if moved and ms > 0 else None
     if parking is not None:
         parking.close()
@@ -92,12 +125,16 @@ def report(rows: list[dict], meta: dict) -> str:
              f"- commit {meta['commit']}, {meta['date']}; `{meta['command']}`",
              f"- rank 0's shards of {meta['world']} ranks, model {meta['size']}; the link alone: host to device "
              f"{meta['h2d_gb_s']:.1f} GB/s, device to host {meta['d2h_gb_s']:.1f} GB/s (one pinned buffer)", "",
-             "| fraction | state GiB | parked GiB | back ms (GB/s) | step ms | park ms (GB/s) |",
-             "|---|---|---|---|---|---|"]
+             f"- behind {meta['busy_ms']:.0f} ms of device work: the host's time until prefetch_parked returns "
+             "(back issue) and until the step returns (step issue: its post-hook queues the copies out)", "",
+             "| fraction | state GiB | parked GiB | back ms (GB/s) | step ms | park ms (GB/s) | back issue ms, busy | "
+             "step issue ms, busy |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['fraction']:.2f} | {r['state_gib']:.2f} | {r['parked_gib']:.2f} | "
                      f"{r['back_ms']:.1f} ({gb(r['back_gb_s'])}) | {r['step_ms']:.1f} | "
-                     f"{r['park_ms']:.1f} ({gb(r['park_gb_s'])}) |")
+                     f"{r['park_ms']:.1f} ({gb(r['park_gb_s'])}) | {r['back_issue_busy_ms']:.1f} | "
+                     f"{r['step_issue_busy_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +147,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.8, 1.0],
                    help="shares of the state parked, each in (0, 1]; the step alone (0) is always measured first")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--busy-ms", type=float, default=200.0,
+                   help="device work queued before the copies are issued, for the host's issue times")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=provenance.default_commit())
@@ -125,11 +164,13 @@ def main(argv=None) -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     shapes = shard_shapes(args.size, args.vocab, args.world)
     state = 8 * sum(torch.Size(s).numel() for _, s in shapes)
+    busy = BusyWork(device)
     meta = harness.meta(args.commit, harness.command(__name__, argv), harness.device_name(device), world=args.world,
-                        size=args.size, **link_rates(min(state, 8 << 30), device, max(1, args.iters)))
+                        size=args.size, busy_ms=args.busy_ms if device.type == "cuda" else 0.0,
+                        **link_rates(min(state, 8 << 30), device, max(1, args.iters)))
     rows = []
     for fraction in [0.0, *args.fractions]:
-        rows.append(run_fraction(shapes, fraction, args, device))
+        rows.append(run_fraction(shapes, fraction, args, device, busy))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last fraction's tensors are gone with its call
         print(report(rows, meta), flush=True)

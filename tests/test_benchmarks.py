@@ -293,6 +293,9 @@ def test_park_bench(out):
     assert rows[0]["parked_gib"] == 0 and rows[2]["parked_gib"] == pytest.approx(sum(tensors))
     assert 0.5 * sum(tensors) <= rows[1]["parked_gib"] < 0.5 * sum(tensors) + max(tensors)
     assert all(finite_positive(r["step_ms"]) for r in rows) and finite_positive(rows[2]["back_ms"], rows[2]["park_ms"])
+    # the host's issue times behind device work (none queued on the CPU): the step's includes the step itself
+    assert all(finite_positive(r["step_issue_busy_ms"]) and r["back_issue_busy_ms"] >= 0 for r in rows)
+    assert "step issue ms, busy" in (d / "park_bench.md").read_text()
 
 
 def test_best_fit(out):
