@@ -49,7 +49,8 @@ import torch.nn as nn
 from benchmarks import e2e_baselines, e2e_isolate, harness
 from benchmarks.e2e_args import park_fit_budget, park_fraction, parse, pushes_in_flight
 from benchmarks.e2e_hf import bench_model, decoder_layers
-from benchmarks.e2e_report import baseline, kernel_summary, step_profiler, write_outputs
+from benchmarks.e2e_profile import kernel_summary, step_profiler
+from benchmarks.e2e_report import baseline, write_outputs
 from benchmarks.timing import StepEvents
 from odcfsdp import ODCShard, param_groups
 from odcfsdp.data.balance import CostModel

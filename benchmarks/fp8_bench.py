@@ -155,7 +155,7 @@ def train(method: str, args, data: list[torch.Tensor], device: torch.device) -> 
     torch.compile did (``compile_stats``) and, for the methods of ``--profile``, one more step's profile."""
     from torch._dynamo.utils import counters
 
-    from benchmarks.e2e_report import kernel_summary, step_profiler
+    from benchmarks.e2e_profile import kernel_summary, step_profiler
     from odcfsdp.models import causal_lm_loss
 
     counters.clear()

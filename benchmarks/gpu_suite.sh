@@ -102,10 +102,11 @@ section_cmd() {  # section, gpus in lane, port, dir
            "$extra" ;;
     park_backward)  # issue 41 item 4, one GPU: odc with all of AdamW's state parked, brought back under the last
       # backward ([park-backward]) or only after it (park_late), against odc unparked; 3B long-tailed, 4 samples of
-      # 8K-64K, each method in its own process
+      # 8K-64K, each method in its own process; one profiled step each: where the host waits for the copies
       echo "python3 -m benchmarks.e2e_bench --isolate --size 3b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --balancers lb_mini --activation-checkpointing --compile --methods odc" \
-           "--variants park park+park_late --memory-breakdown --keep-going --out $dir --commit $COMMIT $extra" ;;
+           "--variants park park+park_late --memory-breakdown --profile odc odc-park odc-park+park_late --keep-going" \
+           "--out $dir --commit $COMMIT $extra" ;;
     checkpoint) echo "$run -m benchmarks.checkpoint_bench --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
     train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;
     e2e_balanced)  # weak scaling: 8 samples of 4096 tokens per GPU per minibatch

@@ -42,8 +42,8 @@ is_traceable_wrapper_subclass``       wrapper subclass (float8 weights) by its i
                                       without an autograd op, and emptied when a model closes
 ``Tensor._is_param``                  ``mark_parameter``: a DTensor parameter passes
                                       ``isinstance(p, nn.Parameter)``, as ``nn.Parameter(dtensor)``'s
-``torch.autograd.profiler.            ``profiler_enabled``: the ``odc::`` ranges cost nothing unless a
-_is_profiler_enabled``                profiler records ([lifecycle])
+``torch.autograd.profiler.            ``profiler_enabled``, ``phase_range``: the ``odc::`` ranges cost nothing
+_is_profiler_enabled``                unless a profiler records ([lifecycle], [parking])
 ``torch.cuda.memory.                  ``record_memory_history``, ``memory_snapshot``: the peak breakdown
 _record_memory_history``, ``_snapshot``  replays the allocator's history ([peak-replay])
 ``torch._standard_gamma``             ``standard_gamma``: the synthetic data's Dirichlet rows drawn
@@ -108,6 +108,8 @@ fixture clearing the global tables), the next model puts the pair back.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import sys
 import weakref
@@ -179,6 +181,14 @@ def mark_parameter(t: torch.Tensor) -> None:
 def profiler_enabled() -> bool:
     """Whether a ``torch.profiler`` session is recording."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def phase_range(name: str):
+    """A ``record_function`` range ``odc::<name>`` while a profiler records, else nothing (no cost per call): each
+    step of [lifecycle], and a parked optimizer's copies ([parking])."""
+    if profiler_enabled():
+        return torch.profiler.record_function(f"odc::{name}")
+    return contextlib.nullcontext()
 
 
 def record_memory_history(*args, **kwargs):
@@ -318,7 +328,8 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 __all__ = ["apply_to_tensors", "called_from", "default_store", "DTensorSpec", "EventGrad", "EventSink",
            "in_backward", "IncompatibleKeys", "inside_zero_grad", "install_optimizer_hooks",
            "is_traceable_wrapper_subclass", "local_of", "mark_parameter", "memory_snapshot",
-           "optimizer_hooks_present", "profiler_enabled", "queue_end_of_backward", "record_memory_history",
-           "register_foreach_types", "register_fully_shard_state", "set_last_lr", "set_local", "standard_gamma",
+           "optimizer_hooks_present", "phase_range", "profiler_enabled", "queue_end_of_backward",
+           "record_memory_history", "register_foreach_types", "register_fully_shard_state", "set_last_lr", "set_local",
+           "standard_gamma",
            "store_grad", "stored_grad", "TENSOR_GRAD", "TensorMeta", "TESTED_TORCH", "tree_leaves", "UNSHARDED",
            "version_of"]

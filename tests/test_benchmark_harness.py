@@ -158,3 +158,19 @@ def test_e2e_report_rewrites_a_committed_result_from_its_json(tmp_path):
     assert e2e_report.main([str(tmp_path / "e2e_bench.json")]) == 0
     text = (tmp_path / "e2e_bench.md").read_text()
     assert "| balanced | odc | lb_micro | 120 | 1.20x | 1.50x (1.50x, 1.00-2.00x) |" in text, text
+
+
+def test_host_wait_report_lists_the_runtime_calls_that_wait_or_copy():
+    """The profiled step's CUDA synchronisations and memcpys by host time, per method; other host ops are left out,
+    and a run without a profile gives no section."""
+    from benchmarks.e2e_profile import host_wait_report
+
+    ops = [{"name": "cudaStreamSynchronize", "self_ms": 59.7, "calls": 9}, {"name": "aten::mm", "self_ms": 80.0,
+                                                                               "calls": 300},
+           {"name": "cudaMemcpyAsync", "self_ms": 128.9, "calls": 674}]
+    lines = host_wait_report([{"workload": "longtail", "method": "odc-park", "profile": {"top_host_ops": ops}},
+                              {"workload": "longtail", "method": "odc"}])
+    assert lines[-2:] == ["| longtail | odc-park | cudaStreamSynchronize | 59.7 | 9 |",
+                          "| longtail | odc-park | cudaMemcpyAsync | 128.9 | 674 |"]
+    assert host_wait_report([{"workload": "w", "method": "odc"}]) == []
+

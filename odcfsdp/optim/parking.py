@@ -45,7 +45,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from ..torch_private import local_of, stored_grad
+from ..torch_private import local_of, phase_range, stored_grad
 from .park_fit import CudaMemory, DeviceMemory, ParkFit
 from .parked_host import host_buffers, host_value, share_of
 
@@ -168,6 +168,10 @@ class ParkedOptimizerState:
         """Each entry's host copy from its device tensor (``back``: the other way), on the side stream of each
         CUDA device after the work its current stream has queued. Copied out, each tensor's device storage is
         freed as soon as its copy is queued: the allocator reuses each block once its own copy is done."""
+        with phase_range("park_copies_back" if back else "park_copies_out"):
+            self._copies_per_device(entries, back)
+
+    def _copies_per_device(self, entries: list[_Parked], back: bool) -> None:
         for device in {e.local.device for e in entries}:
             mine = [e for e in entries if e.local.device == device]
             side = self._side_stream(device) if device.type == "cuda" else None

@@ -58,10 +58,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...torch_private import in_backward, queue_end_of_backward
+from ...torch_private import in_backward, phase_range, queue_end_of_backward
 from ..groups.group import FlatGroup, reshard_all
 from .minibatch import Minibatch
-from .phase_range import phase_range
 from .prefetch import PrefetchSchedule
 from ..transport.streams import CommStreams
 

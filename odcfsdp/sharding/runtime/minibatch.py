@@ -33,10 +33,9 @@ from ..placement.meetings import Meeting, Meetings
 from ..placement.mesh import ShardMesh
 from ..groups.param import ShardedParam
 from ..groups.row_format import LatePublish
-from .phase_range import phase_range
 from .protocol import GradState, StepEvent
 from ..transport.streams import CommStreams
-from ...torch_private import inside_zero_grad, install_optimizer_hooks
+from ...torch_private import inside_zero_grad, install_optimizer_hooks, phase_range
 
 
 class Minibatch:
