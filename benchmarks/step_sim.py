@@ -3,6 +3,8 @@
 
     python -m benchmarks.step_sim --size 8b --out results/sim/<name>      # the sweep (JSON + markdown + chart)
     python -m benchmarks.step_sim --validate --size 8b --out results/sim/<name>   # refit + revalidate
+    python -m benchmarks.step_sim --predict --size 8b --gpus 8 --per-gpu 4 --seeds 0 1 --out results/sim/<name>
+        # planned e2e runs priced before they run (step_sim_predict)
 
 Imports run one way: step_sim -> step_sim_fit -> step_sim_model (and step_sim -> step_sim_model, step_sim_report).
 """
@@ -14,7 +16,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from benchmarks import harness, step_sim_fit, step_sim_report
+from benchmarks import harness, step_sim_fit, step_sim_predict, step_sim_report
 from benchmarks.step_sim_model import DISTRIBUTIONS, overheads, simulate
 
 
@@ -28,6 +30,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--host-run", default=None, help="results/e2e balanced run whose host-issue seconds per "
                    "micro-batch give the host floor h; default: the size's setup")
     p.add_argument("--held-out", nargs="+", default=[], help="--validate: more held-out runs, priced by the fit")
+    p.add_argument("--predict", action="store_true", help="price planned e2e_bench runs (--gpus, --per-gpu, --seeds, "
+                   "--workload, --steps, --warmup) before they run: step_sim_predict")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="--predict: the runs' --seed values")
+    p.add_argument("--workload", choices=["longtail", "balanced"], default="longtail", help="--predict: the runs'")
+    p.add_argument("--steps", type=int, default=3, help="--predict: the runs' measured steps")
+    p.add_argument("--warmup", type=int, default=1, help="--predict: the runs' warm-up steps")
     p.add_argument("--size", default="1b", help="model size priced: its setup's fit, or --fit's scaled by FLOPs")
     p.add_argument("--distributions", nargs="+", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
     p.add_argument("--gpus", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
@@ -42,6 +50,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--gpus: 1..8, or a multiple of 8 (8 GPUs per node beyond one node)")
     if args.held_out and not args.validate:
         p.error("--held-out: with --validate (held-out runs are priced, not swept)")
+    if args.predict and args.validate:
+        p.error("--predict and --validate: one at a time (--validate prices committed runs, --predict planned ones)")
     setup = step_sim_fit.SETUPS.get(args.size)
     if setup is None and (args.validate or not (args.fit and args.host_run)):
         p.error(f"--size {args.size}: no fit setup ({', '.join(step_sim_fit.SETUPS)}); name --fit and --host-run")
@@ -65,6 +75,10 @@ def main(argv=None) -> dict:
         text = step_sim_report.validation_markdown(data)
         tables = {k: v for k, v in found.items() if k != "fit_rows"}  # rows: the fit's; held out etc. beside
         harness.write_result(args.out, "step_sim", meta, found["fit_rows"], text, **tables)
+    elif args.predict:
+        data = predict(args, meta)
+        text = step_sim_report.prediction_markdown(data)
+        harness.write_result(args.out, "step_sim", data["meta"], data["rows"], text)
     else:
         fit = step_sim_fit.fit_runs(args.fit, args.host_run)
         tm, params, opt2 = step_sim_fit.for_size(fit, args.size)
@@ -84,6 +98,22 @@ def main(argv=None) -> dict:
             print("matplotlib is not installed: no chart (its data is step_sim.json's rows)")
     print(text)
     return data
+
+
+def predict(args, meta: dict) -> dict:
+    """``--predict``: every (GPU count, samples per GPU, seed) run planned and priced by the fit."""
+    fit = step_sim_fit.fit_runs(args.fit, args.host_run)
+    per_gpu = " ".join(map(str, args.per_gpu))
+    meta.update(fit=fit.as_dict(), size=args.size, gpus=args.gpus, workload=args.workload,
+                e2e_command=f"python -m benchmarks.e2e_bench --isolate --size {args.size} --workloads {args.workload} "
+                            f"--batch <GPUs x {per_gpu}> --seed <seed> --steps {args.steps} --warmup {args.warmup} "
+                            "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc"
+                            + (" --balancers lb_mini" if args.workload == "longtail" else ""))
+    rows = []
+    for n, k, seed in itertools.product(args.gpus, args.per_gpu, args.seeds):
+        run = step_sim_predict.planned_run(args.size, n, k, seed, args.steps, args.warmup, args.workload)
+        rows += step_sim_predict.prediction_rows(run, fit, args.workload, args.nccl_gbps)
+    return {"meta": meta, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -64,6 +64,31 @@ def _fit_line(name: str, f: dict) -> str:
             f"largest residual {f['max_rel_residual']:.1%} over {f['points']} rank-steps")
 
 
+def prediction_markdown(data: dict) -> str:
+    """Planned runs priced before they run (``--predict``): each method's step by step, ODC's speedups."""
+    meta = data["meta"]
+    lines = _head(meta, f"Predicted before the run: {meta['size']} at {', '.join(map(str, meta['gpus']))} GPUs")
+    lines += [_fit_line(" + ".join(meta["fit"]["runs"]), meta["fit"]),
+              "- fsdp2 and fsdp2_nosync are one model: collective at every micro-batch (fsdp2_nosync still "
+              "re-gathers each layer for every micro-batch's backward, [step-sim])",
+              f"- each row is the e2e run `{meta['e2e_command']}` with that seed, on that many GPUs: the same "
+              "seeded lengths and plans as the run will draw (its measured steps, after the warm-up); once the run "
+              "is committed, `--validate --held-out <its folder>` prices it again from this fit", "",
+              *(f"- {m}: priced from the {meta['fit']['model']} fit, its time model scaled by FLOPs (step_sim_fit."
+                "scaled), as the sweep prices other sizes" for m in sorted({r['model'] for r in data['rows']})
+                if m != meta["fit"]["model"]), "",
+              "| run | method | balance | predicted step s, by step | mean | ODC's speedup (LB-Mini on long-tailed "
+              "data): mean, median per step |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        speedup = (f"{r['odc_speedup_mean']:.3f}x, {r['odc_speedup_median_per_step']:.3f}x"
+                   if "odc_speedup_mean" in r else "-")
+        lines.append(f"| {r['run']} | {r['method']} | {r['balance']} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['step_s'])} | {r['mean_step_s']:.2f} | {speedup} |")
+    lines += ["", *(f"- {r['run']}: ODC's mean step over the balance bound {r['odc_over_bound']:.3f}"
+                    for r in data["rows"] if "odc_over_bound" in r)]
+    return "\n".join(lines) + "\n"
+
+
 def _table(rows: list[dict], with_fit: bool) -> list[str]:
     """Rows as a markdown table (what differs listed once per pair above it): ratio error and, for speedups, the
     error in the gain; a summary line."""

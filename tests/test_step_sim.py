@@ -203,3 +203,31 @@ def test_cli_validate_and_refusals(tmp_path):
     bad = subprocess.run([*env_cmd, "--gpus", "12", "--out", str(tmp_path / "b")], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "multiple of 8" in bad.stderr
+
+
+def test_a_planned_run_is_the_committed_run_it_plans_priced_alike(tmp_path):
+    """``--predict`` (issue 45): planning the committed 8B fit run's settings (2 GPUs, 4 per GPU, seed 0, 2 measured
+    steps after 1 warm-up) gives the plans its replay gives, step by step, and the same predicted steps as
+    ``predict`` of the replayed run; the CLI writes the table and refuses --predict with --validate."""
+    from benchmarks import step_sim, step_sim_predict as P
+
+    name = "n2_8b_longtail_memory_949626a"
+    replayed, fit = F.replay(name), F.fit_runs([name], F.SETUPS["8b"].host_run)
+    planned = P.planned_run("8b", 2, 4, 0, steps=2, warmup=1)
+    assert (planned.world, planned.per_gpu, planned.cap, planned.shape) == (
+        replayed.world, replayed.per_gpu, replayed.cap, replayed.shape)
+    for key in P.PLANNED:
+        assert [plan for plan, _ in planned.steps[key]] == [plan for plan, _ in replayed.steps[key]], key
+    priced, want = P.priced_steps(planned, fit), F.predict(replayed, fit)
+    for key in P.PLANNED:
+        assert sum(priced[key]) / 2 == pytest.approx(want[key], rel=1e-12), key
+    rows = P.prediction_rows(planned, fit, "longtail")
+    fsdp2 = next(r for r in rows if r["method"] == "fsdp2")
+    assert fsdp2["odc_speedup_mean"] == pytest.approx(want[("fsdp2", "lb_micro")] / want[F.MINI], rel=1e-12)
+    data = step_sim.main(["--predict", "--size", "8b", "--gpus", "2", "--per-gpu", "4", "--seeds", "0", "--steps", "2",
+                          "--out", str(tmp_path)])
+    assert [r["mean_step_s"] for r in data["rows"]] == pytest.approx([r["mean_step_s"] for r in rows])
+    assert "| planned: longtail, 8b, 2 GPUs, 4 per GPU, seed 0 | fsdp2 | lb_micro |" in (
+        tmp_path / "step_sim.md").read_text()
+    with pytest.raises(SystemExit):
+        step_sim.parse(["--predict", "--validate", "--size", "8b", "--out", str(tmp_path)])

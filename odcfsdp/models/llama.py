@@ -80,7 +80,8 @@ class LlamaConfig:
 
 
 # Named sizes (Llama 3.x shapes; the vocabulary comes from the data). "tiny" and "150m" are for
-# CPUs and quick tests.
+# CPUs and quick tests; "14b" is the ODC paper's size class (Qwen2.5-14B's block shapes: 13.5B parameters with a
+# 32000-token vocabulary).
 LLAMA_SIZES: dict[str, dict] = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
     "150m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4),
@@ -89,6 +90,7 @@ LLAMA_SIZES: dict[str, dict] = {
     "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, rope_theta=500000.0,
                tie_embeddings=True),
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0),
+    "14b": dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, ffn_dim=13824, rope_theta=1000000.0),
 }
 
 
