@@ -118,6 +118,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--gc-every", type=int, default=GC_EVERY_DEFAULT,
                    help="every method: Python's automatic GC off, gc.collect(1) every N steps between steps, untimed "
                         "(torchtitan's training.gc_freq; [step-gc]); 0: Python's automatic collection")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: odc and FSDP2 shard over world/R ranks and replicate R times (a 2-D mesh, FSDP2's "
+                        "HSDP); 1: fully sharded")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     harness.add_common(p, out="results/e2e", cpu_ranks=True)
@@ -141,6 +144,8 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gc_every < 0:
         p.error(f"--gc-every must be >= 0 (0: Python's automatic collection), got {args.gc_every}")
+    if args.replicas < 1 or (args.cpu_ranks and args.cpu_ranks % args.replicas):
+        p.error(f"--replicas {args.replicas}: a divisor of the ranks ({args.cpu_ranks or 'the world'}), at least 1")
     if args.compile and "module_hooks" in args.ablate:
         p.error("--ablate module_hooks cannot run with --compile: compiled layers need whole-layer hooks")
     if problem := e2e_isolate.misfit(args) or resolve_args(args):  # --model's defaults (vocabulary, methods), misfits

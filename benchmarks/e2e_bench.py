@@ -111,7 +111,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            gather_masters=bool(levers & {"gather_masters", "lean"}),
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if "offload" in levers else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
-                           float8=args.float8, float8_gather=args.float8_gather)
+                           float8=args.float8, float8_gather=args.float8_gather,
+                           mesh=e2e_baselines.hsdp_mesh(device, args.replicas))
         if "unbounded_pushes" in levers:  # [streams] 2: buffers freed with record_stream, not one site in flight
             sharded.comm.pushes_in_flight = None
         for n in filter(None, map(pushes_in_flight, levers)):  # pushesN: N sites in flight
@@ -121,7 +122,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
     if baseline(method) in ("fsdp2", "fsdp2-offload", "fsdp2_nosync"):  # torchtitan's way (e2e_baselines.py)
         e2e_baselines.torchao_float8(model, args.float8)
         return e2e_baselines.fsdp2(model, decoder_layers(model, bench_model(args).units), device,
-                                   offload=method.endswith("offload"), nosync=method.endswith("_nosync"))
+                                   offload=method.endswith("offload"), nosync=method.endswith("_nosync"),
+                                   mesh=e2e_baselines.hsdp_mesh(device, args.replicas))
     if baseline(method) == "ddp":
         return e2e_baselines.ddp(model, device)
     raise ValueError(f"unknown method {method!r}")

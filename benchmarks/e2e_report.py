@@ -46,6 +46,9 @@ def report(results: list[dict], meta: dict) -> str:
            f"{'float8' if meta['args'].get('float8_gather') else 'bf16'} (float8_gather; the flag's default changed "
            "to on at 28e8f72: runs before it without --float8-gather gathered bf16)"]
           if meta['args'].get('float8') else []),
+        *([f"- HSDP (odc and FSDP2): {meta['args']['replicas']} replicas of "
+           f"{meta['world_size'] // meta['args']['replicas']} shards, a 2-D mesh (FSDP2's HSDP; odc shards inside a replica and sums the replicas' gradients once per "
+           "minibatch)"] if meta['args'].get('replicas', 1) > 1 else []),
         "- rank cost max/mean: the balancer's result by the cost model (a*s^2 + b*s): the busiest rank's work over "
         "the mean, over the measured steps (1.00 = perfectly balanced); compute s per rank: forward/backward time "
         "summed over the measured steps; host-issue s: the part of it until the host had queued the last kernel "

@@ -29,7 +29,9 @@
 # (issue 35: the 8B model, odc float8 gathering float8 rows, --float8-gather, against
 # FSDP2 with torchao's float8 all-gather, in one call, with memory, each method in its own processes; 2+ GPUs),
 # fp8_8b_balanced_lean (the same for odc with gather_masters: no bf16 rows), levers_8b_balanced, levers_8b_longtail
-# (issue 41: FSDP2, odc's default and odc with each memory lever, isolated, with the peak by category). Results go to
+# (issue 41: FSDP2, odc's default and odc with each memory lever, isolated, with the peak by category), tests_eight,
+# n8_8b_longtail, n8_14b_longtail, n8_8b_balanced, n8_hsdp_8b_longtail (issue 45 on one 8-GPU host: HSDP parity,
+# long-tailed 8B and 14B, balanced 8B, HSDP 2 x 4; the simulator's predictions in results/sim/predict_n8_*). Results go to
 # OUT/<section>_n<GPUs>/; each lane is packed into
 # OUT/lane<k>.tar.gz after every section (the device tool returns few files, and a run cut off by its
 # time limit keeps what finished). Every section has a time limit (SECTION_TIMEOUT_<section>, seconds)
@@ -56,7 +58,8 @@ declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_sh
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
                   [hf_8b_longtail]=570 [hf_1b_vs_llama_1b]=570 [hf_finetune_longtail]=570 [sim_heldout_8b]=570
                   [tests_float8]=570 [fp8_1gpu]=540 [fp8_8b_balanced]=570 [fp8_8b_balanced_lean]=400
-                  [levers_8b_balanced]=560 [levers_8b_longtail]=570)
+                  [levers_8b_balanced]=560 [levers_8b_longtail]=570 [tests_eight]=400 [n8_8b_longtail]=570
+                  [n8_14b_longtail]=570 [n8_8b_balanced]=480 [n8_hsdp_8b_longtail]=570)
 
 per_test_bound() {  # pytest-timeout's option, where the plugin is installed (carry its wheel); spawn bounds either way
   if python3 -c 'import pytest_timeout' 2>/dev/null; then echo "--timeout $1"; else echo "-p no:timeout"; fi
@@ -82,6 +85,26 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu.py -k four_gpus -q -p no:cacheprovider $(per_test_bound 120)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
+    tests_eight)  # issue 45: HSDP parity on 8 GPUs, 2 replicas of 4 shards and 4 of 2 (tests/test_gpu.py)
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
+           "tests/test_gpu.py -k eight_gpus -q -p no:cacheprovider $(per_test_bound 180)" \
+           "--junitxml=$dir/gpu_tests.xml $extra" ;;
+    n8_8b_longtail|n8_14b_longtail)  # issue 45 item 2, 8 GPUs: 4 long-tailed samples (8K-64K) per GPU, seed 0
+      # (ARGS_<section>="--seed 1" for the other), odc + LB-Mini against FSDP2 + LB-Micro and fsdp2_nosync, FSDP2
+      # first, each in its own processes; predicted in results/sim/predict_n8_<size>_longtail before the run
+      local size=${s#n8_}; size=${size%_longtail}
+      echo "python3 -m benchmarks.e2e_bench --isolate --size $size --workloads longtail --batch $((4 * n))" \
+           "--steps 3 --warmup 1 --activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc" \
+           "--balancers lb_mini --keep-going --out $dir --commit $COMMIT $extra" ;;
+    n8_8b_balanced)  # issue 45 item 3, 8 GPUs: 2 x 4K per GPU, odc against FSDP2 (predicted in
+      # results/sim/predict_n8_8b_balanced)
+      echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads balanced --batch $((2 * n)) --steps 4" \
+           "--warmup 2 --activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc --keep-going" \
+           "--out $dir --commit $COMMIT $extra" ;;
+    n8_hsdp_8b_longtail)  # issue 45 item 4, 8 GPUs: HSDP 2 x 4 (--replicas 2), odc + LB-Mini against FSDP2's HSDP
+      echo "python3 -m benchmarks.e2e_bench --isolate --size 8b --workloads longtail --batch $((4 * n)) --replicas 2" \
+           "--steps 3 --warmup 1 --activation-checkpointing --compile --methods fsdp2 odc --balancers lb_mini" \
+           "--keep-going --out $dir --commit $COMMIT $extra" ;;
     tests_copy_engine)  # 4 cases on 2 GPUs, each bounded at 90 s by spawn: at most ~7 min if every one hangs
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu.py -k copy_engine -q -p no:cacheprovider $(per_test_bound 150)" \

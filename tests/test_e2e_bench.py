@@ -247,3 +247,23 @@ def test_pushes_variants_name_their_bound():
             variant(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="sets the pushes in flight twice"):
         variant("unbounded_pushes+pushes2")
+
+
+def test_hsdp_runs_train_what_fully_sharded_ones_do(tmp_path):
+    """``--replicas 2`` on 4 ranks (issue 45's HSDP 2x4 run, shrunk): odc and FSDP2 shard over 2 ranks and replicate
+    twice, and take the steps DDP takes on the same samples (fp32 on CPU); the report names the mesh; a replica count
+    that does not divide the ranks is refused before any rank starts."""
+    e2e_bench.main(["--cpu-ranks", "4", "--replicas", "2", "--size", "tiny", "--vocab", "256", "--steps", "2",
+                    "--warmup", "1", "--batch", "8", "--cap", "512", "--pool", "20000", "--group-bytes", "8192",
+                    "--lr", "1e-2", "--workloads", "longtail", "--methods", "odc", "fsdp2", "ddp",
+                    "--balancers", "lb_micro", "--out", str(tmp_path)])
+    runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]}
+    assert set(runs) == {"odc", "fsdp2", "ddp"}
+    for method in ("odc", "fsdp2"):
+        for a, b in zip(runs[method]["losses"], runs["ddp"]["losses"]):
+            assert abs(a - b) <= 1e-4 * abs(b), (method, runs[method]["losses"], runs["ddp"]["losses"])
+        for s, t in zip(runs[method]["steps"], runs["ddp"]["steps"]):
+            assert abs(s["grad_norm"] - t["grad_norm"]) <= 1e-4 * abs(t["grad_norm"]), method
+    assert "- HSDP (odc and FSDP2): 2 replicas of 2 shards" in (tmp_path / "e2e_bench.md").read_text()
+    with pytest.raises(SystemExit):
+        e2e_bench.parse(["--cpu-ranks", "4", "--replicas", "3", "--out", str(tmp_path)])

@@ -20,6 +20,7 @@ from parity import FROZEN, Run, mixed_precision_reference, reference_run, sharde
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+eight_gpus = pytest.mark.skipif(torch.cuda.device_count() < 8, reason="needs 8 GPUs")
 
 # bf16 compute: both runs start from identical bf16 copies and compute each micro-batch
 # with the same kernels, so they differ only by the order in which fp32 gradient sums
@@ -164,6 +165,19 @@ def test_bf16_parity_four_gpus(comm, micro_batches):
     results = spawn(sharded_run, 4, run, torch.float32, 4096, True, comm, "cuda", backend="nccl")
     compare(f"bf16_parity_4gpu[{comm},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"),
             BF16_TOL)
+
+
+@eight_gpus
+@pytest.mark.parametrize("replicas, micro_batches", [(2, [1, 3, 0, 2, 2, 1, 1, 0]), (4, [2, 0, 1, 3, 0, 1, 2, 1])])
+def test_hsdp_parity_eight_gpus(replicas, micro_batches):
+    """HSDP on 8 GPUs (issue 45): 2 replicas of 4 shards and 4 replicas of 2, one-sided inside each replica (uneven
+    counts, a rank with none among them), the replicas' gradients summed once per minibatch; bf16 parity with the
+    mixed-precision reference on the union of the ranks' micro-batches."""
+    run = Run(8, micro_batches=micro_batches)
+    results = spawn(sharded_run, 8, run, torch.float32, 4096, True, "nvshmem", "cuda", 1, None, (), None, replicas,
+                    backend="nccl")
+    compare(f"hsdp_parity_8gpu[{replicas}x{8 // replicas},{micro_batches}]", run, results,
+            mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 
 def _with_gather_mode(mode: str, run: Run, overlap_push: bool = True, prefetch: int = 1) -> dict:

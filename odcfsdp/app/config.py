@@ -67,7 +67,7 @@ class ModelConfig:
     name: str = "llama"
     """llama | hf: a spec of odcfsdp/app/specs (see [model-specs])"""
     size: str = "tiny"
-    """llama: tiny | 150m | 1b | 3b | 8b"""
+    """llama: tiny | 150m | 1b | 3b | 8b | 14b"""
     overrides: dict[str, Any] = field(default_factory=dict)
     """any LlamaConfig field, e.g. {n_layers: 4}"""
     path: str | None = None
