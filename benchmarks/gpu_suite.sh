@@ -90,11 +90,13 @@ section_cmd() {  # section, gpus in lane, port, dir
            "tests/test_gpu.py -k eight_gpus -q -p no:cacheprovider $(per_test_bound 180)" \
            "--junitxml=$dir/gpu_tests.xml $extra" ;;
     n8_8b_longtail|n8_14b_longtail)  # issue 45 item 2, 8 GPUs: 4 long-tailed samples (8K-64K) per GPU, seed 0
-      # (ARGS_<section>="--seed 1" for the other), odc + LB-Mini against FSDP2 + LB-Micro and fsdp2_nosync, FSDP2
-      # first, each in its own processes; predicted in results/sim/predict_n8_<size>_longtail before the run
-      local size=${s#n8_}; size=${size%_longtail}
+      # (ARGS_<section>="--seed 1" for the other), odc + LB-Mini against FSDP2 + LB-Micro and (8B) fsdp2_nosync,
+      # FSDP2 first, each in its own processes (14B's steps are twice 8B's: fsdp2_nosync left out to fit a call);
+      # predicted in results/sim/predict_n8_<size>_longtail before the run
+      local size=${s#n8_} methods="fsdp2 fsdp2_nosync odc"; size=${size%_longtail}
+      [ "$size" = 14b ] && methods="fsdp2 odc"
       echo "python3 -m benchmarks.e2e_bench --isolate --size $size --workloads longtail --batch $((4 * n))" \
-           "--steps 3 --warmup 1 --activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc" \
+           "--steps 3 --warmup 1 --activation-checkpointing --compile --methods $methods" \
            "--balancers lb_mini --keep-going --out $dir --commit $COMMIT $extra" ;;
     n8_8b_balanced)  # issue 45 item 3, 8 GPUs: 2 x 4K per GPU, odc against FSDP2 (predicted in
       # results/sim/predict_n8_8b_balanced)

@@ -36,6 +36,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["longtail", "balanced"], default="longtail", help="--predict: the runs'")
     p.add_argument("--steps", type=int, default=3, help="--predict: the runs' measured steps")
     p.add_argument("--warmup", type=int, default=1, help="--predict: the runs' warm-up steps")
+    p.add_argument("--methods", nargs="+", default=["fsdp2", "fsdp2_nosync", "odc"],
+                   choices=["fsdp2", "fsdp2_nosync", "odc"], help="--predict: the runs' methods")
     p.add_argument("--size", default="1b", help="model size priced: its setup's fit, or --fit's scaled by FLOPs")
     p.add_argument("--distributions", nargs="+", default=list(DISTRIBUTIONS), choices=list(DISTRIBUTIONS))
     p.add_argument("--gpus", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
@@ -107,11 +109,12 @@ def predict(args, meta: dict) -> dict:
     meta.update(fit=fit.as_dict(), size=args.size, gpus=args.gpus, workload=args.workload,
                 e2e_command=f"python -m benchmarks.e2e_bench --isolate --size {args.size} --workloads {args.workload} "
                             f"--batch <GPUs x {per_gpu}> --seed <seed> --steps {args.steps} --warmup {args.warmup} "
-                            "--activation-checkpointing --compile --methods fsdp2 fsdp2_nosync odc"
+                            f"--activation-checkpointing --compile --methods {' '.join(args.methods)}"
                             + (" --balancers lb_mini" if args.workload == "longtail" else ""))
     rows = []
     for n, k, seed in itertools.product(args.gpus, args.per_gpu, args.seeds):
-        run = step_sim_predict.planned_run(args.size, n, k, seed, args.steps, args.warmup, args.workload)
+        run = step_sim_predict.planned_run(args.size, n, k, seed, args.steps, args.warmup, args.workload,
+                                           methods=args.methods)
         rows += step_sim_predict.prediction_rows(run, fit, args.workload, args.nccl_gbps)
     return {"meta": meta, "rows": rows}
 

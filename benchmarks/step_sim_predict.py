@@ -27,9 +27,9 @@ PLANNED = (MINI, ("fsdp2", "lb_micro"), ("fsdp2_nosync", "lb_micro"))
 
 
 def planned_run(size: str, world: int, per_gpu: int, seed: int, steps: int, warmup: int, workload: str = "longtail",
-                cap: int = 65536, seq: int = 4096) -> Run:
+                cap: int = 65536, seq: int = 4096, methods: tuple = ("fsdp2", "fsdp2_nosync", "odc")) -> Run:
     """The run ``e2e_bench --size SIZE --workloads WORKLOAD --batch WORLD*PER_GPU --seed SEED --steps STEPS
-    --warmup WARMUP`` will make on WORLD GPUs, its measured steps planned (no timings)."""
+    --warmup WARMUP --methods METHODS`` will make on WORLD GPUs, its measured steps planned (no timings)."""
     label, shape = model_shape({"size": size, "vocab": 32000})
     cost = CostModel.for_transformer(shape[0], shape[1], shape[2])
     batch = world * per_gpu
@@ -40,7 +40,7 @@ def planned_run(size: str, world: int, per_gpu: int, seed: int, steps: int, warm
         draw = (lambda step: minibatch_sizes(sampler, cap, step, batch))  # noqa: E731 - the sampler is seeded
     run = Run(f"planned: {workload}, {size}, {world} GPUs, {per_gpu} per GPU, seed {seed}", label, shape, world,
               per_gpu, cap, seed)
-    for method, balance in PLANNED:
+    for method, balance in (k for k in PLANNED if k[0] in methods):
         balance = balance if workload == "longtail" else "lb_micro"  # e2e_bench: lb_mini only on long-tailed data
         rows = []
         for step in range(warmup + 1, warmup + steps + 1):
