@@ -23,9 +23,10 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # or the optimizer's state parked on the host between steps ([parking]): all of it (park), or a share (park60:
 # the first 60% of its bytes), or the share that keeps the peak under 90% of the GPU's memory (parkfit, the CLI's
 # default, [park-fit]) or under NN% of it (parkfit51: 51% of an H200 is 90% of an 80 GB H100); with park_late, all of
-# the parked share comes back once the micro-batches are done, none under the last backward ([park-backward]).
+# the parked share comes back once the micro-batches are done, none under the last backward ([park-backward]); with
+# park_trickle, its copies out are queued a chunk at a time by a helper thread ([park-trickle]).
 VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN", "unit_groups", "park",
-            "parkNN", "parkfit", "parkfitNN", "park_late")
+            "parkNN", "parkfit", "parkfitNN", "park_late", "park_trickle")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:
@@ -63,9 +64,10 @@ def variant(text: str) -> str:
                                                    and park_fit_budget(v) is None and pushes_in_flight(v) is None)]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
-    if "park_late" in levers and not any(park_fraction(v) or park_fit_budget(v) for v in levers):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: park_late says when parked state comes back; add a park, "
-                                         "parkNN or parkfit lever")
+    for how in ("park_late", "park_trickle"):
+        if how in levers and not any(park_fraction(v) or park_fit_budget(v) for v in levers):
+            raise argparse.ArgumentTypeError(f"variant {text!r}: {how} says how parked state moves; add a park, "
+                                             "parkNN or parkfit lever")
     bounds = [v for v in levers if v == "unbounded_pushes" or pushes_in_flight(v) is not None]
     if len(bounds) > 1:
         raise argparse.ArgumentTypeError(f"variant {text!r} sets the pushes in flight twice ({', '.join(bounds)}): "

@@ -52,7 +52,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [park]=360 [park_backward]=480 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [park]=360 [park_backward]=570 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -126,11 +126,13 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "python3 -m benchmarks.park_bench --size 8b --world 2 --fractions 0.8 1.0 --out $dir --commit $COMMIT" \
            "$extra" ;;
     park_backward)  # issue 41 item 4, one GPU: odc with all of AdamW's state parked, brought back under the last
-      # backward ([park-backward]) or only after it (park_late), against odc unparked; 3B long-tailed, 4 samples of
+      # backward ([park-backward]) or only after it (park_late), its copies out queued a chunk at a time
+      # (park_trickle, [park-trickle]), against odc unparked; 3B long-tailed, 4 samples of
       # 8K-64K, each method in its own process; one profiled step each: where the host waits for the copies
       echo "python3 -m benchmarks.e2e_bench --isolate --size 3b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --balancers lb_mini --activation-checkpointing --compile --methods odc" \
-           "--variants park park+park_late --memory-breakdown --profile odc odc-park odc-park+park_late --keep-going" \
+           "--variants park park+park_late park+park_trickle --memory-breakdown" \
+           "--profile odc odc-park odc-park+park_late odc-park+park_trickle --keep-going" \
            "--out $dir --commit $COMMIT $extra" ;;
     checkpoint) echo "$run -m benchmarks.checkpoint_bench --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
     train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;

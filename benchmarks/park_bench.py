@@ -20,6 +20,10 @@ In training the copies are queued behind device work (the copies back behind the
 the step), and the host should return at once. ``--busy-ms`` queues that much work on the current stream first and
 times how long the host takes to return from ``prefetch_parked`` and from the step (its post-hook queues the copies
 out): about the busy time, or more, means the host waits for the device while it queues copies.
+
+Last, a one-element read back to the host right after the step (its post-hook has queued the copies out), with the
+copies queued all at once and a chunk at a time by a helper thread (``trickle``, [park-trickle]): how long a small
+device-to-host read, a meeting's or a loss's, waits behind them.
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def run_fraction(shapes, fraction: float, args, device: torch.device, busy: Busy
     parking = ParkedOptimizerState(opt, fraction=fraction) if fraction > 0 else None
     opt.step()  # parked after it
     parts: dict[str, list[float]] = {"back": [], "step": [], "park": [], "back_issue_busy": [],
-                                     "step_issue_busy": []}
+                                     "step_issue_busy": [], "read_after_step": [], "read_after_step_trickle": []}
+    probe = torch.zeros(1, device=device)
     for i in range(args.warmup + args.iters):
         back = _ms(lambda: prefetch_parked(opt), device)
         # the pre-hook waits for the copies back, the post-hook queues the copies out (the side stream: not waited)
@@ -99,9 +104,18 @@ def run_fraction(shapes, fraction: float, args, device: torch.device, busy: Busy
         busy(args.busy_ms)
         step_issue = timing.elapsed_ms(opt.step, cuda=False)
         _ms(lambda: None, device)  # everything done before the next iteration
+        reads = {}
+        for trickle in (False, True):  # a small read right after the step queued its copies out
+            if parking is not None:
+                parking.trickle = trickle
+            _ms(lambda: prefetch_parked(opt), device)
+            opt.step()
+            reads[trickle] = timing.elapsed_ms(probe.cpu, cuda=False)
+            _ms(parking.wait_copies_out if parking is not None else (lambda: None), device)
         if i >= args.warmup:
             for key, value in (("back", back), ("step", step), ("park", park), ("back_issue_busy", back_issue),
-                               ("step_issue_busy", step_issue)):
+                               ("step_issue_busy", step_issue), ("read_after_step", reads[False]),
+                               ("read_after_step_trickle", reads[True])):
                 parts[key].append(value)
     moved = parking.parked_bytes if parking is not None else 0
     state = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
@@ -124,17 +138,20 @@ def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# Parked optimizer state: copies on one device ({meta['device']})", "",
              f"- commit {meta['commit']}, {meta['date']}; `{meta['command']}`",
              f"- rank 0's shards of {meta['world']} ranks, model {meta['size']}; the link alone: host to device "
-             f"{meta['h2d_gb_s']:.1f} GB/s, device to host {meta['d2h_gb_s']:.1f} GB/s (one pinned buffer)", "",
+             f"{meta['h2d_gb_s']:.1f} GB/s, device to host {meta['d2h_gb_s']:.1f} GB/s (one pinned buffer)",
              f"- behind {meta['busy_ms']:.0f} ms of device work: the host's time until prefetch_parked returns "
-             "(back issue) and until the step returns (step issue: its post-hook queues the copies out)", "",
+             "(back issue) and until the step returns (step issue: its post-hook queues the copies out)",
+             "- read after the step: a one-element copy to the host right after the step, behind the copies out queued "
+             "at once / a chunk at a time (trickle)", "",
              "| fraction | state GiB | parked GiB | back ms (GB/s) | step ms | park ms (GB/s) | back issue ms, busy | "
-             "step issue ms, busy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "step issue ms, busy | read after the step ms | read after the step ms, trickle |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['fraction']:.2f} | {r['state_gib']:.2f} | {r['parked_gib']:.2f} | "
                      f"{r['back_ms']:.1f} ({gb(r['back_gb_s'])}) | {r['step_ms']:.1f} | "
                      f"{r['park_ms']:.1f} ({gb(r['park_gb_s'])}) | {r['back_issue_busy_ms']:.1f} | "
-                     f"{r['step_issue_busy_ms']:.1f} |")
+                     f"{r['step_issue_busy_ms']:.1f} | {r['read_after_step_ms']:.2f} | "
+                     f"{r['read_after_step_trickle_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -231,8 +231,10 @@ def test_park_variants_name_their_share_and_bad_ones_are_refused():
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'parkfit100'"):
         variant("parkfit100")
     assert variant("parkfit51+park_late") == "parkfit51+park_late"  # [park-backward] off
-    with pytest.raises(argparse.ArgumentTypeError, match="park_late says when parked state comes back"):
-        variant("gather_masters+park_late")
+    assert variant("park+park_trickle") == "park+park_trickle"  # [park-trickle] on
+    for how in ("park_late", "park_trickle"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{how} says how parked state moves"):
+            variant(f"gather_masters+{how}")
 
 
 def test_pushes_variants_name_their_bound():

@@ -42,14 +42,15 @@ def _assert_equal(a: dict, b: dict) -> None:
 
 @one_gpu
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_path, fraction):
+@pytest.mark.parametrize("fraction, trickle", [(1.0, False), (0.5, False), (1.0, True)])
+def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_path, fraction, trickle):
     """Fused AdamW on one GPU: losses and final state bit for bit with a skipped step among them; the device holds
     the parked bytes less between steps (all of the state's, or about half); a checkpoint of the parked state loads
-    into a parked optimizer and the run continues as the resident one."""
+    into a parked optimizer and the run continues as the resident one. ``trickle``: the copies out queued a chunk at
+    a time by a helper thread ([park-trickle]), the same to the bit."""
     model, opt = _cuda_build()
     ref_model, ref_opt = _cuda_build()
-    parking = ParkedOptimizerState(opt, fraction)
+    parking = ParkedOptimizerState(opt, fraction, trickle=trickle)
     losses = parked_steps(model, opt, 5, skip=(3,), micro=3, shape=(4, 33))
     assert losses == parked_steps(ref_model, ref_opt, 5, skip=(3,), micro=3, shape=(4, 33))
     _assert_equal(_state(model, opt), _state(ref_model, ref_opt))
@@ -57,6 +58,7 @@ def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_pa
     state_bytes = sum(v.nbytes for s in ref_opt.state.values() for v in s.values() if v.dim() > 0)
     parked = parking.parked_bytes
     assert parked == state_bytes if fraction == 1.0 else state_bytes / 2 <= parked < state_bytes
+    parking.wait_copies_out()  # [park-trickle]: the thread frees the device storage as its copies go
     before = torch.cuda.memory_allocated()
     with unparked(opt):
         during = torch.cuda.memory_allocated()
@@ -65,7 +67,7 @@ def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_pa
     assert torch.cuda.memory_allocated() == before
     save_checkpoint(tmp_path, model, opt, step=5)
     model2, opt2 = _cuda_build(seed=9)
-    ParkedOptimizerState(opt2, fraction)
+    ParkedOptimizerState(opt2, fraction, trickle=trickle)
     load_checkpoint(tmp_path / "step_00000005", model2, opt2)
     assert parked_steps(model2, opt2, 2, seed=4) == parked_steps(ref_model, ref_opt, 2, seed=4)
     _assert_equal(_state(model2, opt2), _state(ref_model, ref_opt))
@@ -242,14 +244,16 @@ def test_meetings_wait_for_the_models_streams_not_for_others():
 
 @one_gpu
 @pytest.mark.timeout(120)
-def test_state_dict_right_after_a_step_reads_the_finished_copies():
+@pytest.mark.parametrize("trickle", [False, True])
+def test_state_dict_right_after_a_step_reads_the_finished_copies(trickle):
     """``state_dict()`` called as soon as ``step()`` returns, while the copies out still run on the side stream:
     its host copies hold the step's values (host_copy waits for the copies), equal to the state read back on the
-    device afterwards. Large tensors, so that the copies outlast the host's work by far."""
+    device afterwards. Large tensors, so that the copies outlast the host's work by far; with ``trickle`` the copies
+    are still being queued by the helper thread ([park-trickle])."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda", generator=gen)) for _ in range(4)]
     opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
-    ParkedOptimizerState(opt, 1.0)
+    ParkedOptimizerState(opt, 1.0, trickle=trickle)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(p.shape, device="cuda", generator=gen)

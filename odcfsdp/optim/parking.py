@@ -46,8 +46,10 @@ from typing import Iterator, NamedTuple
 import torch
 
 from ..torch_private import local_of, phase_range, stored_grad
+from .copy_trickle import CopyTrickle
 from .park_fit import CudaMemory, DeviceMemory, ParkFit
-from .parked_host import host_buffers, host_value, share_of
+from .parked_host import host_buffers, share_of
+from .parked_state_dict import StateDictHooks
 
 _ATTRIBUTE = "_odc_parking"  # the optimizer's ParkedOptimizerState, held by the optimizer: freed with it
 
@@ -87,10 +89,13 @@ class ParkedOptimizerState:
         under_backward: bring back what fits in the memory the last micro-batch's backward frees, under it
             ([park-backward]; ``odcfsdp.loop.train_step`` does it for ODCShard models); False: all of it once the
             micro-batches are done.
+        trickle: on CUDA, queue the copies out a chunk at a time from a helper thread, so that the copy engine
+            never holds a later small device-to-host read behind all of them ([park-trickle] in
+            ``copy_trickle.py``); False: all at once after the step.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, fraction: float | None = 1.0, budget: float = 0.9,
-                 memory: DeviceMemory | None = None, under_backward: bool = True):
+                 memory: DeviceMemory | None = None, under_backward: bool = True, trickle: bool = False):
         if parking_of(optimizer) is not None:
             raise ValueError("this optimizer's state is already parked between steps (one ParkedOptimizerState "
                              "per optimizer)")
@@ -100,6 +105,8 @@ class ParkedOptimizerState:
         self.optimizer = optimizer
         self.memory = memory if memory is not None else CudaMemory()
         self.under_backward = under_backward
+        self.trickle = trickle
+        self._trickles: dict[torch.device, CopyTrickle] = {}
         self.fit = ParkFit(budget, memory=self.memory) if fraction is None else None
         self.fraction = 0.0 if fraction is None else fraction  # fit: the share chosen at the last step
         self._device = local_of(optimizer.param_groups[0]["params"][0]).device
@@ -115,10 +122,7 @@ class ParkedOptimizerState:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(lambda *_: self.park()),
-                         optimizer.register_state_dict_post_hook(lambda _opt, sd: self._copies_in(sd)),
-                         optimizer.register_load_state_dict_pre_hook(self._before_load),
-                         optimizer.register_load_state_dict_post_hook(lambda *_: self._after_load())]
-        self._loaded: set[int] = set()  # storages of the tensors handed to load_state_dict
+                         *StateDictHooks(self).register(optimizer)]
         self.owns_loads = False  # set by owned_loads(): the loaded state dict is nobody else's
         setattr(optimizer, _ATTRIBUTE, self)
 
@@ -126,6 +130,11 @@ class ParkedOptimizerState:
     def device(self) -> torch.device:
         """The device the state lives on (its first parameter's)."""
         return self._device
+
+    @property
+    def away(self) -> bool:
+        """Whether the state is parked or on its way back (not resident): its values are the host copies'."""
+        return self.where is not Where.RESIDENT
 
     @property
     def parked_bytes(self) -> int:
@@ -137,6 +146,7 @@ class ParkedOptimizerState:
         None for a tensor that is not parked (resident state, scalars). The copies out are done when it returns."""
         if self.where is Where.RESIDENT:
             return None
+        self.wait_copies_out()
         while self._copying_out:  # the copies out run on the side stream after the step: their host bytes
             self._copying_out.pop().synchronize()
         return self._host_of.get(id(local_of(value)))
@@ -175,6 +185,9 @@ class ParkedOptimizerState:
         for device in {e.local.device for e in entries}:
             mine = [e for e in entries if e.local.device == device]
             side = self._side_stream(device) if device.type == "cuda" else None
+            if side is not None and not back and self.trickle:  # [park-trickle]: a helper thread queues them
+                self._trickles.setdefault(device, CopyTrickle(device, side)).start(mine)
+                continue
             if side is not None:  # the step's results; the blocks' earlier users
                 side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -186,6 +199,13 @@ class ParkedOptimizerState:
                         e.local.untyped_storage().resize_(0)
                 if side is not None and not back:  # what a reader of the host copies waits for (host_copy)
                     self._copying_out.append(side.record_event())
+
+    def wait_copies_out(self) -> None:
+        """With ``trickle``: wait until the helper threads have queued the last park's copies out and those are done,
+        their device storage freed ([park-trickle] 3). Without, nothing waits here: the park queued them all and
+        freed the storage itself. What touches the entries or their host copies again calls it first."""
+        for trickle in self._trickles.values():
+            trickle.join()
 
     def _set_parked(self, entries: list[_Parked]) -> None:
         self._parked, self._arrived = entries, 0
@@ -201,6 +221,7 @@ class ParkedOptimizerState:
     def _resident_footprint(self) -> int:
         # the state on the device through the forward and backward, as the allocator counts it: parked tensors'
         # storage is empty, and what came back under the last backward came into memory that backward had freed
+        self.wait_copies_out()
         early = sum(self.memory.footprint(e.host.nbytes) for e in self._parked[:self._arrived])
         return sum(self.memory.footprint(local_of(v).untyped_storage().nbytes())
                    for state in self.optimizer.state.values() for v in state.values()
@@ -220,6 +241,7 @@ class ParkedOptimizerState:
         """Step 1: copy the state to the host and free its device storage (after a step: the post-hook)."""
         if self.where is not Where.RESIDENT:
             return
+        self.wait_copies_out()
         everything = list(self._state_tensors())
         self._passed()
         share = self.fraction
@@ -251,6 +273,7 @@ class ParkedOptimizerState:
 
     def _arrive(self, end: int) -> None:
         # entries [arrived, end): device storage allocated on the current stream, copies back on the side stream
+        self.wait_copies_out()
         coming = self._parked[self._arrived:end]
         for e in coming:
             e.local.untyped_storage().resize_(e.host.nbytes)
@@ -286,6 +309,7 @@ class ParkedOptimizerState:
         """Free a prefetch no step used (a skipped step): the host still holds the same values, nothing is copied."""
         if self.where is Where.RESIDENT or not self._arrived:
             return
+        self.wait_copies_out()
         for device in self._streams.keys() & {e.local.device for e in self._parked}:
             self._streams[device].synchronize()  # the copies back write into the storage freed here
         for e in self._parked[:self._arrived]:
@@ -293,35 +317,6 @@ class ParkedOptimizerState:
         self._arrived = 0
         self.where = Where.PARKED
         self._passed()  # the state brought back for nothing is no backward's peak
-
-    def _copies_in(self, state_dict: dict) -> dict:
-        # state_dict() hands out the optimizer's own per-parameter dicts: parked tensors are swapped for copies of
-        # their host values in new dicts, and the state stays parked
-        if self.where is Where.RESIDENT:
-            return state_dict
-        for index, state in list(state_dict["state"].items()):
-            state_dict["state"][index] = {key: host_value(value, self.host_copy(value)) if torch.is_tensor(value)
-                                          else value for key, value in state.items()}
-        return state_dict
-
-    def _before_load(self, _optimizer, state_dict: dict) -> None:
-        # load_state_dict replaces the tensors: the old ones come back first, nothing is left half-parked
-        self.unpark()
-        self._loaded = set() if self.owns_loads else {
-            local_of(v).untyped_storage().data_ptr() for state in state_dict.get("state", {}).values()
-            for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
-
-    def _after_load(self) -> None:
-        # torch keeps a loaded tensor that is already on the parameter's device and dtype as it is: parking
-        # would empty the caller's tensor (another optimizer's state, a dict read again). Such tensors are
-        # copied first; odcfsdp's checkpoints hand over dicts of their own (owned_loads) and skip the copy.
-        for state in self.optimizer.state.values():
-            for key, value in list(state.items()):
-                if (isinstance(value, torch.Tensor) and value.dim() > 0
-                        and local_of(value).untyped_storage().data_ptr() in self._loaded):
-                    state[key] = value.clone()
-        self._loaded = set()
-        self.park()
 
     @contextlib.contextmanager
     def resident(self, changes: bool = False) -> Iterator[None]:
@@ -340,6 +335,7 @@ class ParkedOptimizerState:
 
     def _park_unchanged(self) -> None:
         # the host copies still hold the device values: free the storage without copying
+        self.wait_copies_out()
         entries = [_Parked(value, local, self._host[key]) for key, value, local in self._state_tensors()
                    if key in self._host]
         if not entries:
