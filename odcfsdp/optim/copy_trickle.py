@@ -28,6 +28,7 @@ memory freed a tensor at a time as the copies go, as without it.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Sequence
 
@@ -43,6 +44,9 @@ class CopyTrickle:
         self.device, self.side = device, side
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # a process that ends right after a step lets the copies finish before the interpreter goes (its daemon
+        # threads are stopped after the exit handlers, wherever they are)
+        atexit.register(self._finish_at_exit)
 
     @property
     def running(self) -> bool:
@@ -63,8 +67,9 @@ class CopyTrickle:
             with torch.cuda.device(self.device), torch.cuda.stream(self.side):
                 self.side.wait_event(after)
                 for e in entries:
-                    src, dst = e.local.view(-1), e.host.view(-1)
-                    step = max(1, CHUNK_BYTES // max(1, src.element_size()))
+                    whole = not (e.local.is_contiguous() and e.host.is_contiguous())  # one copy: no flat views
+                    src, dst = (e.local, e.host) if whole else (e.local.view(-1), e.host.view(-1))
+                    step = src.numel() if whole else max(1, CHUNK_BYTES // max(1, src.element_size()))
                     for start in range(0, src.numel(), step):
                         dst[start:start + step].copy_(src[start:start + step], non_blocking=True)
                         if start + step < src.numel():  # the entry's last chunk is waited for after its free
@@ -74,6 +79,10 @@ class CopyTrickle:
                     self.side.record_event().synchronize()
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread at join()
             self._error = exc
+
+    def _finish_at_exit(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
     def join(self) -> None:
         """Step 3: the copies are all issued and done; raises what the thread raised."""
