@@ -52,6 +52,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--gpus: 1..8, or a multiple of 8 (8 GPUs per node beyond one node)")
     if args.held_out and not args.validate:
         p.error("--held-out: with --validate (held-out runs are priced, not swept)")
+    if args.predict and "odc" not in args.methods:
+        p.error("--predict --methods: odc among them (each row is ODC's speedup over the others)")
     if args.predict and args.validate:
         p.error("--predict and --validate: one at a time (--validate prices committed runs, --predict planned ones)")
     setup = step_sim_fit.SETUPS.get(args.size)

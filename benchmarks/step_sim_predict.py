@@ -79,6 +79,7 @@ def prediction_rows(run: Run, f: Fit, workload: str, nccl_gbps: float = 360.0) -
             ratios = [b / a for a, b in zip(priced[odc], priced[key])]
             row |= {"odc_speedup_mean": row["mean_step_s"] / statistics.fmean(priced[odc]),
                     "odc_speedup_median_per_step": statistics.median(ratios)}
+        else:
+            row["odc_over_bound"] = statistics.fmean(priced[odc]) / statistics.fmean(priced["bound"])
         rows.append(row)
-    rows[0]["odc_over_bound"] = statistics.fmean(priced[odc]) / statistics.fmean(priced["bound"])
     return rows

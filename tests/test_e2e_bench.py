@@ -262,6 +262,8 @@ def test_hsdp_runs_train_what_fully_sharded_ones_do(tmp_path):
     runs = {r["method"]: r for r in json.loads((tmp_path / "e2e_bench.json").read_text())["rows"]}
     assert set(runs) == {"odc", "fsdp2", "ddp"}
     for method in ("odc", "fsdp2"):
+        assert len(runs[method]["losses"]) == len(runs["ddp"]["losses"]) == 3  # 1 warm-up + 2 measured steps
+        assert len(runs[method]["steps"]) == len(runs["ddp"]["steps"]) > 0
         for a, b in zip(runs[method]["losses"], runs["ddp"]["losses"]):
             assert abs(a - b) <= 1e-4 * abs(b), (method, runs[method]["losses"], runs["ddp"]["losses"])
         for s, t in zip(runs[method]["steps"], runs["ddp"]["steps"]):

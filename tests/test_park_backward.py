@@ -94,6 +94,8 @@ def _train(steps: int, park: bool, per_unit: int = 0, under_backward: bool = Tru
         losses.append(out["loss"])
         if memory is not None:
             early.append(max((b for _, b in memory.readings), default=0))
+            # [park-backward] 1-2: no reading after the first (the level) is above it, state brought back included
+            assert all(a <= memory.readings[0][0] for a, _ in memory.readings), memory.readings
             memory.readings.clear()
             memory.units = 0
     state = {k: v.clone() for k, v in model.state_dict().items()}

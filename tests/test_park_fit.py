@@ -247,3 +247,25 @@ def test_reading_the_state_between_steps_is_no_backward_peak():
         device.spike(base + state)  # the state back beside something large
     _steps(model, opt, [base], device)
     assert parking.fit.need == base and parking.fraction == pytest.approx(0.40)
+
+
+def test_a_reader_of_the_state_leaves_the_fitted_share_as_it_was():
+    """``unparked(opt)`` (a reader, ``changes=False``) between steps: the state comes back and the same share goes
+    back out, with no copy (the host holds its values); the share's other host buffers, allocated for a share that
+    may grow but never filled, are not parked with it. Training then continues as the resident run to the bit."""
+    state, base, limit, model, opt, device, parking = _fitting()
+    ref_model, ref_opt = build()
+    losses = _steps(model, opt, [base, base], device)
+    parked = {id(e.local) for e in parking._parked}
+    assert 0 < parking.parked_bytes < state  # a share (40%), not all of it
+    with unparked(opt):
+        values = {id(local_of(v)): local_of(v).clone() for s in opt.state.values() for v in s.values()
+                  if torch.is_tensor(v) and v.dim() > 0}
+    assert {id(e.local) for e in parking._parked} == parked and 0 < parking.parked_bytes < state
+    with unparked(opt):
+        for s in opt.state.values():
+            for v in s.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    assert torch.equal(local_of(v), values[id(local_of(v))])
+    losses += _steps(model, opt, [base], device, seed=2)
+    assert losses == _steps(ref_model, ref_opt, [base, base]) + _steps(ref_model, ref_opt, [base], seed=2)

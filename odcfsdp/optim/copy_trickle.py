@@ -23,7 +23,9 @@ copies run under them:
    back, a load, ``close``) waits for the thread first; an error in the thread is raised there.
 
 The price: one thread wake-up between chunks (tens of microseconds against a chunk's milliseconds), and device
-memory freed a tensor at a time as the copies go, as without it.
+memory freed a tensor at a time as the copies go, not all at the step's end: torch counts the state's blocks as
+allocated until the thread reaches them, into the next forward, so a fitted share ([park-fit]), which reads that
+count, is refused with it for now.
 """
 
 from __future__ import annotations
@@ -85,10 +87,16 @@ class CopyTrickle:
             self._thread.join()
 
     def join(self) -> None:
-        """Step 3: the copies are all issued and done; raises what the thread raised."""
+        """Step 3: the copies are all issued and done; raises what the thread raised, at this call and every later
+        one (the host copies are incomplete: the state is lost, the run must stop)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("a parked optimizer state's copies to the host failed") from error
+            raise RuntimeError("a parked optimizer state's copies to the host failed: its host copies are "
+                               "incomplete; restart from a checkpoint") from self._error
+
+    def close(self) -> None:
+        """Join and drop the exit handler (the parking is closed)."""
+        atexit.unregister(self._finish_at_exit)
+        self.join()

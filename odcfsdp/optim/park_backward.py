@@ -76,5 +76,8 @@ def returning_under_backward(optimizer: torch.optim.Optimizer,
     handle = register(BackwardReturn(parking, parking.device))
     try:
         yield
+    except BaseException:
+        parking.settle()  # a failed pass: what came back early goes back to the host (its values are there)
+        raise
     finally:
         handle.remove()

@@ -99,6 +99,10 @@ class ParkedOptimizerState:
         if parking_of(optimizer) is not None:
             raise ValueError("this optimizer's state is already parked between steps (one ParkedOptimizerState "
                              "per optimizer)")
+        if trickle and fraction is None:
+            raise ValueError("trickle=True with fraction=None: the fitted share reads the peak, and trickled copies "
+                             "free the state's blocks as they go, into the next forward ([park-trickle]); set a "
+                             "fraction")
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction={fraction}: the share of the optimizer's state to park is in (0, 1] "
                              "(None: the share that fits, measured)")
@@ -117,7 +121,8 @@ class ParkedOptimizerState:
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of param, state key) -> host copy
         self._parked: list[_Parked] = []
         self._arrived = 0  # parked: the first entries of _parked already coming back ([park-backward])
-        self._copying_out: list[torch.cuda.Event] = []  # recorded after the last copies out, per device
+        self._copying_out: dict[torch.device, torch.cuda.Event] = {}  # after the last copies out, per device
+        self._keys: set[tuple[int, str]] = set()  # the state tensors the last park parked (a share: not all)
         self._host_of: dict[int, torch.Tensor] = {}  # id of a parked local tensor -> its host copy
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
@@ -148,7 +153,7 @@ class ParkedOptimizerState:
             return None
         self.wait_copies_out()
         while self._copying_out:  # the copies out run on the side stream after the step: their host bytes
-            self._copying_out.pop().synchronize()
+            self._copying_out.popitem()[1].synchronize()
         return self._host_of.get(id(local_of(value)))
 
     def _state_tensors(self) -> Iterator[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
@@ -186,7 +191,9 @@ class ParkedOptimizerState:
             mine = [e for e in entries if e.local.device == device]
             side = self._side_stream(device) if device.type == "cuda" else None
             if side is not None and not back and self.trickle:  # [park-trickle]: a helper thread queues them
-                self._trickles.setdefault(device, CopyTrickle(device, side)).start(mine)
+                if device not in self._trickles:
+                    self._trickles[device] = CopyTrickle(device, side)
+                self._trickles[device].start(mine)
                 continue
             if side is not None:  # the step's results; the blocks' earlier users
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -197,8 +204,8 @@ class ParkedOptimizerState:
                         if side is not None:
                             e.local.record_stream(side)  # its block is reused once this copy is done
                         e.local.untyped_storage().resize_(0)
-                if side is not None and not back:  # what a reader of the host copies waits for (host_copy)
-                    self._copying_out.append(side.record_event())
+                if side is not None and not back:  # what a reader of the host copies waits for (host_copy); the
+                    self._copying_out[device] = side.record_event()  # side stream runs in order: the last one
 
     def wait_copies_out(self) -> None:
         """With ``trickle``: wait until the helper threads have queued the last park's copies out and those are done,
@@ -258,6 +265,7 @@ class ParkedOptimizerState:
             self._host = host_buffers([(key, local) for key, _, local in (found if self.fit is None else everything)])
         entries = [_Parked(value, local, self._host[key]) for key, value, local in found]
         self._copies(entries, back=False)
+        self._keys = {key for key, *_ in found}
         self._set_parked(entries)
 
     def prefetch(self) -> None:
@@ -337,7 +345,7 @@ class ParkedOptimizerState:
         # the host copies still hold the device values: free the storage without copying
         self.wait_copies_out()
         entries = [_Parked(value, local, self._host[key]) for key, value, local in self._state_tensors()
-                   if key in self._host]
+                   if key in self._keys]  # the last park's share: a fitted share's other buffers were never filled
         if not entries:
             return
         for device in {e.local.device for e in entries if e.local.is_cuda}:
@@ -349,6 +357,8 @@ class ParkedOptimizerState:
     def close(self) -> None:
         """Bring the state back and remove the hooks: the optimizer is as it was without parking."""
         self.unpark()
+        for trickle in self._trickles.values():
+            trickle.close()
         for handle in self._handles:
             handle.remove()
         if getattr(self.optimizer, _ATTRIBUTE, None) is self:

@@ -194,13 +194,18 @@ class CommStreams:
 
     def pushes_done(self) -> None:
         """This rank's pushes are complete and visible to their owners (3)."""
+        self._current_waits_for_side_streams()
         if self.push_stream is not None:
-            _current(self.push_stream).wait_stream(self.push_stream)
             self._held.clear()  # every push waited for: their buffers may go in stream order
             self._site.clear()
-        if self.gather_stream is not None:  # no read of a peer's rows outlives the meeting (they change after it)
-            _current(self.gather_stream).wait_stream(self.gather_stream)
         self.transport.quiesce()
+
+    def _current_waits_for_side_streams(self) -> None:
+        # what quiesce completes (it waits for the current stream only): the pushes, and the gathers, so that no
+        # read of a peer's rows outlives the meeting after which they change
+        for side in (self.push_stream, self.gather_stream):
+            if side is not None:
+                _current(side).wait_stream(side)
 
     def written_aside(self, tensors: list[torch.Tensor]) -> None:
         """``tensors`` live as long as the model and the push stream writes them outside pushes (the zeroing, 5):
@@ -236,7 +241,9 @@ class CommStreams:
         self.rows_published()
 
     def rows_published(self) -> None:
-        """Rows written since the last meeting are visible to peers, and to later prefetches (4)."""
+        """Rows written since the last meeting are visible to peers, and to later prefetches (4); pushes still in
+        flight (a finish with no sync before it) are complete too."""
+        self._current_waits_for_side_streams()
         self.transport.quiesce()
         if self.gather_stream is not None:
             self.gather_stream.wait_stream(_current(self.gather_stream))
