@@ -22,24 +22,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def hsdp_mesh(device: torch.device, replicas: int):
-    """The 2-D mesh of ``replicas`` replicas of world/replicas shards ("replicate", "shard"), FSDP2's HSDP and
-    ODCShard's alike; None for 1 replica (fully sharded over the default group)."""
-    if replicas == 1:
-        return None
-    world = dist.get_world_size()
-    if world % replicas:
-        raise ValueError(f"--replicas {replicas} does not divide the {world} ranks")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-
-
 def fsdp2(model: nn.Module, layers: list[nn.Module], device: torch.device, offload: bool = False,
           nosync: bool = False, mesh=None):
     """FSDP2 over ``layers`` and the root (``offload``: ``CPUOffloadPolicy``, host masters and CPU step;
     ``nosync``: the micro-batches before the last neither reduce nor reshard, see ``fsdp2_no_sync``; ``mesh``: a
-    2-D ``hsdp_mesh`` makes it FSDP2's HSDP)."""
+    2-D mesh (odcfsdp's ``hybrid_mesh``, "replicate" x "shard") makes it FSDP2's HSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     cuda = device.type == "cuda"

@@ -61,6 +61,7 @@ from odcfsdp.loop import StepGarbageCollection, gather_stats, plan_step, train_s
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.optim import ParkedOptimizerState, parking_of
+from odcfsdp.sharding.placement.hsdp import hybrid_mesh
 from odcfsdp.models.attention import warm_attention
 
 NO_DECAY = ("*norm*",)
@@ -112,7 +113,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if "offload" in levers else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
                            float8=args.float8, float8_gather=args.float8_gather,
-                           mesh=e2e_baselines.hsdp_mesh(device, args.replicas))
+                           mesh=hybrid_mesh(args.replicas, device.type))
         if "unbounded_pushes" in levers:  # [streams] 2: buffers freed with record_stream, not one site in flight
             sharded.comm.pushes_in_flight = None
         for n in filter(None, map(pushes_in_flight, levers)):  # pushesN: N sites in flight
@@ -123,7 +124,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
         e2e_baselines.torchao_float8(model, args.float8)
         return e2e_baselines.fsdp2(model, decoder_layers(model, bench_model(args).units), device,
                                    offload=method.endswith("offload"), nosync=method.endswith("_nosync"),
-                                   mesh=e2e_baselines.hsdp_mesh(device, args.replicas))
+                                   mesh=hybrid_mesh(args.replicas, device.type))
     if baseline(method) == "ddp":
         return e2e_baselines.ddp(model, device)
     raise ValueError(f"unknown method {method!r}")

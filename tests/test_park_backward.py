@@ -137,7 +137,7 @@ def test_the_room_is_the_level_less_what_is_allocated():
             return next(readings) + sum(sizes[:parking._arrived])
 
     parking.memory = Scripted()
-    back = BackwardReturn(parking, parking.device)
+    back = BackwardReturn(parking)
     back(), back()
     assert back.level == 120 and parking._arrived == 0
     back()  # room for the first block and a byte

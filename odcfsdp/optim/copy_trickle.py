@@ -50,11 +50,6 @@ class CopyTrickle:
         # threads are stopped after the exit handlers, wherever they are)
         atexit.register(self._finish_at_exit)
 
-    @property
-    def running(self) -> bool:
-        """Whether copies are still being issued (the thread has not been joined)."""
-        return self._thread is not None
-
     def start(self, entries: Sequence) -> None:
         """Step 1: copy each entry's ``local`` into its ``host`` after the work queued so far on the current stream,
         then free the local storage; returns at once."""

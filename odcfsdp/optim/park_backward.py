@@ -44,17 +44,16 @@ class BackwardReturn:
     """Steps 1-2 of [park-backward], one call after each unit's backward: keep the level, fill the room.
 
     Args:
-        parking: the optimizer's parked state.
-        device: the device whose allocated bytes are read (the state's).
+        parking: the optimizer's parked state (its device's allocated bytes are read).
     """
 
-    def __init__(self, parking: ParkedOptimizerState, device: torch.device):
-        self.parking, self.device = parking, device
+    def __init__(self, parking: ParkedOptimizerState):
+        self.parking = parking
         self.level: int | None = None
         self.brought = 0  # bytes of blocks allocated here
 
     def __call__(self) -> None:
-        allocated = self.parking.memory.allocated(self.device)
+        allocated = self.parking.memory.allocated(self.parking.device)
         if allocated is None or self.parking.where is not Where.PARKED:
             return
         if self.level is None or allocated >= self.level:
@@ -73,7 +72,7 @@ def returning_under_backward(optimizer: torch.optim.Optimizer,
     if register is None or parking is None or not parking.under_backward or parking.where is not Where.PARKED:
         yield
         return
-    handle = register(BackwardReturn(parking, parking.device))
+    handle = register(BackwardReturn(parking))
     try:
         yield
     except BaseException:

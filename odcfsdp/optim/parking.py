@@ -210,7 +210,8 @@ class ParkedOptimizerState:
     def wait_copies_out(self) -> None:
         """With ``trickle``: wait until the helper threads have queued the last park's copies out and those are done,
         their device storage freed ([park-trickle] 3). Without, nothing waits here: the park queued them all and
-        freed the storage itself. What touches the entries or their host copies again calls it first."""
+        freed the storage itself. What touches the entries or their host copies again (the copies back, a reader of
+        the host copies) calls it first: every way back to a resident state passes through the copies back."""
         for trickle in self._trickles.values():
             trickle.join()
 
@@ -228,7 +229,7 @@ class ParkedOptimizerState:
     def _resident_footprint(self) -> int:
         # the state on the device through the forward and backward, as the allocator counts it: parked tensors'
         # storage is empty, and what came back under the last backward came into memory that backward had freed
-        self.wait_copies_out()
+        # (a fitted share has no trickle: every parked storage is empty already)
         early = sum(self.memory.footprint(e.host.nbytes) for e in self._parked[:self._arrived])
         return sum(self.memory.footprint(local_of(v).untyped_storage().nbytes())
                    for state in self.optimizer.state.values() for v in state.values()
@@ -248,7 +249,6 @@ class ParkedOptimizerState:
         """Step 1: copy the state to the host and free its device storage (after a step: the post-hook)."""
         if self.where is not Where.RESIDENT:
             return
-        self.wait_copies_out()
         everything = list(self._state_tensors())
         self._passed()
         share = self.fraction
@@ -317,7 +317,6 @@ class ParkedOptimizerState:
         """Free a prefetch no step used (a skipped step): the host still holds the same values, nothing is copied."""
         if self.where is Where.RESIDENT or not self._arrived:
             return
-        self.wait_copies_out()
         for device in self._streams.keys() & {e.local.device for e in self._parked}:
             self._streams[device].synchronize()  # the copies back write into the storage freed here
         for e in self._parked[:self._arrived]:
@@ -343,7 +342,6 @@ class ParkedOptimizerState:
 
     def _park_unchanged(self) -> None:
         # the host copies still hold the device values: free the storage without copying
-        self.wait_copies_out()
         entries = [_Parked(value, local, self._host[key]) for key, value, local in self._state_tensors()
                    if key in self._keys]  # the last park's share: a fitted share's other buffers were never filled
         if not entries:
