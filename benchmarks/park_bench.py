@@ -112,6 +112,8 @@ def run_fraction(shapes, fraction: float, args, device: torch.device, busy: Busy
             opt.step()
             reads[trickle] = timing.elapsed_ms(probe.cpu, cuda=False)
             _ms(parking.wait_copies_out if parking is not None else (lambda: None), device)
+        if parking is not None:
+            parking.trickle = False  # the parts above queue the copies out at once, at every iteration
         if i >= args.warmup:
             for key, value in (("back", back), ("step", step), ("park", park), ("back_issue_busy", back_issue),
                                ("step_issue_busy", step_issue), ("read_after_step", reads[False]),

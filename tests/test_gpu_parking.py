@@ -81,10 +81,12 @@ def test_parked_state_on_a_gpu_trains_saves_and_loads_like_resident_state(tmp_pa
 
 @one_gpu
 @pytest.mark.timeout(120)
-def test_the_share_that_fits_reads_cudas_peaks():
+@pytest.mark.parametrize("trickle", [False, True])
+def test_the_share_that_fits_reads_cudas_peaks(trickle):
     """[park-fit] on a GPU: torch's real peak statistics (``CudaMemory``), a limit of the first minibatch's peak
     plus half the state: half of the state is parked from the second minibatch on, that minibatch's peak stays at
-    the limit (within the allocator's rounding), and training is the resident run's to the bit."""
+    the limit (within the allocator's rounding), and training is the resident run's to the bit. ``trickle``: the
+    copies out queued by a helper thread, whose held blocks the fit does not read as activations ([park-trickle])."""
     from odcfsdp.optim.park_fit import CudaMemory
 
     model, opt = _cuda_build()
@@ -105,9 +107,10 @@ def test_the_share_that_fits_reads_cudas_peaks():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     memory = HalfTheState()
-    parking = ParkedOptimizerState(opt, fraction=None, memory=memory)
+    parking = ParkedOptimizerState(opt, fraction=None, memory=memory, trickle=trickle)
     losses = parked_steps(model, opt, 1, micro=3, shape=(4, 33))
     assert parking.fraction == pytest.approx(0.5) and parking.fit.need == memory.first
+    parking.wait_copies_out()  # the thread's own reading (its window's start) before the readings below
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # read as a new window by the fit too
     memory.readings.clear()

@@ -10,33 +10,45 @@ host waits with it, and with the host the next forward's launches: the copies ar
 That is what a parked step's cost says (about both directions' copies where one was expected); ``park_bench``'s
 read after the step measures the wait itself.
 
-Queued a piece at a time instead, each once the last is done, the copies leave a small read at most one piece to
-wait for. A helper thread does the waiting, so the host goes on with the finish and the next forward, and the
-copies run under them:
+Queued a piece at a time instead, with at most ``IN_FLIGHT_BYTES`` queued and not yet done, the copies leave a small
+read at most that much to wait for. A helper thread does the waiting, so the host goes on with the finish and the
+next forward, and the copies run under them:
 
 1. **Hand over** (``start``, at the step's end). An event on the current stream after the step; the pieces are
    the entries cut into chunks of at most ``CHUNK_BYTES``.
-2. **Trickle** (the thread). The side stream waits for the event; for each chunk: copy it on the side stream,
-   record an event and wait for it (the thread waits, not the host); once an entry's last chunk is queued its
+2. **Trickle** (the thread). The side stream waits for the event; each chunk is copied on the side stream and an
+   event recorded after it; before the next is queued, the thread waits for the oldest events until what is in
+   flight fits in ``IN_FLIGHT_BYTES`` (the thread waits, not the host). Once an entry's last chunk is queued its
    device storage is freed (``record_stream``: the block is reused once its copies are done).
-3. **Join** (``join``). Whatever reads the host copies or touches the entries again (``host_copy``, the copies
-   back, a load, ``close``) waits for the thread first; an error in the thread is raised there.
+3. **Done** (the thread, last). It waits for the last chunk and calls ``on_done`` (the fitted share's window
+   starts there: [park-fit] 3).
+4. **Join** (``join``). Whatever reads the host copies or touches the entries again (``host_copy``, the copies
+   back, a load, ``close``, the fitted share's reading) waits for the thread first; an error in the thread is
+   raised there.
 
-The price: one thread wake-up between chunks (tens of microseconds against a chunk's milliseconds), and device
-memory freed a tensor at a time as the copies go, not all at the step's end: torch counts the state's blocks as
-allocated until the thread reaches them, into the next forward, so a fitted share ([park-fit]), which reads that
-count, is refused with it for now.
+Why several chunks in flight. The thread needs the interpreter's lock to queue a chunk, and the host's own
+thread, busy queuing the next forward, hands it over only every switch interval (5 ms by default). One chunk in
+flight (a millisecond over PCIe) left the link idle most of that time: measured on a 3B step (22 GiB of state),
+the copies out lasted into the next forward and its peak rose by 8 GiB. With the link busy through the thread's
+waits the copies take about S_p / B, as when they were queued all at once, and a small read waits at most
+``IN_FLIGHT_BYTES`` / B, about 5 ms.
+
+The price: device memory freed a tensor at a time as the copies go, not all at the step's end: torch counts the
+state's blocks as allocated until the thread reaches them (queued at once, ``record_stream`` hid them from that
+count, not from the device). A fitted share ([park-fit]) reads its window's peak from where the copies are done.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-CHUNK_BYTES = 64 << 20  # a small read waits at most one such chunk's copy (about a millisecond over PCIe)
+CHUNK_BYTES = 64 << 20  # one copy; its event is the thread's unit of waiting
+IN_FLIGHT_BYTES = 256 << 20  # what a small read may wait behind: about 5 ms over PCIe, a switch interval's copies
 
 
 class CopyTrickle:
@@ -50,30 +62,31 @@ class CopyTrickle:
         # threads are stopped after the exit handlers, wherever they are)
         atexit.register(self._finish_at_exit)
 
-    def start(self, entries: Sequence) -> None:
+    def start(self, entries: Sequence, on_done: Callable[[], None] | None = None) -> None:
         """Step 1: copy each entry's ``local`` into its ``host`` after the work queued so far on the current stream,
-        then free the local storage; returns at once."""
+        then free the local storage; returns at once. ``on_done`` runs on the thread once every copy is done."""
         self.join()
         after = torch.cuda.current_stream(self.device).record_event()
-        self._thread = threading.Thread(target=self._run, args=(list(entries), after), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(list(entries), after, on_done), daemon=True,
                                         name="odcfsdp-park-copies")
         self._thread.start()
 
-    def _run(self, entries: list, after: torch.cuda.Event) -> None:
+    def _run(self, entries: list, after: torch.cuda.Event, on_done: Callable[[], None] | None) -> None:
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.side):
                 self.side.wait_event(after)
+                flight: collections.deque[tuple[torch.cuda.Event, int]] = collections.deque()
                 for e in entries:
-                    whole = not (e.local.is_contiguous() and e.host.is_contiguous())  # one copy: no flat views
-                    src, dst = (e.local, e.host) if whole else (e.local.view(-1), e.host.view(-1))
-                    step = src.numel() if whole else max(1, CHUNK_BYTES // max(1, src.element_size()))
-                    for start in range(0, src.numel(), step):
-                        dst[start:start + step].copy_(src[start:start + step], non_blocking=True)
-                        if start + step < src.numel():  # the entry's last chunk is waited for after its free
-                            self.side.record_event().synchronize()
+                    for src, dst in _chunks(e.local, e.host):
+                        while flight and sum(n for _, n in flight) + src.nbytes > IN_FLIGHT_BYTES:
+                            flight.popleft()[0].synchronize()  # step 2: room for this chunk
+                        dst.copy_(src, non_blocking=True)
+                        flight.append((self.side.record_event(), src.nbytes))
                     e.local.record_stream(self.side)  # its block is reused once its copies are done
                     e.local.untyped_storage().resize_(0)
-                    self.side.record_event().synchronize()
+                self.side.synchronize()  # step 3
+            if on_done is not None:
+                on_done()
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread at join()
             self._error = exc
 
@@ -95,3 +108,13 @@ class CopyTrickle:
         """Join and drop the exit handler (the parking is closed)."""
         atexit.unregister(self._finish_at_exit)
         self.join()
+
+
+def _chunks(local: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) pieces of at most ``CHUNK_BYTES``; a non-contiguous pair is one piece (no flat
+    views of it)."""
+    if not (local.is_contiguous() and host.is_contiguous()):
+        return [(local, host)]
+    src, dst = local.view(-1), host.view(-1)
+    step = max(1, CHUNK_BYTES // max(1, src.element_size()))
+    return [(src[i:i + step], dst[i:i + step]) for i in range(0, src.numel(), step)]

@@ -99,10 +99,6 @@ class ParkedOptimizerState:
         if parking_of(optimizer) is not None:
             raise ValueError("this optimizer's state is already parked between steps (one ParkedOptimizerState "
                              "per optimizer)")
-        if trickle and fraction is None:
-            raise ValueError("trickle=True with fraction=None: the fitted share reads the peak, and trickled copies "
-                             "free the state's blocks as they go, into the next forward ([park-trickle]); set a "
-                             "fraction")
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction={fraction}: the share of the optimizer's state to park is in (0, 1] "
                              "(None: the share that fits, measured)")
@@ -193,7 +189,8 @@ class ParkedOptimizerState:
             if side is not None and not back and self.trickle:  # [park-trickle]: a helper thread queues them
                 if device not in self._trickles:
                     self._trickles[device] = CopyTrickle(device, side)
-                self._trickles[device].start(mine)
+                # a fitted share's window starts once the state is out ([park-fit] 3)
+                self._trickles[device].start(mine, self._passed_fit if self.fit is not None else None)
                 continue
             if side is not None:  # the step's results; the blocks' earlier users
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -223,13 +220,14 @@ class ParkedOptimizerState:
     def _observe(self) -> None:
         # [park-fit] 2: the micro-batches are done and nothing has come back yet
         if self.fit is not None and not self._observed and self.where is not Where.ARRIVING:
+            self.wait_copies_out()  # [park-trickle]: its window started once the copies were done
             self.fit.observe(self._device, self._resident_footprint())
             self._observed = True
 
     def _resident_footprint(self) -> int:
         # the state on the device through the forward and backward, as the allocator counts it: parked tensors'
         # storage is empty, and what came back under the last backward came into memory that backward had freed
-        # (a fitted share has no trickle: every parked storage is empty already)
+        # (the trickle's thread is joined: every parked storage is empty)
         early = sum(self.memory.footprint(e.host.nbytes) for e in self._parked[:self._arrived])
         return sum(self.memory.footprint(local_of(v).untyped_storage().nbytes())
                    for state in self.optimizer.state.values() for v in state.values()
@@ -239,7 +237,12 @@ class ParkedOptimizerState:
         # [park-fit] 3: the peak since the last reading was not a backward's; the next minibatch is read afresh
         self._observed = False
         if self.fit is not None:
-            self.fit.after_step(self._device)
+            self._passed_fit()
+
+    def _passed_fit(self) -> None:
+        # also called on the trickle's thread once its copies are done: the state's blocks held until then go with
+        # the step's own peak, which no share lowers ([park-trickle] 3)
+        self.fit.after_step(self._device)
 
     def _before_step(self, *_) -> None:  # the step pre-hook: what it returns would replace the step's arguments
         self._observe()
