@@ -24,9 +24,10 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # the first 60% of its bytes), or the share that keeps the peak under 90% of the GPU's memory (parkfit, the CLI's
 # default, [park-fit]) or under NN% of it (parkfit51: 51% of an H200 is 90% of an 80 GB H100); with park_late, all of
 # the parked share comes back once the micro-batches are done, none under the last backward ([park-backward]); with
-# park_trickle, its copies out are queued a chunk at a time by a helper thread ([park-trickle]).
+# park_at_once, its copies out are queued all at once after the step, not a chunk at a time by a helper thread
+# ([park-trickle], the default).
 VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN", "unit_groups", "park",
-            "parkNN", "parkfit", "parkfitNN", "park_late", "park_trickle")
+            "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:
@@ -64,7 +65,7 @@ def variant(text: str) -> str:
                                                    and park_fit_budget(v) is None and pushes_in_flight(v) is None)]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
-    for how in ("park_late", "park_trickle"):
+    for how in ("park_late", "park_at_once"):
         if how in levers and not any(park_fraction(v) or park_fit_budget(v) for v in levers):
             raise argparse.ArgumentTypeError(f"variant {text!r}: {how} says how parked state moves; add a park, "
                                              "parkNN or parkfit lever")

@@ -134,8 +134,8 @@ def optimizer_for(method: str, model: nn.Module, device: torch.device, args) -> 
     """The same ``torch.optim.AdamW`` for every method: fused on GPUs (``-unfused``: torch's foreach kernels);
     odc's ``park`` variant keeps its state on the host between steps, ``parkNN`` NN percent of it ([parking]),
     ``parkfit`` (``parkfitNN``) the share that keeps the peak under 90% (NN%) of the GPU's memory ([park-fit]);
-    with ``park_late`` none of it comes back under the last backward ([park-backward]); with ``park_trickle`` its
-    copies out are queued a chunk at a time ([park-trickle])."""
+    with ``park_late`` none of it comes back under the last backward ([park-backward]); with ``park_at_once`` its
+    copies out are queued all at once after the step, not a chunk at a time ([park-trickle])."""
     fused = device.type == "cuda" and not method.endswith("-unfused")
     opt = torch.optim.AdamW(param_groups(model, no_decay=NO_DECAY), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=fused or None)
@@ -144,7 +144,7 @@ def optimizer_for(method: str, model: nn.Module, device: torch.device, args) -> 
     budgets = [b for b in map(park_fit_budget, levers) if b]
     if shares or budgets:  # a share set, else the one that fits the budget ([park-fit])
         ParkedOptimizerState(opt, max(shares) if shares else None, budget=min(budgets, default=0.9),
-                             under_backward="park_late" not in levers, trickle="park_trickle" in levers)
+                             under_backward="park_late" not in levers, trickle="park_at_once" not in levers)
     return opt
 
 

@@ -231,8 +231,8 @@ def test_park_variants_name_their_share_and_bad_ones_are_refused():
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'parkfit100'"):
         variant("parkfit100")
     assert variant("parkfit51+park_late") == "parkfit51+park_late"  # [park-backward] off
-    assert variant("park+park_trickle") == "park+park_trickle"  # [park-trickle] on
-    for how in ("park_late", "park_trickle"):
+    assert variant("park+park_at_once") == "park+park_at_once"  # [park-trickle] off
+    for how in ("park_late", "park_at_once"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"{how} says how parked state moves"):
             variant(f"gather_masters+{how}")
 
