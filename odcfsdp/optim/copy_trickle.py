@@ -28,10 +28,10 @@ next forward, and the copies run under them:
 
 Why several chunks in flight. The thread needs the interpreter's lock to queue a chunk, and the host's own
 thread, busy queuing the next forward, hands it over only every switch interval (5 ms by default). One chunk in
-flight (a millisecond over PCIe) left the link idle most of that time: measured on a 3B step (22 GiB of state),
-the copies out lasted into the next forward and its peak rose by 8 GiB. With the link busy through the thread's
-waits the copies take about S_p / B, as when they were queued all at once, and a small read waits at most
-``IN_FLIGHT_BYTES`` / B, about 5 ms.
+flight (a millisecond over PCIe) left the link idle most of that time: on a 3B step (22 GiB of state) the peak
+rose by 8 GiB, the state's blocks still held when the next forward's activations came. With the link busy
+through the thread's waits the copies take about S_p / B, as when they were queued all at once (the peak was
+parked-at-once's again), and a small read waits at most ``IN_FLIGHT_BYTES`` / B, about 5 ms.
 
 The price: device memory freed a tensor at a time as the copies go, not all at the step's end: torch counts the
 state's blocks as allocated until the thread reaches them (queued at once, ``record_stream`` hid them from that

@@ -12,7 +12,8 @@ read (2P/N). Parking the state during forward and backward frees more than that:
    tensor by tensor with ``record_stream``: torch's allocator reuses each block once its own copy is done, early
    in the next forward (PCIe, which one-sided gathers and pushes over NVLink do not use). The tensors stay the
    optimizer's own objects: only their storage is emptied (``untyped_storage().resize_(0)``, as FSDP2 frees
-   its unsharded parameters).
+   its unsharded parameters). On CUDA a helper thread queues these copies a chunk at a time ([park-trickle] in
+   ``copy_trickle.py``): queued at once they would hold every later small read to the host behind them.
 2. **Prefetch** (``prefetch_parked(optimizer)``, which ``odcfsdp.loop.train_step`` calls once the micro-batches
    are done on the device). The storage is allocated again on the current stream and the copies back run on
    the side stream after it, under the meeting and ``clip_grad_norm_``: a rank that waits there for a slower
