@@ -45,21 +45,13 @@ The ranks' key-value store (hosted here, see ``spawn``) is written by the ranks 
    ``NCCL_SOCKET_IFNAME`` to the loopback interface in each rank (all its ranks are local).
 Under ``torchrun`` the store is the agent's (its ``--rdzv-*`` settings decide where it listens).
 
-CPU (gloo) workers are forked from a fork server (``multiprocessing``'s "forkserver",
-Python 3.14's default on Linux) that imported torch and odcfsdp once per calling process:
-a call then costs a fork instead of a rank's imports of torch and odcfsdp (most of a
-multi-process test's time). A worker starts with the caller's current environment,
-working directory and ``sys.path``, and imports ``fn``'s module (and a script's main
-module) itself, as a spawned one does. NCCL workers are spawned: a process forked after
-CUDA's driver was initialised (``torch.cuda.is_available()`` in a module the server would
-import) cannot use CUDA, so nothing of the caller's is imported before their fork.
+How workers are started (a fork server for CPU ranks, spawn for NCCL ones) is ``start_method.py``.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import io
-import multiprocessing as mp
 import os
 import queue
 import secrets
@@ -67,7 +59,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -79,6 +70,7 @@ import torch.distributed as dist
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
 from .tempdir import pin_multiprocessing_tempdir
+from .start_method import start_helpers, worker_context
 from .rank_outcomes import (collect_stacks, dead_peers, died, ended_by_signal, failure_report, stop_ranks,
                             stopped_by_signal)
 
@@ -135,28 +127,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context(backend: str, fn: Callable):
-    """The multiprocessing context for workers: a fork server that preloads odcfsdp for gloo, else spawn.
-
-    The server also preloads ``fn``'s module when it is odcfsdp's (for ``python -m odcfsdp.train``, the
-    odcfsdp modules that the caller imported): a worker then starts in a fraction of a second, the
-    window in which a signal would end it with multiprocessing's bootstrap traceback.
-    """
-    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # read when the server starts (the first call in this process); `import odcfsdp` alone imports nothing heavy
-    name = fn.__module__
-    if name == "__main__":  # `python -m odcfsdp.train`: workers run that module again (as __mp_main__), and
-        # runpy warns if it is loaded already: preload what it imported of odcfsdp instead
-        main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
-        own = sorted(m for m in sys.modules if m.startswith("odcfsdp.") and m != main)
-    else:
-        own = [name] if name.startswith("odcfsdp.") else []
-    ctx.set_forkserver_preload(["odcfsdp.sharding", "odcfsdp.optim", *own])
-    return ctx
-
-
 def _forward_signals(signals: tuple[int, ...], procs, received: list[int], started: set[int],
                      sent: dict[int, set[int]]) -> list:
     """Pass ``signals`` on to ``procs`` while they run, appending each to ``received`` and what each rank got to
@@ -170,30 +140,13 @@ def _forward_signals(signals: tuple[int, ...], procs, received: list[int], start
         received.append(sig)
         if sig == signal.SIGINT and received.count(sig) > 1:  # Ctrl-C twice: end now (spawn kills the ranks)
             raise Interrupted(sig, again=True)
-        for r, p in enumerate(procs):  # (a SIGHUP too: a starting worker may still ignore it, see _start_helpers)
+        for r, p in enumerate(procs):  # (a SIGHUP too: a starting worker may still ignore it, see start_helpers)
             if p.is_alive() and p.pid is not None:
                 to = sig if r in started or sig not in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM
                 sent.setdefault(r, set()).add(to)
                 os.kill(p.pid, to)
 
     return install(forward, signals)
-
-
-def _start_helpers(ctx) -> None:
-    """multiprocessing's resource tracker and fork server, started with SIGHUP ignored (the ranks reset it): a closed
-    terminal signals the launcher's whole process group, and a server it ended would take the ranks with it
-    ([launcher-link] 1) before the launcher passed the signal on. A SIGHUP in their few ms of start is lost."""
-    from multiprocessing import forkserver, resource_tracker
-
-    if threading.current_thread() is not threading.main_thread():  # no handler there, nothing forwarded (install)
-        return
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        resource_tracker.ensure_running()
-        if ctx.get_start_method() == "forkserver":
-            forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGHUP, previous or signal.SIG_DFL)
 
 
 def _record_stacks(path: str | None) -> None:
@@ -226,7 +179,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
     interrupted: list[int] = []  # a forwarded SIGINT while this rank's own handler is in place (start-up)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the fork server's ignored SIGHUP (_start_helpers) is not ours
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the fork server's ignored SIGHUP (start_helpers) is not ours
 
         def on_sigint(sig, _frame):  # Python's own behaviour, remembered: see failure_report
             interrupted.append(sig)
@@ -293,7 +246,7 @@ def spawn(
     not delivered.
     Signals in ``forward`` (e.g. SIGTERM, SIGHUP) received by this process while it waits are
     passed on to every worker instead of ending this process (called from the main thread; with
-    SIGHUP, the fork server and resource tracker outlive a closed terminal, see ``_start_helpers``).
+    SIGHUP, the fork server and resource tracker outlive a closed terminal: ``start_method.start_helpers``).
     With SIGINT among them the workers get their own process group, so that a terminal's Ctrl-C
     reaches them once, through this process, and a second Ctrl-C raises ``Interrupted`` here
     (the workers are killed). A worker that the forwarded signal ended (it was stopped before it could finish a
@@ -303,14 +256,14 @@ def spawn(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = default_spawn_timeout(backend) if timeout is None else timeout
-    ctx = _context(backend, fn)
+    ctx = worker_context(backend, fn)
     pin_multiprocessing_tempdir()  # where the fork server's socket goes: a deep $TMPDIR is too long a path for it
     # The queue's semaphores are named ones, which multiprocessing's resource tracker removes if this process is
     # killed: it does, and warns about "leaked" semaphores; it starts with this process's -W options.
     if TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_QUIET)
     if signal.SIGHUP in forward:  # after the -W option: the tracker it starts takes it
-        _start_helpers(ctx)
+        start_helpers(ctx)
     results = ctx.Queue()
     # The key-value store lives here, not in rank 0: the watchdog ([watchdog] in sharding/placement/watchdog.py)
     # keeps working whichever rank stops, as under torchrun, whose agent hosts it.
