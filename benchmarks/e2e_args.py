@@ -123,7 +123,7 @@ def parse(argv=None) -> argparse.Namespace:
                         "(torchtitan's training.gc_freq; [step-gc]); 0: Python's automatic collection")
     p.add_argument("--replicas", type=int, default=1,
                    help="HSDP: odc and FSDP2 shard over world/R ranks and replicate R times (a 2-D mesh, FSDP2's "
-                        "HSDP); 1: fully sharded")
+                        "HSDP); 1: fully sharded. ddp replicates over every rank either way (the reference)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     harness.add_common(p, out="results/e2e", cpu_ranks=True)
