@@ -88,7 +88,7 @@ def run_fraction(shapes, fraction: float, args, device: torch.device, busy: Busy
         p.grad = torch.randn(p.shape, generator=gen).to(device).mul_(1e-3)
     opt = torch.optim.AdamW(params, lr=3e-4, fused=device.type == "cuda")
     opt.step()  # the state exists from here
-    parking = ParkedOptimizerState(opt, fraction=fraction) if fraction > 0 else None
+    parking = ParkedOptimizerState(opt, fraction=fraction, trickle=False) if fraction > 0 else None
     opt.step()  # parked after it
     parts: dict[str, list[float]] = {"back": [], "step": [], "park": [], "back_issue_busy": [],
                                      "step_issue_busy": [], "read_after_step": [], "read_after_step_trickle": []}
@@ -113,7 +113,7 @@ def run_fraction(shapes, fraction: float, args, device: torch.device, busy: Busy
             reads[trickle] = timing.elapsed_ms(probe.cpu, cuda=False)
             _ms(parking.wait_copies_out if parking is not None else (lambda: None), device)
         if parking is not None:
-            parking.trickle = False  # the parts above queue the copies out at once, at every iteration
+            parking.trickle = False  # the parts above queue the copies out at once ([park-trickle] off)
         if i >= args.warmup:
             for key, value in (("back", back), ("step", step), ("park", park), ("back_issue_busy", back_issue),
                                ("step_issue_busy", step_issue), ("read_after_step", reads[False]),

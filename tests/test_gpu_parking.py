@@ -86,7 +86,7 @@ def test_the_share_that_fits_reads_cudas_peaks(trickle):
     """[park-fit] on a GPU: torch's real peak statistics (``CudaMemory``), a limit of the first minibatch's peak
     plus half the state: half of the state is parked from the second minibatch on, that minibatch's peak stays at
     the limit (within the allocator's rounding), and training is the resident run's to the bit. ``trickle``: the
-    copies out queued by a helper thread, whose held blocks the fit does not read as activations ([park-trickle])."""
+    copies out queued by a helper thread ([park-trickle]), joined before the readings are compared."""
     from odcfsdp.optim.park_fit import CudaMemory
 
     model, opt = _cuda_build()

@@ -239,3 +239,30 @@ def test_cli_runs_with_parked_state_resume_like_the_resident_run(tmp_path):
         b = load_file(tmp_path / "parked" / "checkpoints" / "step_00000004" / f"rank{rank:05d}.safetensors")
         assert a.keys() == b.keys() and any(k.endswith("/exp_avg") for k in a)
         assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("__rng__"))
+
+
+def test_trickle_chunks_cover_each_tensor_once_in_bounded_pieces():
+    """[park-trickle]'s pieces: a contiguous pair cut into views of at most ``CHUNK_BYTES`` that tile it in order
+    (ceil(bytes / CHUNK_BYTES) of them), a non-contiguous pair one piece; an exit handler's trickle is held weakly,
+    so a dropped one is collected (nothing global holds a parking, as above)."""
+    import gc
+    import weakref
+
+    from odcfsdp.optim import copy_trickle
+    from odcfsdp.optim.copy_trickle import CHUNK_BYTES, CopyTrickle, _chunks
+
+    n = CHUNK_BYTES // 4 * 2 + 5  # two whole fp32 chunks and 5 elements
+    local, host = torch.arange(n, dtype=torch.float32), torch.zeros(n)
+    pieces = _chunks(local.view(-1, 1), host.view(-1, 1))
+    assert [src.nbytes for src, _ in pieces] == [CHUNK_BYTES, CHUNK_BYTES, 20]
+    for src, dst in pieces:
+        dst.copy_(src)
+    assert torch.equal(host, local)
+    wide = torch.zeros(4, 6)[:, :3]
+    assert [(s.shape, d.shape) for s, d in _chunks(wide, torch.ones(4, 3).t().t())] == [((4, 3), (4, 3))]
+    trickle = CopyTrickle(torch.device("cpu"), None)
+    assert trickle in copy_trickle._RUNNING
+    gone = weakref.ref(trickle)
+    del trickle
+    gc.collect()
+    assert gone() is None and len(copy_trickle._RUNNING) == 0

@@ -15,14 +15,14 @@ read at most that much to wait for. A helper thread does the waiting, so the hos
 next forward, and the copies run under them:
 
 1. **Hand over** (``start``, at the step's end). An event on the current stream after the step; the pieces are
-   the entries cut into chunks of at most ``CHUNK_BYTES``.
+   the entries cut into chunks of at most ``CHUNK_BYTES`` (a non-contiguous entry is one piece, however large:
+   AdamW's state is contiguous).
 2. **Trickle** (the thread). The side stream waits for the event; each chunk is copied on the side stream and an
    event recorded after it; before the next is queued, the thread waits for the oldest events until what is in
-   flight fits in ``IN_FLIGHT_BYTES`` (the thread waits, not the host). Once an entry's last chunk is queued its
-   device storage is freed (``record_stream``: the block is reused once its copies are done).
-3. **Done** (the thread, last). It waits for the last chunk and calls ``on_done`` (the fitted share's window
-   starts there: [park-fit] 3).
-4. **Join** (``join``). Whatever reads the host copies or touches the entries again (``host_copy``, the copies
+   flight fits in ``IN_FLIGHT_BYTES`` (the thread waits, not the host; blocking events: it sleeps, it does not
+   spin on a core the host's thread may need). Once an entry's last chunk is queued its device storage is freed
+   (``record_stream``: the block is reused once its copies are done). Last, it waits for the last chunk.
+3. **Join** (``join``). Whatever reads the host copies or touches the entries again (``host_copy``, the copies
    back, a load, ``close``, the fitted share's reading) waits for the thread first; an error in the thread is
    raised there.
 
@@ -35,7 +35,8 @@ parked-at-once's again), and a small read waits at most ``IN_FLIGHT_BYTES`` / B,
 
 The price: device memory freed a tensor at a time as the copies go, not all at the step's end: torch counts the
 state's blocks as allocated until the thread reaches them (queued at once, ``record_stream`` hid them from that
-count, not from the device). A fitted share ([park-fit]) reads its window's peak from where the copies are done.
+count, not from the device). A fitted share ([park-fit]) reads them as part of its window's peak where they
+coincide with it: they are device memory then, and its share must cover them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from __future__ import annotations
 import atexit
 import collections
 import threading
-from typing import Callable, Sequence
+import weakref
+from typing import Sequence
 
 import torch
 
@@ -58,20 +60,18 @@ class CopyTrickle:
         self.device, self.side = device, side
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # a process that ends right after a step lets the copies finish before the interpreter goes (its daemon
-        # threads are stopped after the exit handlers, wherever they are)
-        atexit.register(self._finish_at_exit)
+        _RUNNING.add(self)
 
-    def start(self, entries: Sequence, on_done: Callable[[], None] | None = None) -> None:
+    def start(self, entries: Sequence) -> None:
         """Step 1: copy each entry's ``local`` into its ``host`` after the work queued so far on the current stream,
-        then free the local storage; returns at once. ``on_done`` runs on the thread once every copy is done."""
+        then free the local storage; returns at once."""
         self.join()
         after = torch.cuda.current_stream(self.device).record_event()
-        self._thread = threading.Thread(target=self._run, args=(list(entries), after, on_done), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(list(entries), after), daemon=True,
                                         name="odcfsdp-park-copies")
         self._thread.start()
 
-    def _run(self, entries: list, after: torch.cuda.Event, on_done: Callable[[], None] | None) -> None:
+    def _run(self, entries: list, after: torch.cuda.Event) -> None:
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.side):
                 self.side.wait_event(after)
@@ -81,18 +81,17 @@ class CopyTrickle:
                         while flight and sum(n for _, n in flight) + src.nbytes > IN_FLIGHT_BYTES:
                             flight.popleft()[0].synchronize()  # step 2: room for this chunk
                         dst.copy_(src, non_blocking=True)
-                        flight.append((self.side.record_event(), src.nbytes))
+                        flight.append((self._event(), src.nbytes))
                     e.local.record_stream(self.side)  # its block is reused once its copies are done
                     e.local.untyped_storage().resize_(0)
-                self.side.synchronize()  # step 3
-            if on_done is not None:
-                on_done()
+                self._event().synchronize()  # the last chunk
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread at join()
             self._error = exc
 
-    def _finish_at_exit(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(blocking=True)  # waited for asleep, not spinning
+        event.record(self.side)
+        return event
 
     def join(self) -> None:
         """Step 3: the copies are all issued and done; raises what the thread raised, at this call and every later
@@ -105,9 +104,21 @@ class CopyTrickle:
                                "incomplete; restart from a checkpoint") from self._error
 
     def close(self) -> None:
-        """Join and drop the exit handler (the parking is closed)."""
-        atexit.unregister(self._finish_at_exit)
+        """Join; nothing is left for the exit handler."""
+        _RUNNING.discard(self)
         self.join()
+
+
+# a process that ends right after a step lets the copies finish before the interpreter goes (its daemon threads are
+# stopped after the exit handlers, wherever they are); held weakly: a dropped parking's trickle goes with it
+_RUNNING: weakref.WeakSet[CopyTrickle] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    for trickle in list(_RUNNING):
+        if trickle._thread is not None:
+            trickle._thread.join()
 
 
 def _chunks(local: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

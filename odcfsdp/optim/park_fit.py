@@ -25,7 +25,8 @@ The steps:
    read, never reset (they are the user's too).
 2. **Read** (``observe``, once the minibatch's micro-batches are done, before any state comes back). The peak
    since the last reading, if it grew, is a forward and backward peak with R resident: A = peak - R, R counted
-   as the allocator counts it (each state tensor on the device rounded to its block, the scalars too). A peak
+   as the allocator counts it (each state tensor on the device rounded to its block, the scalars too). The blocks
+   the copies out still hold ([park-trickle]) are part of a peak they coincide with: device memory then. A peak
    that did not grow was a survived one and says nothing new, except at the first reading: a higher peak before
    training (a model built whole on the device) is then taken as the first minibatch's, which parks more, never
    less. One lower than the last reading was reset since, by the user, and is read as grown. The largest A

@@ -190,8 +190,7 @@ class ParkedOptimizerState:
             if side is not None and not back and self.trickle:  # [park-trickle]: a helper thread queues them
                 if device not in self._trickles:
                     self._trickles[device] = CopyTrickle(device, side)
-                # a fitted share's window starts once the state is out ([park-fit] 3)
-                self._trickles[device].start(mine, self._passed_fit if self.fit is not None else None)
+                self._trickles[device].start(mine)
                 continue
             if side is not None:  # the step's results; the blocks' earlier users
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -221,7 +220,7 @@ class ParkedOptimizerState:
     def _observe(self) -> None:
         # [park-fit] 2: the micro-batches are done and nothing has come back yet
         if self.fit is not None and not self._observed and self.where is not Where.ARRIVING:
-            self.wait_copies_out()  # [park-trickle]: its window started once the copies were done
+            self.wait_copies_out()  # [park-trickle]: every parked storage is empty when it is counted
             self.fit.observe(self._device, self._resident_footprint())
             self._observed = True
 
@@ -238,12 +237,7 @@ class ParkedOptimizerState:
         # [park-fit] 3: the peak since the last reading was not a backward's; the next minibatch is read afresh
         self._observed = False
         if self.fit is not None:
-            self._passed_fit()
-
-    def _passed_fit(self) -> None:
-        # also called on the trickle's thread once its copies are done: the state's blocks held until then go with
-        # the step's own peak, which no share lowers ([park-trickle] 3)
-        self.fit.after_step(self._device)
+            self.fit.after_step(self._device)
 
     def _before_step(self, *_) -> None:  # the step pre-hook: what it returns would replace the step's arguments
         self._observe()
