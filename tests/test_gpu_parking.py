@@ -110,7 +110,7 @@ def test_the_share_that_fits_reads_cudas_peaks(trickle):
     parking = ParkedOptimizerState(opt, fraction=None, memory=memory, trickle=trickle)
     losses = parked_steps(model, opt, 1, micro=3, shape=(4, 33))
     assert parking.fraction == pytest.approx(0.5) and parking.fit.need == memory.first
-    parking.wait_copies_out()  # the thread's own reading (its window's start) before the readings below
+    parking.wait_copies_out()  # [park-trickle]: the copies out are done before the readings below
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # read as a new window by the fit too
     memory.readings.clear()

@@ -46,8 +46,8 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from ..torch_private import local_of, phase_range, stored_grad
-from .copy_trickle import CopyTrickle
+from ..torch_private import local_of, stored_grad
+from .park_copies import ParkCopies
 from .park_fit import CudaMemory, DeviceMemory, ParkFit
 from .parked_host import host_buffers, share_of
 from .parked_state_dict import StateDictHooks
@@ -106,8 +106,7 @@ class ParkedOptimizerState:
         self.optimizer = optimizer
         self.memory = memory if memory is not None else CudaMemory()
         self.under_backward = under_backward
-        self.trickle = trickle
-        self._trickles: dict[torch.device, CopyTrickle] = {}
+        self.copies = ParkCopies(trickle)
         self.fit = ParkFit(budget, memory=self.memory) if fraction is None else None
         self.fraction = 0.0 if fraction is None else fraction  # fit: the share chosen at the last step
         self._device = local_of(optimizer.param_groups[0]["params"][0]).device
@@ -118,10 +117,8 @@ class ParkedOptimizerState:
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of param, state key) -> host copy
         self._parked: list[_Parked] = []
         self._arrived = 0  # parked: the first entries of _parked already coming back ([park-backward])
-        self._copying_out: dict[torch.device, torch.cuda.Event] = {}  # after the last copies out, per device
         self._keys: set[tuple[int, str]] = set()  # the state tensors the last park parked (a share: not all)
         self._host_of: dict[int, torch.Tensor] = {}  # id of a parked local tensor -> its host copy
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(lambda *_: self.park()),
                          *StateDictHooks(self).register(optimizer)]
@@ -148,9 +145,7 @@ class ParkedOptimizerState:
         None for a tensor that is not parked (resident state, scalars). The copies out are done when it returns."""
         if self.where is Where.RESIDENT:
             return None
-        self.wait_copies_out()
-        while self._copying_out:  # the copies out run on the side stream after the step: their host bytes
-            self._copying_out.popitem()[1].synchronize()
+        self.copies.host_ready()
         return self._host_of.get(id(local_of(value)))
 
     def _state_tensors(self) -> Iterator[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
@@ -171,46 +166,19 @@ class ParkedOptimizerState:
                 seen.add(storage.data_ptr())
                 yield (id(p), key), value, local
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    @property
+    def trickle(self) -> bool:
+        """Whether the copies out are queued a chunk at a time by a helper thread ([park-trickle])."""
+        return self.copies.trickle
 
-    def _copies(self, entries: list[_Parked], back: bool) -> None:
-        """Each entry's host copy from its device tensor (``back``: the other way), on the side stream of each
-        CUDA device after the work its current stream has queued. Copied out, each tensor's device storage is
-        freed as soon as its copy is queued: the allocator reuses each block once its own copy is done."""
-        with phase_range("park_copies_back" if back else "park_copies_out"):
-            self._copies_per_device(entries, back)
-
-    def _copies_per_device(self, entries: list[_Parked], back: bool) -> None:
-        for device in {e.local.device for e in entries}:
-            mine = [e for e in entries if e.local.device == device]
-            side = self._side_stream(device) if device.type == "cuda" else None
-            if side is not None and not back and self.trickle:  # [park-trickle]: a helper thread queues them
-                if device not in self._trickles:
-                    self._trickles[device] = CopyTrickle(device, side)
-                self._trickles[device].start(mine)
-                continue
-            if side is not None:  # the step's results; the blocks' earlier users
-                side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                for e in mine:
-                    (e.local if back else e.host).copy_(e.host if back else e.local, non_blocking=side is not None)
-                    if not back:
-                        if side is not None:
-                            e.local.record_stream(side)  # its block is reused once this copy is done
-                        e.local.untyped_storage().resize_(0)
-                if side is not None and not back:  # what a reader of the host copies waits for (host_copy); the
-                    self._copying_out[device] = side.record_event()  # side stream runs in order: the last one
+    @trickle.setter
+    def trickle(self, on: bool) -> None:
+        self.copies.trickle = on
 
     def wait_copies_out(self) -> None:
-        """With ``trickle``: wait until the helper threads have queued the last park's copies out and those are done,
-        their device storage freed ([park-trickle] 3). Without, nothing waits here: the park queued them all and
-        freed the storage itself. What touches the entries or their host copies again (the copies back, a reader of
-        the host copies) calls it first: every way back to a resident state passes through the copies back."""
-        for trickle in self._trickles.values():
-            trickle.join()
+        """Wait until the last park's copies out are queued and done, where a helper thread queues them
+        ([park-trickle]; ``ParkCopies.wait_out``)."""
+        self.copies.wait_out()
 
     def _set_parked(self, entries: list[_Parked]) -> None:
         self._parked, self._arrived = entries, 0
@@ -262,7 +230,7 @@ class ParkedOptimizerState:
             # a fitted share may grow: buffers for all of the state at once, pinned once
             self._host = host_buffers([(key, local) for key, _, local in (found if self.fit is None else everything)])
         entries = [_Parked(value, local, self._host[key]) for key, value, local in found]
-        self._copies(entries, back=False)
+        self.copies.out(entries)
         self._keys = {key for key, *_ in found}
         self._set_parked(entries)
 
@@ -283,7 +251,7 @@ class ParkedOptimizerState:
         coming = self._parked[self._arrived:end]
         for e in coming:
             e.local.untyped_storage().resize_(e.host.nbytes)
-        self._copies(coming, back=True)
+        self.copies.back(coming)
         self._arrived = end
 
     def bring_back_within(self, room: int) -> int:
@@ -305,9 +273,8 @@ class ParkedOptimizerState:
         if self.where is Where.RESIDENT:
             return
         self._bring_back()
-        for device in self._streams.keys() & {e.local.device for e in self._parked}:
-            # the blocks were allocated on the current stream: only the wait is needed
-            torch.cuda.current_stream(device).wait_stream(self._streams[device])
+        # the blocks were allocated on the current stream: only the wait is needed
+        self.copies.current_waits({e.local.device for e in self._parked})
         self._parked, self._host_of, self._arrived = [], {}, 0
         self.where = Where.RESIDENT
 
@@ -315,8 +282,7 @@ class ParkedOptimizerState:
         """Free a prefetch no step used (a skipped step): the host still holds the same values, nothing is copied."""
         if self.where is Where.RESIDENT or not self._arrived:
             return
-        for device in self._streams.keys() & {e.local.device for e in self._parked}:
-            self._streams[device].synchronize()  # the copies back write into the storage freed here
+        self.copies.synchronize({e.local.device for e in self._parked})  # they write into the storage freed here
         for e in self._parked[:self._arrived]:
             e.local.untyped_storage().resize_(0)
         self._arrived = 0
@@ -353,8 +319,7 @@ class ParkedOptimizerState:
     def close(self) -> None:
         """Bring the state back and remove the hooks: the optimizer is as it was without parking."""
         self.unpark()
-        for trickle in self._trickles.values():
-            trickle.close()
+        self.copies.close()
         for handle in self._handles:
             handle.remove()
         if getattr(self.optimizer, _ATTRIBUTE, None) is self:
