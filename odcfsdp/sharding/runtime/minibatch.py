@@ -33,6 +33,7 @@ from ..placement.meetings import Meeting, Meetings
 from ..placement.mesh import ShardMesh
 from ..groups.param import ShardedParam
 from ..groups.row_format import LatePublish
+from .grad_division import GradDivision
 from .protocol import GradState, StepEvent
 from ..transport.streams import CommStreams
 from ...torch_private import inside_zero_grad, install_optimizer_hooks, phase_range
@@ -71,9 +72,7 @@ class Minibatch:
         self.minibatch = 0  # finished minibatches (every rank counts the same)
         self.synced_pushes = 0  # every rank's pushes, as of the last sync
         self.last_wait_s = 0.0  # time the last sync waited for the other ranks
-        self.divide_factor = 1.0
-        self.set_divide_factor(divide_factor)
-        self._divided_by = 1.0  # the factor the attached accumulators were divided by (undone by drop_grads)
+        self.division = GradDivision(divide_factor)  # step 8's divisor, undone by drop_grads
         self._pass_position: int | None = None  # model position of the last .grad read of the current pass
         self.fresh = True  # no forward in grad mode since the last finish or change ([zero-grad-pass])
         self.skipped_passes = 0  # zero_grad passes that met nobody since the last meeting
@@ -291,32 +290,22 @@ class Minibatch:
                 for g in self._trained:
                     self.mesh.replicate.all_reduce_sum(g.accumulator)
             if pushes:
-                self._divide()
+                self.division.apply([g.accumulator for g in self._trained])
                 for g in self._trained:
                     g.attach_grads()
                 if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
                     offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
         return pushes
 
+    @property
+    def divide_factor(self) -> float:
+        """What step 8 divides the summed gradients by."""
+        return self.division.factor
+
     def set_divide_factor(self, factor: float) -> None:
         """What step 8 divides the summed gradients by (``ODCShard.set_gradient_divide_factor``): a finite
-        number > 0, taking effect at the next sync."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
-            raise ValueError(f"the gradient divide factor must be a finite number > 0 (1.0: sum), got {factor!r}")
-        self.divide_factor = float(factor)
-
-    def _divide(self) -> None:
-        # The mean as FSDP2's (its post-divide, "less data"): once per minibatch, over this rank's accumulator
-        # rows (1/N of the model), after every rank's pushes and the replicas' all-reduce, so every micro-batch of
-        # every rank is summed first and divided once. Not in the push: the push kernels have no scale, and scaling
-        # each pushed gradient would be a pass over the whole unsharded gradient per micro-batch (N times the data,
-        # every micro-batch). ``div_`` as FSDP2's ``_div_if_needed``: exact for a power-of-two factor; before the
-        # copies ``attach_grads`` makes (a ``reduce_dtype`` upcast, an offloaded host copy), so they see the mean.
-        factor = self.divide_factor
-        if factor != 1.0:
-            for g in self._trained:
-                g.accumulator.div_(factor)
-        self._divided_by = factor
+        number > 0, taking effect at the next sync (``GradDivision`` in ``grad_division.py``)."""
+        self.division.set(factor)
 
     def finish(self, changed: Sequence[FlatGroup] | None = None, kind: Meeting = Meeting.FINISH) -> None:
         """Step 10: reshard, publish the masters of the trained groups and of ``changed`` ones (default: those
@@ -329,7 +318,7 @@ class Minibatch:
                 g.publish()
             for g in self._trained:
                 g.detach_grads()
-            self._divided_by = 1.0  # the accumulators are zeroed below
+            self.division.cleared()  # the accumulators are zeroed below
             self.comm.rows_published()
             self.comm.zero_before_meeting(self._accumulators)
             if self.late is None:
@@ -356,9 +345,7 @@ class Minibatch:
         undone, so the next sync divides the whole sum once (exact for a power-of-two factor)."""
         for g in self._trained:
             g.detach_grads()
-            if self._divided_by != 1.0:
-                g.accumulator.mul_(self._divided_by)
-        self._divided_by = 1.0
+        self.division.undo([g.accumulator for g in self._trained])
 
 
 #: (state, event) -> the transition, a method of ``Minibatch``: the table of [step-protocol] (``protocol.py``).
