@@ -61,6 +61,7 @@ from odcfsdp.loop import StepGarbageCollection, gather_stats, plan_step, train_s
 from odcfsdp.memory import known_tensors, memory_breakdown, peak_breakdown
 from odcfsdp.mfu import mfu, peak_tflops
 from odcfsdp.optim import ParkedOptimizerState, parking_of
+from odcfsdp.optim.park_backward import wants_largest_last
 from odcfsdp.sharding.placement.hsdp import hybrid_mesh
 from odcfsdp.models.attention import warm_attention
 
@@ -201,7 +202,8 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
         drained = [0.0]  # seconds the last prepare waited for the device's side streams
 
         def prepare(step: int):  # this rank's share of minibatch ``step``; every rank starts its step together
-            minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world)
+            minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world,
+                                  largest_last=wants_largest_last(opt))  # [park-backward] 0
             if isinstance(wrapped, ODCShard):
                 wrapped.begin_minibatch(len(minibatch.mine))
             collector.step(step)  # between steps, untimed ([step-gc])

@@ -84,11 +84,18 @@ class Minibatch:
 
 
 def plan_step(source, step: int, batch: int, cap: int, balance: str, cost: CostModel, rank: int,
-              world: int) -> Minibatch:
-    """Step 1: the minibatch of ``step`` and this rank's micro-batches under ``balance``."""
+              world: int, *, largest_last: bool = False) -> Minibatch:
+    """Step 1: the minibatch of ``step`` and this rank's micro-batches under ``balance``. ``largest_last``: the
+    largest of them (by positions; the first of equals) runs last, the others in the plan's order, so that its
+    backward frees the most for a parked optimizer state to come back into ([park-backward] 0;
+    ``wants_largest_last(optimizer)`` says when)."""
     samples = [source[step * batch + i].truncated(cap + 1) for i in range(batch)]
-    plan = plan_minibatch([s.n_inputs for s in samples], world, balance, cap, cost)
-    return Minibatch(samples, plan[rank], max(1, sum(s.n_targets for s in samples)))
+    mine = plan_minibatch([s.n_inputs for s in samples], world, balance, cap, cost)[rank]
+    if largest_last and len(mine) > 1:
+        sizes = [sum(samples[i].n_inputs for i in mb) for mb in mine]
+        big = max(range(len(mine)), key=lambda k: (sizes[k], -k))
+        mine = mine[:big] + mine[big + 1:] + [mine[big]]
+    return Minibatch(samples, mine, max(1, sum(s.n_targets for s in samples)))
 
 
 def grad_norm_value(norm: torch.Tensor) -> float:

@@ -168,3 +168,33 @@ def test_state_stays_parked_through_the_backward_with_under_backward_off_or_with
     for step in range(2):
         train_step(plain, opt, None, _minibatch(step), torch.device("cpu"), max_norm=1.0)
     assert memory.readings == []
+
+
+def test_the_largest_micro_batch_runs_last_where_state_comes_back_under_it():
+    """[park-backward] 0: ``plan_step(largest_last=True)`` moves this rank's largest micro-batch (by positions, the
+    first of equals) to the end and keeps the others in the plan's order, over the same samples; without it the plan
+    is as planned. ``wants_largest_last`` says so for an optimizer whose parked state comes back under the backward,
+    not for one without parking or with ``under_backward`` off."""
+    from odcfsdp.data.balance import CostModel
+    from odcfsdp.loop import plan_step
+    from odcfsdp.optim.park_backward import wants_largest_last
+
+    g = torch.Generator().manual_seed(0)
+    source = [Sample(i, torch.randint(0, CFG.vocab_size, (n,), generator=g), torch.ones(n, dtype=torch.bool))
+              for i, n in enumerate([41, 10, 31, 18, 26, 12])]
+    cost = CostModel(a=1.0, b=1.0)
+    plain = plan_step(source, 0, 6, 48, "lb_mini", cost, 0, 1)
+    moved = plan_step(source, 0, 6, 48, "lb_mini", cost, 0, 1, largest_last=True)
+    positions = [sum(plain.samples[i].n_inputs for i in mb) for mb in plain.mine]
+    assert len(plain.mine) >= 3 and positions == sorted(positions, reverse=True)  # the balancer's order
+    big = positions.index(max(positions))
+    assert moved.mine == plain.mine[:big] + plain.mine[big + 1:] + [plain.mine[big]] != plain.mine
+    assert moved.global_targets == plain.global_targets
+    model = Llama(CFG)
+    assert not wants_largest_last(torch.optim.AdamW(model.parameters()))
+    opt = torch.optim.AdamW(model.parameters())
+    ParkedOptimizerState(opt)
+    assert wants_largest_last(opt)
+    late = torch.optim.AdamW(model.parameters())
+    ParkedOptimizerState(late, under_backward=False)
+    assert not wants_largest_last(late)

@@ -34,6 +34,7 @@ from ..checkpoint.verify import resume_instead
 from .config import TrainConfig, checkpoint_dir, resolve, validate
 from ..interrupts import Interrupted, install, leave_hung_up_terminal, restore
 from ..loop import StepGarbageCollection, evaluate, gather_stats, plan_step, train_step
+from ..optim.park_backward import wants_largest_last
 from .metrics import MetricsWriter, ProgressBar, json_safe
 from .resume_setup import apply_hyperparameters, fresh_hyperparameters
 from ..mfu import mfu, peak_tflops
@@ -89,7 +90,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     terminate = _StopFlag()  # SIGTERM / Ctrl-C: finish this step, checkpoint, exit cleanly (every rank alike)
     with StepGarbageCollection(cfg.run.gc_every) as collector:  # [step-gc]: no full collection inside a step
         for step in range(start, end):
-            minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world)
+            minibatch = plan_step(source, step, batch, cap, cfg.balance.kind, cost, rank, world,
+                                  largest_last=wants_largest_last(opt))  # [park-backward] 0
             model.begin_minibatch(len(minibatch.mine))  # the collective transport checks equal counts here
             lr = sched.get_last_lr()[0]
             out = train_step(model, opt, sched, minibatch, device, max_norm=cfg.optim.max_norm)

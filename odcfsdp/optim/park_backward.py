@@ -8,6 +8,12 @@ The rank every other one waits for there has nothing to hide those copies under:
 last backward frees memory as it goes, each unit's saved activations once that unit's gradients are done, and
 the state can come back into it, its copies running under the rest of the backward:
 
+0. **Order.** What a backward frees is about its micro-batch's saved activations, which grow with its positions,
+   and the balancers order a rank's micro-batches largest first, so the last was the smallest. A loop that asks
+   ``wants_largest_last(optimizer)`` runs its largest micro-batch last instead (``odcfsdp.loop.plan_step``'s
+   ``largest_last``; the CLI and ``e2e_bench`` do): the most room, and the smallest micro-batches first, beside the
+   copies out of the step before ([park-trickle]). The sum of the gradients is the same in any order (up to
+   floating-point association with three or more micro-batches), and so is each micro-batch's peak.
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
    first unit's, as a backward frees more than it keeps.
@@ -60,6 +66,13 @@ class BackwardReturn:
             self.level = allocated
             return
         self.brought += self.parking.bring_back_within(self.level - allocated)
+
+
+def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s parked state comes back under the last backward, so that its largest micro-batch
+    should run last ([park-backward] 0)."""
+    parking = parking_of(optimizer)
+    return parking is not None and parking.under_backward
 
 
 @contextlib.contextmanager
