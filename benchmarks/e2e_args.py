@@ -25,9 +25,10 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # default, [park-fit]) or under NN% of it (parkfit51: 51% of an H200 is 90% of an 80 GB H100); with park_late, all of
 # the parked share comes back once the micro-batches are done, none under the last backward ([park-backward]); with
 # park_at_once, its copies out are queued all at once after the step, not a chunk at a time by a helper thread
-# ([park-trickle], the default).
+# ([park-trickle], the default); with park_largest_first, a rank's micro-batches run in the plan's order (largest
+# first), not with the largest last ([park-backward] 0).
 VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN", "unit_groups", "park",
-            "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once")
+            "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once", "park_largest_first")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:
@@ -65,7 +66,7 @@ def variant(text: str) -> str:
                                                    and park_fit_budget(v) is None and pushes_in_flight(v) is None)]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown variant {bad[0]!r} (choose from {', '.join(VARIANTS)})")
-    for how in ("park_late", "park_at_once"):
+    for how in ("park_late", "park_at_once", "park_largest_first"):
         if how in levers and not any(park_fraction(v) or park_fit_budget(v) for v in levers):
             raise argparse.ArgumentTypeError(f"variant {text!r}: {how} says how parked state moves; add a park, "
                                              "parkNN or parkfit lever")

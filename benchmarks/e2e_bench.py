@@ -203,7 +203,7 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
 
         def prepare(step: int):  # this rank's share of minibatch ``step``; every rank starts its step together
             minibatch = plan_step(source, step, args.batch, cap, balance, cost, rank, world,
-                                  largest_last=wants_largest_last(opt))  # [park-backward] 0
+                                  largest_last=wants_largest_last(opt) and "park_largest_first" not in method)
             if isinstance(wrapped, ODCShard):
                 wrapped.begin_minibatch(len(minibatch.mine))
             collector.step(step)  # between steps, untimed ([step-gc])

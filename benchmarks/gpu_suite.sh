@@ -126,14 +126,15 @@ section_cmd() {  # section, gpus in lane, port, dir
       echo "python3 -m benchmarks.park_bench --size 8b --world 2 --fractions 0.8 1.0 --out $dir --commit $COMMIT" \
            "$extra" ;;
     park_backward)  # issue 41 item 4, one GPU: odc with all of AdamW's state parked, brought back under the last
-      # backward ([park-backward]) or only after it (park_late), its copies out queued a chunk at a time
-      # ([park-trickle], the default) or all at once (park_at_once), with the share that fits 40% of the GPU
-      # (parkfit40), against odc unparked; 3B long-tailed, 4 samples of 8K-64K, each method in its own process;
+      # backward ([park-backward]) with the largest micro-batch last or in the plan's order (park_largest_first),
+      # its copies out queued a chunk at a time ([park-trickle], the default) or all at once (park_at_once), with the
+      # share that fits 40% of the GPU (parkfit40), against odc unparked; 3B long-tailed, 4 samples of 8K-64K, each
+      # method in its own process;
       # one profiled step each: where the host waits for the copies
       echo "python3 -m benchmarks.e2e_bench --isolate --size 3b --workloads longtail --batch $((4 * n)) --steps 3" \
            "--warmup 1 --balancers lb_mini --activation-checkpointing --compile --methods odc" \
-           "--variants park park+park_at_once park+park_late parkfit40 --memory-breakdown" \
-           "--profile odc-park odc-park+park_at_once --keep-going" \
+           "--variants park park+park_largest_first park+park_at_once parkfit40 --memory-breakdown" \
+           "--profile odc-park odc-park+park_largest_first --keep-going" \
            "--out $dir --commit $COMMIT $extra" ;;
     checkpoint) echo "$run -m benchmarks.checkpoint_bench --size 1b --dir /tmp/odcfsdp_ckpt_$port --out $dir --commit $COMMIT $extra" ;;
     train1b) echo "$run -m odcfsdp.train +experiment=llama1b_longtail run.out_dir=$dir $extra" ;;

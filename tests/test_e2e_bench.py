@@ -232,7 +232,7 @@ def test_park_variants_name_their_share_and_bad_ones_are_refused():
         variant("parkfit100")
     assert variant("parkfit51+park_late") == "parkfit51+park_late"  # [park-backward] off
     assert variant("park+park_at_once") == "park+park_at_once"  # [park-trickle] off
-    for how in ("park_late", "park_at_once"):
+    for how in ("park_late", "park_at_once", "park_largest_first"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"{how} says how parked state moves"):
             variant(f"gather_masters+{how}")
 
