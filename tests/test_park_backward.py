@@ -174,7 +174,8 @@ def test_the_largest_micro_batch_runs_last_where_state_comes_back_under_it():
     """[park-backward] 0: ``plan_step(largest_last=True)`` moves this rank's largest micro-batch (by positions, the
     first of equals) to the end and keeps the others in the plan's order, over the same samples; without it the plan
     is as planned. ``wants_largest_last`` says so for an optimizer whose parked state comes back under the backward,
-    not for one without parking or with ``under_backward`` off."""
+    not for one without parking, with ``under_backward`` off, with a fitted share of nothing, or on a device whose
+    memory reads nothing (the CPU)."""
     from odcfsdp.data.balance import CostModel
     from odcfsdp.loop import plan_step
     from odcfsdp.optim.park_backward import wants_largest_last
@@ -190,11 +191,19 @@ def test_the_largest_micro_batch_runs_last_where_state_comes_back_under_it():
     big = positions.index(max(positions))
     assert moved.mine == plain.mine[:big] + plain.mine[big + 1:] + [plain.mine[big]] != plain.mine
     assert moved.global_targets == plain.global_targets
+    class Readable(CudaMemory):  # a device whose allocated bytes read (none of the fitted share's peaks)
+        def peak(self, device):
+            return None
+
+        def allocated(self, device):
+            return 0
+
     model = Llama(CFG)
     assert not wants_largest_last(torch.optim.AdamW(model.parameters()))
-    opt = torch.optim.AdamW(model.parameters())
-    ParkedOptimizerState(opt)
-    assert wants_largest_last(opt)
-    late = torch.optim.AdamW(model.parameters())
-    ParkedOptimizerState(late, under_backward=False)
-    assert not wants_largest_last(late)
+    built = {}
+    for name, kwargs in {"parked": {}, "late": {"under_backward": False}, "fit of nothing": {"fraction": None},
+                         "cpu": {"memory": CudaMemory()}}.items():
+        built[name] = torch.optim.AdamW(model.parameters())
+        ParkedOptimizerState(built[name], **{"memory": Readable(), **kwargs})
+    assert {name: wants_largest_last(opt) for name, opt in built.items()} == {
+        "parked": True, "late": False, "fit of nothing": False, "cpu": False}

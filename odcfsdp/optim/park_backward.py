@@ -10,9 +10,9 @@ the state can come back into it, its copies running under the rest of the backwa
 
 0. **Order.** What a backward frees is about its micro-batch's saved activations, which grow with its positions,
    and the balancers order a rank's micro-batches largest first, so the last was the smallest. A loop that asks
-   ``wants_largest_last(optimizer)`` runs its largest micro-batch last instead (``odcfsdp.loop.plan_step``'s
-   ``largest_last``; the CLI and ``e2e_bench`` do): the most room, and the smallest micro-batches first, beside the
-   copies out of the step before ([park-trickle]). The sum of the gradients is the same in any order (up to
+   ``wants_largest_last(optimizer)`` (a share parked, on a device whose memory reads) runs its largest micro-batch
+   last instead (``odcfsdp.loop.plan_step``'s ``largest_last``; the CLI and ``e2e_bench`` do): the most room, and
+   the smallest micro-batches first, beside the copies out of the step before ([park-trickle]). The sum of the gradients is the same in any order (up to
    floating-point association with three or more micro-batches), and so is each micro-batch's peak.
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
@@ -69,10 +69,12 @@ class BackwardReturn:
 
 
 def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s parked state comes back under the last backward, so that its largest micro-batch
-    should run last ([park-backward] 0)."""
+    """Whether ``optimizer``'s parked state may come back under the last backward, so that its largest micro-batch
+    should run last ([park-backward] 0): it is parked under ``under_backward``, some share of it at least (a fitted
+    share of 0 parks nothing), on a device whose allocated bytes can be read (not the CPU)."""
     parking = parking_of(optimizer)
-    return parking is not None and parking.under_backward
+    return (parking is not None and parking.under_backward and (parking.fraction > 0 or parking.away)
+            and parking.memory.allocated(parking.device) is not None)
 
 
 @contextlib.contextmanager
