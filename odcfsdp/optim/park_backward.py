@@ -12,8 +12,9 @@ the state can come back into it, its copies running under the rest of the backwa
    and the balancers order a rank's micro-batches largest first, so the last was the smallest. A loop that asks
    ``wants_largest_last(optimizer)`` (a share parked, on a device whose memory reads) runs its largest micro-batch
    last instead (``odcfsdp.loop.plan_step``'s ``largest_last``; the CLI and ``e2e_bench`` do): the most room, and
-   the smallest micro-batches first, beside the copies out of the step before ([park-trickle]). The sum of the gradients is the same in any order (up to
-   floating-point association with three or more micro-batches), and so is each micro-batch's peak.
+   the smallest micro-batches first, beside the copies out of the step before ([park-trickle]). The sum of the
+   gradients is the same in any order (up to floating-point association with three or more micro-batches), and so
+   is each micro-batch's peak.
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
    first unit's, as a backward frees more than it keeps.
