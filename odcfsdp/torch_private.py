@@ -110,7 +110,6 @@ fixture clearing the global tables), the next model puts the pair back.
 from __future__ import annotations
 
 import contextlib
-
 import sys
 import weakref
 from typing import Any, Callable, Protocol, Sequence

@@ -126,6 +126,5 @@ def _chunks(local: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor,
     views of it)."""
     if not (local.is_contiguous() and host.is_contiguous()):
         return [(local, host)]
-    src, dst = local.view(-1), host.view(-1)
-    step = max(1, CHUNK_BYTES // max(1, src.element_size()))
-    return [(src[i:i + step], dst[i:i + step]) for i in range(0, src.numel(), step)]
+    step = max(1, CHUNK_BYTES // max(1, local.element_size()))
+    return list(zip(local.view(-1).split(step), host.view(-1).split(step)))

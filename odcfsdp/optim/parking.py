@@ -261,9 +261,11 @@ class ParkedOptimizerState:
         if self.where is not Where.PARKED:
             return 0
         end, used = self._arrived, 0
-        while end < len(self._parked) and used + self.memory.footprint(self._parked[end].host.nbytes) <= room:
-            used += self.memory.footprint(self._parked[end].host.nbytes)
-            end += 1
+        while end < len(self._parked):
+            block = self.memory.footprint(self._parked[end].host.nbytes)
+            if used + block > room:
+                break
+            used, end = used + block, end + 1
         if end > self._arrived:
             self._arrive(end)
         return used

@@ -178,8 +178,9 @@ class StepLifecycle:
                     if g.reshard_after_backward:
                         g.to_sharded()
             self.comm.site_pushed()  # bounded pushes ([streams] 2): wait for an earlier site's
-        for hook in tuple(self.post_backward_hooks.values()):
-            hook()
+        if self.post_backward_hooks:  # none unless registered: nothing on every unit's backward
+            for hook in tuple(self.post_backward_hooks.values()):
+                hook()
 
     def finalize_backward(self) -> None:
         """Step 7: autograd's end of backward: push everything still pending, late gradients too
