@@ -266,3 +266,29 @@ def test_state_dict_right_after_a_step_reads_the_finished_copies(trickle):
             for i, p in enumerate(params):
                 for key in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(saved[i][key], opt.state[p][key].cpu()), (i, key)
+
+
+@one_gpu
+@pytest.mark.timeout(120)
+def test_a_failed_copy_out_stops_the_next_step_and_the_checkpoint(monkeypatch):
+    """[park-trickle] 3 on a GPU: a copy out that fails on the helper thread (its host copy of the wrong shape) is
+    not lost: the next ``step()`` raises, naming the fix, before it updates anything, and so does a ``state_dict()``
+    (no checkpoint of a half-copied state); neither hangs."""
+    from odcfsdp.optim import copy_trickle
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1024, 1024, device="cuda", generator=gen)) for _ in range(2)]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    ParkedOptimizerState(opt, 1.0, trickle=True)
+    chunks = copy_trickle._chunks
+    monkeypatch.setattr(copy_trickle, "_chunks", lambda local, host: [(local, host[:-1])] + chunks(local, host)[1:])
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+    opt.step()  # the copies out start on the thread, and fail there
+    before = [p.detach().clone() for p in params]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="restart from a checkpoint"):
+            opt.step()
+        with pytest.raises(RuntimeError, match="restart from a checkpoint"):
+            opt.state_dict()
+    assert all(torch.equal(a, p) for a, p in zip(before, params))

@@ -266,3 +266,34 @@ def test_trickle_chunks_cover_each_tensor_once_in_bounded_pieces():
     del trickle
     gc.collect()
     assert gone() is None and len(copy_trickle._RUNNING) == 0
+
+
+def test_a_failed_copy_out_is_raised_at_every_later_join_and_nothing_new_starts(monkeypatch):
+    """[park-trickle] 3: an error on the helper thread (here a host copy of the wrong shape, as a failed copy) is
+    raised on the caller's thread at the next ``join``, chained to the thread's, and again at every later one; a
+    ``start`` after it raises before it queues anything over the lost state, and ``close`` raises too. The CUDA
+    calls around the copies are stand-ins (no GPU here); the copies and the thread are real."""
+    import contextlib
+    import types
+
+    from odcfsdp.optim import copy_trickle
+    from odcfsdp.optim.copy_trickle import CopyTrickle
+
+    stream = types.SimpleNamespace(record_event=lambda: None, wait_event=lambda event: None)
+    monkeypatch.setattr(copy_trickle.torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(copy_trickle.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(copy_trickle.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    entry = types.SimpleNamespace(local=torch.ones(8), host=torch.zeros(3))  # cannot be copied: the thread fails
+    trickle = CopyTrickle(torch.device("cpu"), stream)
+    trickle.start([entry])
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="restart from a checkpoint") as raised:
+            trickle.join()
+        assert isinstance(raised.value.__cause__, RuntimeError) and raised.value.__cause__ is not raised.value
+    later = types.SimpleNamespace(local=torch.ones(3), host=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="restart from a checkpoint"):
+        trickle.start([later])
+    assert torch.equal(later.host, torch.zeros(3)) and trickle._thread is None  # nothing was queued
+    with pytest.raises(RuntimeError, match="restart from a checkpoint"):
+        trickle.close()
+    assert trickle not in copy_trickle._RUNNING
