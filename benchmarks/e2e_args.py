@@ -14,7 +14,8 @@ from odcfsdp.sharding.groups.float8 import FLOAT8_GATHER_DEFAULT
 
 DESCRIPTION = "End-to-end training throughput: odcfsdp vs PyTorch FSDP2 vs DDP, one invocation, the same GPUs."
 ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with one speed feature turned off
-# odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), bf16 gradient
+# odc with memory levers on: the fp32 masters gathered instead of bf16 rows ([gather-masters]), or held as the bf16
+# rows plus 16 low bits inside a minibatch (split_masters, [split-masters]), bf16 gradient
 # accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
 # FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has); or with one lever off: pushes unbounded
 # (each gradient buffer freed with record_stream, not one site in flight, [streams] 2), or N sites of them in flight
@@ -27,8 +28,8 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # park_at_once, its copies out are queued all at once after the step, not a chunk at a time by a helper thread
 # ([park-trickle], the default); with park_largest_first, a rank's micro-batches run in the plan's order (largest
 # first), not with the largest last ([park-backward] 0).
-VARIANTS = ("gather_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN", "unit_groups", "park",
-            "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once", "park_largest_first")
+VARIANTS = ("gather_masters", "split_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN",
+            "unit_groups", "park", "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once", "park_largest_first")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:

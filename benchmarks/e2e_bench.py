@@ -111,6 +111,7 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            overlap_push="no_overlap" not in levers,
                            units=() if "module_hooks" in levers else bench_model(args).units,
                            gather_masters=bool(levers & {"gather_masters", "lean"}),
+                           split_masters="split_masters" in levers,
                            offload_policy=CPUOffloadPolicy(pin_memory=cuda) if "offload" in levers else None,
                            mp_policy=MixedPrecisionPolicy(compute, torch.bfloat16) if bf16_reduce else None,
                            float8=args.float8, float8_gather=args.float8_gather,

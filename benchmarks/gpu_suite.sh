@@ -76,7 +76,8 @@ section_cmd() {  # section, gpus in lane, port, dir
       local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py" \
-           "tests/test_gpu.py tests/test_gpu_parking.py tests/test_torch_private.py tests/test_explicit_minibatch.py" \
+           "tests/test_gpu.py tests/test_gpu_parking.py tests/test_gpu_split_masters.py tests/test_torch_private.py" \
+           "tests/test_explicit_minibatch.py" \
            "-q -p no:cacheprovider" \
            "$(per_test_bound 300)" \
            "--junitxml=$dir/gpu_tests.xml $select" \

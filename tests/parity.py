@@ -170,6 +170,7 @@ def sharded_run(
     offload_policy=None,
     overlap_push: bool = True,
     pushes_in_flight: int | None | str = "default",
+    split_masters: bool = False,
 ) -> dict:
     """What every rank runs: the standard loop on an ``ODCShard`` of the model, on this rank's micro-batches.
 
@@ -184,6 +185,7 @@ def sharded_run(
         ParityModel(dtype, compile_backend).to(dev), group_bytes, comm=comm, reshard_after_forward=reshard,
         prefetch=prefetch, param_dtype=param_dtype, units=units, mesh=_hsdp_mesh(dev, replicas), mp_policy=mp_policy,
         gather_masters=gather_masters, offload_policy=offload_policy, overlap_push=overlap_push,
+        split_masters=split_masters,
     )
     if pushes_in_flight != "default":  # [streams] 2's bound (CUDA's push stream only); None: unbounded
         model.comm.pushes_in_flight = pushes_in_flight

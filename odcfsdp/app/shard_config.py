@@ -186,6 +186,7 @@ class ShardConfig:
     forward, e.g. the decoder layer class); other modules that own parameters are hooked one by one. (class names,
     e.g. [DecoderLayer]; none: the model's default units, an HF model's decoder layers)"""
     gather_masters: bool = False
+    split_masters: bool = False
     offload_policy: Optional[str] = None
     """FSDP2's ``CPUOffloadPolicy(pin_memory=True)``: fp32 masters, and so the optimizer's state and step, in host
     memory ([offload] in ``group.py``). (cpu: CPUOffloadPolicy(pin_memory=True); cpu_unpinned: pin_memory=False;

@@ -97,6 +97,16 @@ def validate(cfg) -> None:
     if cfg.shard.offload_policy and cfg.shard.gather_masters:
         raise ValueError("shard.gather_masters=true keeps the masters where peers read them; shard.offload_policy "
                          "moves them to host memory: choose one")
+    if cfg.shard.split_masters:  # [split-masters]: fp32 masters on the device, split into bf16 rows and low bits
+        import torch  # "auto" is CUDA where there is one
+
+        cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        # None: bf16 on CUDA, the parameters' own dtype on the CPU (fp32)
+        dtype = cfg.shard.param_dtype or cfg.shard.mp_policy.param_dtype or ("bfloat16" if cuda else None)
+        if cfg.shard.gather_masters or cfg.shard.offload_policy or dtype != "bfloat16":
+            raise ValueError("shard.split_masters=true splits fp32 masters on the device into bf16 rows and low bits: "
+                             "it needs shard.param_dtype=bfloat16 (the default on CUDA), and neither "
+                             "shard.gather_masters nor shard.offload_policy")
     if cfg.shard.offload_policy and cfg.optim.park_state and cfg.optim.park_fraction is not None:
         raise ValueError("optim.park_fraction parks the optimizer's state on the host between steps; with "
                          "shard.offload_policy=cpu it lives there already: leave optim.park_fraction unset")

@@ -53,7 +53,10 @@ buckets (4P each), AdamW 8P, autocast's bf16 weight copies.
 
 So at equal transients odcfsdp's default resident state is 2P/N (the rows) above FSDP2's. Its levers:
 ``gather_masters=True`` (the fp32 master is the row: 16P/N, [gather-masters]) and a bf16 ``reduce_dtype``
-(accumulators 2P/N: 14P/N with both until the sync, 18P/N from the sync to the finish with the fp32 .grad copy).
+(accumulators 2P/N: 14P/N with both until the sync, 18P/N from the sync to the finish with the fp32 .grad copy),
+or ``split_masters=True`` (the master held as the row plus 2P/N of low bits from a minibatch's first forward to
+its sync: 16P/N there, 18P/N from the sync to the next minibatch's first forward, [split-masters]; the low bits
+count as masters).
 Activations follow each rank's largest micro-batch, which LB-Mini keeps small by spreading positions evenly
 ([even-packing] in ``odcfsdp/data/balance.py``). With one-sided transports 6P/N of it (rows, accumulators) is the
 heap, which torch's peak statistics do not see: compare torch's peak *plus* the heap with FSDP2's peak. NVSHMEM

@@ -111,6 +111,7 @@ class ODCShard(MinibatchControl, nn.Module):
         mesh=None,
         timeout: float = 300.0,
         gather_masters: bool = False,
+        split_masters: bool = False,
         offload_policy=None,
         mp_policy=None,
         float8: str | None = None,
@@ -129,7 +130,8 @@ class ODCShard(MinibatchControl, nn.Module):
         self.precision = resolve_precision(mp_policy, param_dtype)
         units = check_units(units, module)
         settings = EngineSettings(group_bytes=group_bytes, prefetch=prefetch, gather_masters=gather_masters,
-                                  float8_gather=float8_gather, timeout=timeout, overlap_push=overlap_push)
+                                  split_masters=split_masters, float8_gather=float8_gather, timeout=timeout,
+                                  overlap_push=overlap_push)
         self.float8_linears = prepare_float8(module, float8, device)  # [float8]: before the plan (same parameters)
         late_rows = Float8Gather.of(module, named) if float8_gather else None
 

@@ -198,6 +198,10 @@ class FlatGroup:
         self.format.publish(self.master, self.row)
         self._published_version = self._versions()
 
+    def note_published(self) -> None:
+        """The master is again what its row was published from (a split master joined, [split-masters])."""
+        self._published_version = self._versions()
+
     def _versions(self) -> tuple[int, ...]:
         # A plain tensor view shares its base's version counter, but an in-place op on a DTensor bumps only the
         # DTensor's own (its local tensor is changed below autograd): both are watched.

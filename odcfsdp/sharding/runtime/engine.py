@@ -44,6 +44,7 @@ from ..groups.precision import Precision, register_casts
 from .prefetch import PrefetchSchedule
 from .minibatch import Minibatch
 from .shard_state import ShardState
+from ..groups.split_master import SplitMasters
 from ..transport.streams import CommStreams
 from .transparent import refuse_detaching
 from ..transport import Transport, make_transport
@@ -108,6 +109,13 @@ class ShardEngine:
         # mean over the data-parallel ranks, every replica's included
         self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas),
                                    late=self.late)
+        self._split_hook = None
+        if settings.split_masters:  # [split-masters]
+            if host is not None or param_dtype != torch.bfloat16:
+                raise ValueError("split_masters=True splits fp32 masters on the device into bf16 rows and low bits: "
+                                 f"it needs param_dtype=torch.bfloat16 (got {param_dtype}) and no offload_policy")
+            self.minibatch.split = SplitMasters(self.groups)
+            self._split_hook = root.register_state_dict_pre_hook(lambda *_: self.minibatch.join_masters())
         self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(settings.prefetch), self.minibatch,
                                        checks=self.check_intact)
         if on_meta:
@@ -190,8 +198,9 @@ class ShardEngine:
         self.comm.pushes_done()  # the push stream's work, the zeroing included ([streams] 5), before frees
         self.closed = True
         self.driver.remove()
-        for handle in self._cast_hooks:
+        for handle in self._cast_hooks + ([self._split_hook] if self._split_hook else []):
             handle.remove()
+        self.minibatch.join_masters()  # the shards hold their values after close too
         self.minibatch.close()
         for g in self.groups:
             g.release()

@@ -35,6 +35,11 @@ class EngineSettings:
     """peers gather the fp32 master rows and cast them to ``param_dtype`` while unpacking, so no ``param_dtype`` copy
     of the rows is kept (2 bytes per parameter / N less with bf16) for twice the gather bytes ([gather-masters] in
     ``group.py``)."""
+    split_masters: bool = False
+    """hold each bf16 group's fp32 master as its bf16 row plus 16 low bits from a minibatch's first forward to its
+    sync, where the peak is: 2 bytes per parameter / N less, the gathers unchanged; the shards hold no values in
+    between ([split-masters] in ``split_master.py``). Needs bf16 ``param_dtype``; not with ``gather_masters`` or an
+    offload policy."""
     float8_gather: bool = FLOAT8_GATHER_DEFAULT
     """gather the weights of tensorwise ``Float8Linear`` layers (``float8="tensorwise"``'s, or ones converted before
     wrapping) in float8: their owners cast them once per step, with scales from amaxes the step's meeting carries;
@@ -51,9 +56,12 @@ class EngineSettings:
         if isinstance(self.group_bytes, bool) or not isinstance(self.group_bytes, int) or self.group_bytes <= 0:
             raise ValueError(f"group_bytes must be a positive int (bytes per group), got {self.group_bytes!r}")
         check_numbers(self.prefetch, self.timeout)
-        for name in ("gather_masters", "float8_gather", "overlap_push"):
+        for name in ("gather_masters", "split_masters", "float8_gather", "overlap_push"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.gather_masters and self.split_masters:
+            raise ValueError("gather_masters=True and split_masters=True both drop the bf16 copy of the masters: "
+                             "choose one (split_masters keeps bf16 gathers)")
 
 
 def settings_args_doc(indent: int = 4, width: int = 116) -> str:

@@ -33,6 +33,7 @@ from ..placement.meetings import Meeting, Meetings
 from ..placement.mesh import ShardMesh
 from ..groups.param import ShardedParam
 from ..groups.row_format import LatePublish
+from ..groups.split_master import SplitMasters
 from .grad_division import GradDivision
 from .protocol import GradState, StepEvent
 from ..transport.streams import CommStreams
@@ -81,6 +82,7 @@ class Minibatch:
         self._consumed: set = set()  # READY: trained parameters whose gradient was stepped on or cleared
         self._to_consume: dict = {}  # READY: the parameters trained at the sync (ordered), all to be consumed
         self.publish_at_next_forward = False  # to_empty() ran: publish whatever the model's init writes ([meta-init])
+        self.split: SplitMasters | None = None  # [split-masters]: masters held as rows + low bits inside a minibatch
         self._trained = [g for g in self.groups if g.layout.requires_grad]
         self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
         self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
@@ -137,6 +139,8 @@ class Minibatch:
         if torch.is_grad_enabled():
             self.fresh = False
             self._fire(StepEvent.FORWARD)
+            if self.split is not None and self.state is GradState.ACCUMULATING:
+                self.split.split()  # [split-masters] 1: the rows are current (a changed master raised above)
 
     def after_backward(self) -> None:
         """Backward is over: the next ``.grad`` read starts a pass."""
@@ -284,6 +288,7 @@ class Minibatch:
         """Step 8: this rank's pushes complete, one meeting, the HSDP replicas' all-reduce, then the accumulator
         rows attached as ``.grad``. Returns every rank's pushes (0: nothing to attach)."""
         with phase_range("sync"):
+            self.join_masters()
             self.comm.pushes_done()
             pushes = self.meet(Meeting.SYNC)  # with HSDP, over every replica
             if self.mesh.replicas > 1 and pushes:  # [hsdp]: the replicas' one exchange of gradients
@@ -296,6 +301,11 @@ class Minibatch:
                 if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
                     offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
         return pushes
+
+    def join_masters(self) -> None:
+        """[split-masters] 2: every master whole again (nothing to do unless split)."""
+        if self.split is not None:
+            self.split.join()
 
     @property
     def divide_factor(self) -> float:
@@ -311,6 +321,7 @@ class Minibatch:
         """Step 10: reshard, publish the masters of the trained groups and of ``changed`` ones (default: those
         whose master changed), drop ``.grad``, zero the accumulators around one meeting of ``kind``."""
         with phase_range("finish"):
+            self.join_masters()
             reshard_all(self.groups)
             if changed is None:
                 changed = [g for g in self.groups if g.layout.requires_grad or g.master_changed]
@@ -333,6 +344,7 @@ class Minibatch:
         """Context in which master rows may change (collective; pending gradients are dropped): reshard, this
         rank's pushes complete, one meeting; then step 10 with every group around a meeting of its own."""
         reshard_all(self.groups)
+        self.join_masters()
         self.comm.pushes_done()
         self.meet(Meeting.CHANGE)
         yield

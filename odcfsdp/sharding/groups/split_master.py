@@ -1,0 +1,105 @@
+"""The fp32 master held as its bf16 row plus 16 low bits while micro-batches run ([split-masters]).
+
+Design note [split-masters]
+---------------------------
+By default a rank holds, per parameter of a bf16 group, an fp32 master (4 bytes / N) and the bf16 row peers gather
+(2 / N): 6 / N where FSDP2 holds its fp32 shard alone (4 / N) and casts it per all-gather ([gather-masters] in
+``group.py``). The row is the master rounded to nearest even, so it is already the master's upper half up to the
+rounding: the master is the row plus 16 low bits. ``split_masters=True`` keeps only those between a minibatch's
+first forward and its sync, where the peak is: 4 / N, FSDP2's, with the gathers still bf16.
+
+Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m - (h << 16)``:
+
+1. **Split** (the minibatch's first forward with gradients on, ``Minibatch.before_forward``; the rows are current:
+   a master changed since it was published raises there). Rounding to nearest even puts ``d`` in
+   [-32768, 32768], 65537 values for 16 bits: an exact tie that rounded down (``d = 32768``) is stored as 32767, the
+   master moved 1 fp32 ulp (2^-24 of its value) towards its row, which it still rounds to, so what peers gather and
+   what layers compute with are unchanged. ``d`` becomes an int16 tensor; the master's storage is freed
+   (``resize_(0)``: the shards, views of it, keep their identity for the optimizer and the state dict).
+2. **Join** (the sync, where ``.grad`` is first read, before the optimizer's step; the finish; a change of rows; a
+   ``state_dict()`` of the model): the storage comes back, ``m = (h << 16) + d``, the low bits are freed. The master
+   is then what it was, or 1 ulp nearer its row at a tie (about one element in 65536 per split).
+3. What reads a master between the two by other means (a parameter's values outside forward, a norm of the
+   shards) finds no storage and raises: the parameters hold their values only between the sync and the next
+   minibatch's first forward, and the forward's own modules hold gathered rows.
+
+The step itself holds the master, not the low bits (each group joins before the next: one group's 2 / N extra at
+a time), so its peak is the default's; the forward and backward hold 2 / N less. NaN stays NaN (its low bits are
+clamped), infinities and signed zeros come back exactly. Groups of other formats (the masters gathered, float8
+rows, masters offloaded, rows that are not bf16 under fp32 masters) are left as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .row_format import ParamDtypeRows
+
+CHUNK = 1 << 22  # elements per pass: the int64 temporaries stay at 32 MiB each
+
+
+def split_low_bits(master: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Step 1's low bits: an int16 tensor ``d`` with ``master``'s bits ``(row's << 16) + d``, ``row`` being
+    ``master`` rounded to bf16 (a tie that rounded down: 1 ulp towards the row)."""
+    low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
+    m_bits, h_bits, out = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1), low.view(-1)
+    for start in range(0, m_bits.numel(), CHUNK):
+        m = m_bits[start:start + CHUNK].to(torch.int64) & 0xFFFFFFFF
+        h = h_bits[start:start + CHUNK].to(torch.int64) & 0xFFFF
+        out[start:start + CHUNK] = (m - (h << 16)).clamp_(-32768, 32767).to(torch.int16)
+    return low
+
+
+def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
+    """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape)."""
+    h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
+    for start in range(0, h_bits.numel(), CHUNK):
+        bits = ((h_bits[start:start + CHUNK].to(torch.int64) & 0xFFFF) << 16) + d_bits[start:start + CHUNK]
+        bits &= 0xFFFFFFFF
+        out[start:start + CHUNK] = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+
+
+def splittable(group) -> bool:
+    """Whether a group's master is a bf16 row plus low bits: a separate fp32 master on the row's device."""
+    fmt = group.format
+    return (type(fmt) is ParamDtypeRows and not fmt.offloaded and group.master is not group.row
+            and group.master.dtype == torch.float32 and group.row.dtype == torch.bfloat16)
+
+
+class SplitMasters:
+    """The model's masters held split between a minibatch's first forward and its sync ([split-masters])."""
+
+    def __init__(self, groups: Sequence):
+        self.groups = [g for g in groups if splittable(g)]
+        self._nbytes = {g: g.master.untyped_storage().nbytes() for g in self.groups}
+        self._low: dict = {}
+
+    @property
+    def split_now(self) -> bool:
+        """Whether the masters are held as low bits now."""
+        return bool(self._low)
+
+    def low_bits(self) -> list[torch.Tensor]:
+        """The low bits held now (none outside a minibatch)."""
+        return list(self._low.values())
+
+    def split(self) -> None:
+        """Step 1 for every group not split yet; frees each master as its low bits are made."""
+        with torch.no_grad():
+            for g in self.groups:
+                if g not in self._low:
+                    self._low[g] = split_low_bits(g.master, g.row)
+                    g.master.untyped_storage().resize_(0)
+
+    def join(self) -> None:
+        """Step 2 for every split group; frees each group's low bits as its master comes back."""
+        with torch.no_grad():
+            for g in list(self._low):
+                g.master.untyped_storage().resize_(self._nbytes[g])
+                join_low_bits(g.row, self._low.pop(g), g.master)
+                g.note_published()  # the master its row was published from (to 1 ulp at a tie)
+
+
+__all__ = ["SplitMasters", "join_low_bits", "split_low_bits", "splittable"]

@@ -1,0 +1,68 @@
+"""GPU tests of ``split_masters=True`` ([split-masters] in odcfsdp/sharding/groups/split_master.py): the nvshmem
+transport's training against plain PyTorch's mixed precision, and the device bytes a minibatch frees. Marked
+``gpu``: skipped without CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from odcfsdp.launch import spawn
+from parity import Run, mixed_precision_reference, sharded_run
+from test_gpu import BF16_TOL, compare, record
+
+pytestmark = pytest.mark.gpu
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@one_gpu
+@pytest.mark.parametrize("world, micro_batches", [(1, [2]), pytest.param(2, [1, 2], marks=two_gpus)])
+def test_split_masters_nvshmem(world, micro_batches):
+    """split_masters=True: each master held as its bf16 row (on the heap) plus 16 low bits inside the minibatch,
+    whole for the fused step ([split-masters]); against the same mixed-precision reference as the default."""
+    run = Run(world, micro_batches=micro_batches)
+    results = spawn(functools.partial(sharded_run, split_masters=True), world, run, torch.float32, 4096, True,
+                    "nvshmem", "cuda", backend="nccl")
+    compare(f"split_masters[{world},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
+
+
+def _split_masters_device_bytes() -> dict:
+    from odcfsdp import ODCShard
+    from odcfsdp.models import Llama, LlamaConfig
+
+    out = {}
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = ODCShard(Llama(LlamaConfig()).cuda(), split_masters=split)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        tokens = torch.randint(0, LlamaConfig().vocab_size, (2, 64), device="cuda")
+        seen = []
+        for _ in range(3):
+            for _ in range(2):
+                before = torch.cuda.memory_allocated()
+                loss = model(tokens).float().mean()
+                seen.append(torch.cuda.memory_allocated() - before)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[split] = {"forward_bytes": seen, "loss": loss.item(),
+                      "master_numel": sum(g.master.numel() for g in model.groups if g.master is not g.row)}
+        model.close()
+    return out
+
+
+@one_gpu
+def test_split_masters_free_two_bytes_a_parameter_in_a_minibatch_on_a_gpu():
+    """One GPU: a minibatch's first forward frees each fp32 master and holds 2 bytes of low bits a parameter
+    instead (the allocator's count falls by 2 bytes a parameter, to its 512-byte rounding per group); the forwards
+    after it in the minibatch allocate as the default's; the last loss is the default's."""
+    (out,) = spawn(_split_masters_device_bytes, 1, backend="nccl", timeout=180)
+    record("split_masters_device_bytes", [], {}, **{str(k): v for k, v in out.items()})
+    default, split = out[False], out[True]
+    saved = 2 * split["master_numel"]
+    for i, (a, b) in enumerate(zip(default["forward_bytes"], split["forward_bytes"])):
+        assert abs((a - b) - (saved if i % 2 == 0 else 0)) <= 512 * 64, (i, a, b, saved)
+    assert split["loss"] == pytest.approx(default["loss"], rel=1e-3)

@@ -1,0 +1,120 @@
+"""``ODCShard(split_masters=True)``: each bf16 group's fp32 master held as its row plus 16 low bits inside a
+minibatch ([split-masters] in odcfsdp/sharding/groups/split_master.py), against the bits themselves, the default
+rows and plain PyTorch's mixed precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from odcfsdp import ODCShard
+from odcfsdp.launch import spawn
+from odcfsdp.memory import memory_breakdown
+from odcfsdp.sharding.groups.split_master import join_low_bits, split_low_bits
+from parity import Run, mixed_precision_reference, sharded_run
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row():
+    """Every finite fp32 value (random over the whole exponent range, the signed zeros, infinities, subnormals,
+    the extremes, and exact ties of both parities and signs) comes back to the bit from its bf16 rounding and the
+    int16 low bits, except an exact tie that rounded down: 1 ulp towards its row, which it still rounds to; NaN
+    stays NaN. The chunked passes are crossed (more elements than one chunk)."""
+    from odcfsdp.sharding.groups import split_master
+
+    g = torch.Generator().manual_seed(0)
+    n = split_master.CHUNK + 1000
+    x = torch.randn(n, generator=g) * torch.logspace(-44, 38, n)
+    special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0]
+    upper = torch.randint(0, 1 << 15, (4000,), generator=g, dtype=torch.int64) << 16
+    ties = torch.cat([upper | 0x8000, (upper | 0x8000) | (1 << 31)])  # ties, both signs, odd and even uppers
+    ties = torch.where(ties >= 1 << 31, ties - (1 << 32), ties).to(torch.int32).view(torch.float32)
+    x = torch.cat([torch.tensor(special), x, ties[torch.isfinite(ties)]])
+    row = x.to(torch.bfloat16)
+    back = torch.full_like(x, 7.0)
+    join_low_bits(row, split_low_bits(x, row), back)
+    nan = torch.isnan(x)
+    assert torch.isnan(back[nan]).all()
+    moved = _bits(back[~nan]) - _bits(x[~nan])
+    tie_down = ((_bits(x[~nan]) & 0xFFFF) == 0x8000) & (row[~nan].view(torch.int16).to(torch.int64) & 0xFFFF
+                                                         == (_bits(x[~nan]) >> 16))
+    assert torch.equal(moved[~tie_down], torch.zeros_like(moved[~tie_down]))
+    assert torch.equal(moved[tie_down], torch.full_like(moved[tie_down], -1)) and tie_down.sum() > 1000
+    assert torch.equal(back.to(torch.bfloat16).view(torch.int16), row.view(torch.int16))  # what peers gather
+
+
+def _run(micro_batches: list[int], comm: str, split: bool) -> dict:
+    return sharded_run(Run(world_size=len(micro_batches), micro_batches=micro_batches, steps=4), torch.float32, 4096,
+                       True, comm, param_dtype=torch.bfloat16, split_masters=split)
+
+
+@pytest.mark.parametrize("comm, micro_batches", [("shm", [1, 2]), ("collective", [2, 2])])
+def test_split_masters_train_as_the_published_rows_and_plain_mixed_precision(comm, micro_batches):
+    """bf16 compute on CPU ranks: the same losses and norms as the default rows, the masters within a few fp32 ulps
+    (a tie's nudge per split at most), and both as plain PyTorch's mixed precision on one process."""
+    n = len(micro_batches)
+    rows = spawn(_run, n, micro_batches, comm, False, timeout=180)
+    split = spawn(_run, n, micro_batches, comm, True, timeout=180)
+    ref = mixed_precision_reference(Run(world_size=n, micro_batches=micro_batches, steps=4), "cpu")
+    for a, b in zip(rows, split, strict=True):
+        assert sum(b["losses"], []) == pytest.approx(sum(a["losses"], []), rel=1e-6)
+        assert b["norms"] == pytest.approx(a["norms"], rel=1e-6)
+        for k, v in a["params"].items():
+            torch.testing.assert_close(b["params"][k], v, rtol=4e-7, atol=1e-12, msg=k)
+        for k, v in ref["params"].items():  # tied weights: the reference names each once
+            torch.testing.assert_close(b["params"][k], v, rtol=0, atol=3e-4, msg=k)
+
+
+def _model(split: bool) -> ODCShard:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 8))
+    return ODCShard(net, 1 << 12, param_dtype=torch.bfloat16, split_masters=split)
+
+
+def test_masters_hold_no_storage_inside_a_minibatch_and_a_state_dict_joins_them():
+    """Between a minibatch's first forward and its sync every master's storage is freed (the low bits hold it); a
+    ``state_dict()`` then reads the same values as the default model's and training goes on as the default does; the
+    masters are whole after each step; ``memory_breakdown`` counts 2 bytes of masters per element inside, 4 outside.
+    One process, 3 micro-batches a step."""
+    models = {split: _model(split) for split in (False, True)}
+    opts = {split: torch.optim.AdamW(m.parameters(), lr=1e-2) for split, m in models.items()}
+    g = torch.Generator().manual_seed(1)
+    losses = {False: [], True: []}
+    whole = memory_breakdown(models[True]).masters
+    assert whole == 4 * sum(gr.master.numel() for gr in models[True].groups)
+    for step in range(6):
+        batches = [torch.randn(16, 64, generator=g).bfloat16() for _ in range(3)]
+        before = {k: v.detach().clone() for k, v in models[False].state_dict().items()}
+        for split, m in models.items():
+            for micro, x in enumerate(batches):
+                loss = m(x).float().pow(2).mean()
+                if split:
+                    assert all(gr.master.untyped_storage().nbytes() == 0 for gr in m.groups)
+                    assert m.minibatch.split.split_now
+                    assert 2 * memory_breakdown(m).masters == whole  # 2 bytes of low bits for 4 of fp32
+                    if step == 2 and micro == 1:
+                        mid = m.state_dict()
+                        assert not m.minibatch.split.split_now
+                        for k, v in before.items():  # to a tie's nudge per split
+                            torch.testing.assert_close(mid[k].detach(), v, rtol=4e-7, atol=1e-12, msg=k)
+                loss.backward()
+                losses[split].append(loss.item())
+            opts[split].step()
+            opts[split].zero_grad()
+            assert all(gr.master.untyped_storage().nbytes() > 0 for gr in m.groups)
+    assert losses[True] == losses[False]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"gather_masters": True}, "choose one"),
+    ({"param_dtype": torch.float32}, "param_dtype=torch.bfloat16"),
+])
+def test_split_masters_refuses_what_has_no_bf16_row_to_split(kwargs, words):
+    """With the masters gathered (no bf16 row) or fp32 compute (the row is the master), one line names the fix."""
+    net = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        ODCShard(net, **{"param_dtype": torch.bfloat16, **kwargs}, split_masters=True)
