@@ -224,9 +224,11 @@ section_cmd() {  # section, gpus in lane, port, dir
       # processes of its own, peak by category, one profiled step of FSDP2 and odc (the host's time per hook site,
       # issue 41 item 3) (LEVERS: the odc variants; park: its optimizer state on the host
       # between steps, [parking]; parkfit51, longtail's default: the share that fits 51% of an H200, an 80 GB H100's
-      # 90%, [park-fit]; a fifth method, e.g. parkfit51+park_at_once, does not fit the limit at 2 GPUs); balanced:
+      # 90%, [park-fit]; a fifth method, e.g. parkfit51+park_at_once, does not fit the limit at 2 GPUs; balanced's
+      # default: split_masters, the masters as rows + low bits inside a minibatch, [split-masters], and
+      # gather_masters, the masters gathered, [gather-masters]: the two ways to drop the bf16 rows); balanced:
       # 2 x 4K per GPU; longtail: 4 samples of 8K-64K per GPU, odc with LB-Mini only (FSDP2 with LB-Micro)
-      local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="unbounded_pushes pushes2 unit_groups"
+      local w=balanced b=$((2 * n)) st="--steps 4 --warmup 2" v="split_masters gather_masters"
       v=${LEVERS:-$v}  # LEVERS: other variants (e.g. "unit_groups gather_masters+unit_groups")
       [ "$s" = levers_8b_longtail ] && w=longtail b=$((4 * n)) st="--steps 3 --warmup 1 --balancers lb_mini" \
         v=${LEVERS:-parkfit51}
