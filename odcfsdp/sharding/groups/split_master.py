@@ -37,18 +37,18 @@ import torch
 
 from .row_format import ParamDtypeRows
 
-CHUNK = 1 << 22  # elements per pass: the int64 temporaries stay at 32 MiB each
+CHUNK = 1 << 24  # elements per pass: a few int32 temporaries of 64 MiB, a few launches per group
 
 
 def split_low_bits(master: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     """Step 1's low bits: an int16 tensor ``d`` with ``master``'s bits ``(row's << 16) + d``, ``row`` being
-    ``master`` rounded to bf16 (a tie that rounded down: 1 ulp towards the row)."""
+    ``master`` rounded to bf16 (a tie that rounded down: 1 ulp towards the row). int32 arithmetic wraps modulo
+    2^32, and the true difference is small, so it comes out exact."""
     low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
     m_bits, h_bits, out = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1), low.view(-1)
     for start in range(0, m_bits.numel(), CHUNK):
-        m = m_bits[start:start + CHUNK].to(torch.int64) & 0xFFFFFFFF
-        h = h_bits[start:start + CHUNK].to(torch.int64) & 0xFFFF
-        out[start:start + CHUNK] = (m - (h << 16)).clamp_(-32768, 32767).to(torch.int16)
+        upper = h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16)
+        out[start:start + CHUNK] = torch.sub(m_bits[start:start + CHUNK], upper).clamp_(-32768, 32767)
     return low
 
 
@@ -56,9 +56,8 @@ def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) ->
     """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape)."""
     h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
     for start in range(0, h_bits.numel(), CHUNK):
-        bits = ((h_bits[start:start + CHUNK].to(torch.int64) & 0xFFFF) << 16) + d_bits[start:start + CHUNK]
-        bits &= 0xFFFFFFFF
-        out[start:start + CHUNK] = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        torch.add(h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16), d_bits[start:start + CHUNK],
+                  out=out[start:start + CHUNK])
 
 
 def splittable(group) -> bool:
