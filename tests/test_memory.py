@@ -225,6 +225,9 @@ def test_frame_rules():
     assert classify_frames([_frame(fsdp + "_fsdp_collectives.py", "allocate"),
                             _frame(fsdp + "_fsdp_collectives.py", "foreach_reduce")]) == "comm_buffers"
     assert classify_frames([_frame("/usr/lib/torch/optim/adamw.py", "_fused_adamw")]) == "optimizer_step"
+    split = [_frame("/x/odcfsdp/sharding/groups/split_master.py", "split_low_bits"),  # innermost first
+             _frame("/x/odcfsdp/sharding/runtime/minibatch.py", "before_forward")]
+    assert classify_frames(split) == "masters"  # a split master's low bits, allocated in a forward ([split-masters])
     assert classify_frames([_frame("C:\\torch\\nn\\utils\\clip_grad.py", "_get_total_norm")]) == "grad_norm"
     extra = (("mine", "my/pkg/", None),) + FRAME_RULES
     assert classify_frames([_frame("/x/my/pkg/a.py", "f")], extra) == "mine"
