@@ -37,7 +37,11 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     x = torch.cat([torch.tensor(special), x, ties[torch.isfinite(ties)]])
     row = x.to(torch.bfloat16)
     back = torch.full_like(x, 7.0)
-    join_low_bits(row, split_low_bits(x, row), back)
+    stale = torch.zeros((), dtype=torch.bool)
+    join_low_bits(row, split_low_bits(x, row, stale), back)
+    assert not stale  # every row is its master's rounding, the NaNs' too
+    split_low_bits(x[10:] + 1.0, row[10:], stale)  # masters changed after their rows were made
+    assert stale
     nan = torch.isnan(x)
     assert torch.isnan(back[nan]).all()
     moved = _bits(back[~nan]) - _bits(x[~nan])
@@ -119,3 +123,31 @@ def test_split_masters_refuses_what_has_no_bf16_row_to_split(kwargs, words):
     net = nn.Linear(8, 8)
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
         ODCShard(net, **{"param_dtype": torch.bfloat16, **kwargs}, split_masters=True)
+
+
+def test_readers_make_the_masters_whole_and_an_unseen_write_raises_at_the_sync():
+    """Inside a minibatch (after a training forward) ``full_state_dict()`` and a submodule's ``state_dict()`` read
+    the default model's values (the masters made whole first); a write through ``.data`` between steps, which the
+    version counters miss, raises at the next sync, naming the fix, instead of being lost."""
+    models = {split: _model(split) for split in (False, True)}
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for m in models.values():
+        m(x).float().sum()  # a training forward: split_masters=True splits here
+    assert models[True].minibatch.split.split_now
+    full = {split: m.full_state_dict() for split, m in models.items()}
+    assert not models[True].minibatch.split.split_now
+    for k, v in full[False].items():
+        torch.testing.assert_close(full[True][k], v, rtol=4e-7, atol=1e-12, msg=k)
+    models[True](x).float().sum()
+    assert models[True].minibatch.split.split_now
+    sub = models[True].module[2].state_dict()
+    for k, v in models[False].module[2].state_dict().items():
+        torch.testing.assert_close(sub[k], v, rtol=4e-7, atol=1e-12, msg=k)
+    m, opt = models[True], torch.optim.AdamW(models[True].parameters(), lr=1e-2)
+    m(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    next(m.parameters()).data.add_(1.0)  # unseen by the version counters
+    m(x).float().sum().backward()
+    with pytest.raises(RuntimeError, match="changing_parameters"):
+        opt.step()

@@ -153,6 +153,7 @@ class FlatGroup:
         self.row = transport.rows[self.index]
         self.accumulator = transport.accumulators[self.index]
         self.master = row_format.make_master(self.row)  # [offload]: in host memory, with the optimizer's state
+        self.join_masters = None  # [split-masters]: makes every split master whole (set where they may be split)
         self._grad_host: torch.Tensor | None = None  # [offload]: the host copy of the accumulator .grad views
         self.unsharded = torch.empty(layout.unsharded_numel, dtype=row_format.compute_dtype, device=self.row.device)
         self.grad_dtype = row_format.grad_dtype
@@ -189,7 +190,10 @@ class FlatGroup:
         self.publish()
 
     def read_master(self) -> torch.Tensor:
-        """This rank's master row (the shards' storage: treat as read-only outside a row change)."""
+        """This rank's master row (the shards' storage: treat as read-only outside a row change); whole again first
+        where it was split ([split-masters])."""
+        if self.join_masters is not None:
+            self.join_masters()
         return self.master
 
     def publish(self) -> None:

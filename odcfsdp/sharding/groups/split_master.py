@@ -19,9 +19,13 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
 2. **Join** (the sync, where ``.grad`` is first read, before the optimizer's step; the finish; a change of rows; a
    ``state_dict()`` of the model): the storage comes back, ``m = (h << 16) + d``, the low bits are freed. The master
    is then what it was, or 1 ulp nearer its row at a tie (about one element in 65536 per split).
-3. What reads a master between the two by other means (a parameter's values outside forward, a norm of the
-   shards) finds no storage and raises: the parameters hold their values only between the sync and the next
-   minibatch's first forward, and the forward's own modules hold gathered rows.
+3. **Readers.** odcfsdp's own readers make the masters whole first: any module's ``state_dict()`` (a pre-hook on
+   every module), ``read_master`` (``full_state_dict``, checkpoints, exports), ``to_empty``. Anything else that
+   reads a parameter's values between the two (a norm of the shards, a copy into it) touches freed storage, which
+   torch does not always check: it may raise, or end the process. A ``state_dict`` taken between steps holds views
+   of the masters: write it out before the next forward (DCP's ``async_save`` stages a copy first). A write the
+   version counters do not see (through ``.data``) leaves a row that is not its master's rounding: the split notes
+   it on the device and the join raises, naming the fix (without ``split_masters`` the row would stay stale).
 
 The step itself holds the master, not the low bits (each group joins before the next: one group's 2 / N extra at
 a time), so its peak is the default's; the forward and backward hold 2 / N less. NaN stays NaN (its low bits are
@@ -40,15 +44,19 @@ from .row_format import ParamDtypeRows
 CHUNK = 1 << 24  # elements per pass: a few int32 temporaries of 64 MiB, a few launches per group
 
 
-def split_low_bits(master: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
     """Step 1's low bits: an int16 tensor ``d`` with ``master``'s bits ``(row's << 16) + d``, ``row`` being
     ``master`` rounded to bf16 (a tie that rounded down: 1 ulp towards the row). int32 arithmetic wraps modulo
-    2^32, and the true difference is small, so it comes out exact."""
+    2^32, and the true difference is small, so it comes out exact. A difference outside [-32768, 32768] says the
+    row is not the master's rounding (a write the version counters did not see): ``stale`` (a bool on the
+    master's device) is set, read at the join, never here (no wait for the device)."""
     low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
     m_bits, h_bits, out = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1), low.view(-1)
     for start in range(0, m_bits.numel(), CHUNK):
-        upper = h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16)
-        out[start:start + CHUNK] = torch.sub(m_bits[start:start + CHUNK], upper).clamp_(-32768, 32767)
+        d = torch.sub(m_bits[start:start + CHUNK], h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16))
+        off = (d > 32768).logical_or_(d < -32768).logical_and_(~row.view(-1)[start:start + CHUNK].isnan())
+        stale.logical_or_(off.any())  # a NaN master's row is the canonical NaN, whatever its payload
+        out[start:start + CHUNK] = d.clamp_(-32768, 32767)
     return low
 
 
@@ -74,6 +82,9 @@ class SplitMasters:
         self.groups = [g for g in groups if splittable(g)]
         self._nbytes = {g: g.master.untyped_storage().nbytes() for g in self.groups}
         self._low: dict = {}
+        self._stale: dict = {}  # per device: set where a split found a row that was not its master's rounding
+        for g in self.groups:
+            g.join_masters = self.join  # a reader of a group's master makes them whole first (read_master)
 
     @property
     def split_now(self) -> bool:
@@ -89,16 +100,28 @@ class SplitMasters:
         with torch.no_grad():
             for g in self.groups:
                 if g not in self._low:
-                    self._low[g] = split_low_bits(g.master, g.row)
+                    device = g.master.device
+                    if device not in self._stale:
+                        self._stale[device] = torch.zeros((), dtype=torch.bool, device=device)
+                    self._low[g] = split_low_bits(g.master, g.row, self._stale[device])
                     g.master.untyped_storage().resize_(0)
 
     def join(self) -> None:
-        """Step 2 for every split group; frees each group's low bits as its master comes back."""
+        """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
+        master is back) where a split found a row that was not its master's rounding."""
         with torch.no_grad():
             for g in list(self._low):
                 g.master.untyped_storage().resize_(self._nbytes[g])
-                join_low_bits(g.row, self._low.pop(g), g.master)
+                join_low_bits(g.row, self._low[g], g.master)
+                del self._low[g]  # only now: a join that fails keeps the low bits
                 g.note_published()  # the master its row was published from (to 1 ulp at a tie)
+        stale = [d for d, flag in self._stale.items() if bool(flag)]  # the host's only read of the flags
+        self._stale = {}
+        if stale:
+            raise RuntimeError("split_masters=True found parameters changed outside an optimizer step in a way the "
+                               "version counters did not see (through .data, or a tensor sharing the storage), "
+                               "before the minibatch's first forward: their changes are lost. Change parameters "
+                               "inside `with model.changing_parameters():` (collective), or with load_state_dict()")
 
 
 __all__ = ["SplitMasters", "join_low_bits", "split_low_bits", "splittable"]

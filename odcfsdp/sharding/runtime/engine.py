@@ -109,13 +109,15 @@ class ShardEngine:
         # mean over the data-parallel ranks, every replica's included
         self.minibatch = Minibatch(self.groups, self.comm, mesh, float(mesh.world_size * mesh.replicas),
                                    late=self.late)
-        self._split_hook = None
+        self._split_hooks = []
         if settings.split_masters:  # [split-masters]
             if host is not None or param_dtype != torch.bfloat16:
                 raise ValueError("split_masters=True splits fp32 masters on the device into bf16 rows and low bits: "
                                  f"it needs param_dtype=torch.bfloat16 (got {param_dtype}) and no offload_policy")
             self.minibatch.split = SplitMasters(self.groups)
-            self._split_hook = root.register_state_dict_pre_hook(lambda *_: self.minibatch.join_masters())
+            # any module's state_dict() (a submodule's, a fully_shard unit's) holds views of the masters: whole first
+            self._split_hooks = [m.register_state_dict_pre_hook(lambda *_: self.minibatch.join_masters())
+                                 for m in root.modules()]
         self.lifecycle = StepLifecycle(self.groups, self.comm, PrefetchSchedule(settings.prefetch), self.minibatch,
                                        checks=self.check_intact)
         if on_meta:
@@ -176,6 +178,7 @@ class ShardEngine:
             raise ValueError(f"to_empty(device={str(want)!r}): this model's shards live on {have}, where "
                              "fully_shard placed them (the mesh's device): pass that device")
         materialize_buffers(self.root, have)
+        self.minibatch.join_masters()  # the model's initialisation writes into the shards next ([split-masters])
         self.minibatch.publish_at_next_forward = True
 
     @contextlib.contextmanager
@@ -198,7 +201,7 @@ class ShardEngine:
         self.comm.pushes_done()  # the push stream's work, the zeroing included ([streams] 5), before frees
         self.closed = True
         self.driver.remove()
-        for handle in self._cast_hooks + ([self._split_hook] if self._split_hook else []):
+        for handle in self._cast_hooks + self._split_hooks:
             handle.remove()
         self.minibatch.join_masters()  # the shards hold their values after close too
         self.minibatch.close()
