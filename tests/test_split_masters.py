@@ -39,7 +39,7 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     back = torch.full_like(x, 7.0)
     stale = torch.zeros((), dtype=torch.bool)
     join_low_bits(row, split_low_bits(x, row, stale), back)
-    assert not stale  # every row is its master's rounding, the NaNs' too
+    assert not stale  # every row is its master's rounding (the NaN here: the canonical one)
     split_low_bits(x[10:] + 1.0, row[10:], stale)  # masters changed after their rows were made
     assert stale
     nan = torch.isnan(x)

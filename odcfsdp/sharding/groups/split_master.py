@@ -28,9 +28,9 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    it on the device and the join raises, naming the fix (without ``split_masters`` the row would stay stale).
 
 The step itself holds the master, not the low bits (each group joins before the next: one group's 2 / N extra at
-a time), so its peak is the default's; the forward and backward hold 2 / N less. NaN stays NaN (its low bits are
-clamped), infinities and signed zeros come back exactly. Groups of other formats (the masters gathered, float8
-rows, masters offloaded, rows that are not bf16 under fp32 masters) are left as they are.
+a time), so its peak is the default's; the forward and backward hold 2 / N less. NaN stays NaN (its row's),
+infinities and signed zeros come back exactly. Groups of other formats (the masters gathered, float8 rows, masters
+offloaded, rows that are not bf16 under fp32 masters) are left as they are.
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor)
     ``master`` rounded to bf16 (a tie that rounded down: 1 ulp towards the row). int32 arithmetic wraps modulo
     2^32, and the true difference is small, so it comes out exact. A difference outside [-32768, 32768] says the
     row is not the master's rounding (a write the version counters did not see): ``stale`` (a bool on the
-    master's device) is set, read at the join, never here (no wait for the device)."""
+    master's device) is set, read at the join, never here (no wait for the device). A NaN master comes back as its
+    row's NaN."""
     low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
     m_bits, h_bits, out = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1), low.view(-1)
     for start in range(0, m_bits.numel(), CHUNK):
         d = torch.sub(m_bits[start:start + CHUNK], h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16))
-        off = (d > 32768).logical_or_(d < -32768).logical_and_(~row.view(-1)[start:start + CHUNK].isnan())
-        stale.logical_or_(off.any())  # a NaN master's row is the canonical NaN, whatever its payload
+        d.masked_fill_(h_bits[start:start + CHUNK].view(torch.bfloat16).isnan(), 0)  # NaN: its row's NaN
+        low_d, high_d = torch.aminmax(d)
+        stale.logical_or_((high_d > 32768).logical_or_(low_d < -32768))
         out[start:start + CHUNK] = d.clamp_(-32768, 32767)
     return low
 
@@ -120,8 +122,9 @@ class SplitMasters:
         if stale:
             raise RuntimeError("split_masters=True found parameters changed outside an optimizer step in a way the "
                                "version counters did not see (through .data, or a tensor sharing the storage), "
-                               "before the minibatch's first forward: their changes are lost. Change parameters "
-                               "inside `with model.changing_parameters():` (collective), or with load_state_dict()")
+                               "before the minibatch's first forward: their changes are lost. "
+                               "Change parameters inside `with model.changing_parameters():` (collective), or with "
+                               "load_state_dict()")
 
 
 __all__ = ["SplitMasters", "join_low_bits", "split_low_bits", "splittable"]
