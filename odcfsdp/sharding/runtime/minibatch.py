@@ -288,7 +288,6 @@ class Minibatch:
         """Step 8: this rank's pushes complete, one meeting, the HSDP replicas' all-reduce, then the accumulator
         rows attached as ``.grad``. Returns every rank's pushes (0: nothing to attach)."""
         with phase_range("sync"):
-            self.join_masters()
             self.comm.pushes_done()
             pushes = self.meet(Meeting.SYNC)  # with HSDP, over every replica
             if self.mesh.replicas > 1 and pushes:  # [hsdp]: the replicas' one exchange of gradients
@@ -300,6 +299,7 @@ class Minibatch:
                     g.attach_grads()
                 if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
                     offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
+            self.join_masters()  # last: the pushes' buffers are free by now ([split-masters] 2)
         return pushes
 
     def join_masters(self) -> None:
