@@ -17,8 +17,9 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    what layers compute with are unchanged. ``d`` becomes an int16 tensor; the master's storage is freed
    (``resize_(0)``: the shards, views of it, keep their identity for the optimizer and the state dict).
 2. **Join** (the end of the sync, where ``.grad`` is first read, once the pushes' buffers are free, before the
-   optimizer's step; the finish; a change of rows; a reader, step 3): the storage comes back, ``m = (h << 16) + d``, the low bits are freed. The master
-   is then what it was, or 1 ulp nearer its row at a tie (about one element in 65536 per split).
+   optimizer's step; the finish; a change of rows; a reader, step 3): the storage comes back,
+   ``m = (h << 16) + d``, the low bits are freed. The master is then what it was, or 1 ulp nearer its row at a tie
+   (about one element in 65536 per split).
 3. **Readers.** odcfsdp's own readers make the masters whole first: any module's ``state_dict()`` (a pre-hook on
    every module), ``read_master`` (``full_state_dict``, checkpoints, exports), ``to_empty``. Anything else that
    reads a parameter's values between the two (a norm of the shards, a copy into it) touches freed storage, which
