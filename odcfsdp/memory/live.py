@@ -110,14 +110,14 @@ def odc_tensors(model: nn.Module, optimizer=None) -> dict[str, list[torch.Tensor
     return {
         "rows": [g.row for g in groups],
         "accumulators": [g.accumulator for g in groups if g.accumulator is not None],
-        "masters": [g.master for g in groups if g.master is not g.row] + split_low_bits(model),
+        "masters": [g.master for g in groups if g.master is not g.row] + _split_low_bits_held(model),
         "optimizer_state": [t for t in optimizer_tensors(optimizer) if t.device == device],
         "unsharded_params": [g.unsharded for g in groups],
         "grad_buffers": [g.grad_buffer for g in groups if g.grad_buffer is not None],
     }
 
 
-def split_low_bits(model) -> list[torch.Tensor]:
+def _split_low_bits_held(model) -> list[torch.Tensor]:
     """The low bits a split master is held as inside a minibatch ([split-masters]): the masters' category."""
     split = getattr(getattr(model, "minibatch", None), "split", None)
     return split.low_bits() if split is not None else []

@@ -200,10 +200,11 @@ class FlatGroup:
         """Make the communicated row peers gather from the master, as the group's row format does ([row-format]):
         a cast, nothing when they coincide, or for float8 rows the cast after the finish's meeting."""
         self.format.publish(self.master, self.row)
-        self._published_version = self._versions()
+        self.note_published()
 
     def note_published(self) -> None:
-        """The master is again what its row was published from (a split master joined, [split-masters])."""
+        """The master is what its row was published from (after a publish, or a split master joined:
+        [split-masters])."""
         self._published_version = self._versions()
 
     def _versions(self) -> tuple[int, ...]:

@@ -74,8 +74,8 @@ def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) ->
 def splittable(group) -> bool:
     """Whether a group's master is a bf16 row plus low bits: a separate fp32 master on the row's device."""
     fmt = group.format
-    return (type(fmt) is ParamDtypeRows and not fmt.offloaded and group.master is not group.row
-            and group.master.dtype == torch.float32 and group.row.dtype == torch.bfloat16)
+    return (type(fmt) is ParamDtypeRows and not fmt.offloaded and group.master.dtype == torch.float32
+            and group.row.dtype == torch.bfloat16)
 
 
 class SplitMasters:
@@ -83,9 +83,8 @@ class SplitMasters:
 
     def __init__(self, groups: Sequence):
         self.groups = [g for g in groups if splittable(g)]
-        self._nbytes = {g: g.master.untyped_storage().nbytes() for g in self.groups}
         self._low: dict = {}
-        self._stale: dict = {}  # per device: set where a split found a row that was not its master's rounding
+        self._stale: torch.Tensor | None = None  # set where a split found a row that was not its master's rounding
         for g in self.groups:
             g.join_masters = self.join  # a reader of a group's master makes them whole first (read_master)
 
@@ -103,10 +102,9 @@ class SplitMasters:
         with torch.no_grad():
             for g in self.groups:
                 if g not in self._low:
-                    device = g.master.device
-                    if device not in self._stale:
-                        self._stale[device] = torch.zeros((), dtype=torch.bool, device=device)
-                    self._low[g] = split_low_bits(g.master, g.row, self._stale[device])
+                    if self._stale is None:  # one device: the model's
+                        self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
+                    self._low[g] = split_low_bits(g.master, g.row, self._stale)
                     g.master.untyped_storage().resize_(0)
 
     def join(self) -> None:
@@ -114,13 +112,12 @@ class SplitMasters:
         master is back) where a split found a row that was not its master's rounding."""
         with torch.no_grad():
             for g in list(self._low):
-                g.master.untyped_storage().resize_(self._nbytes[g])
+                g.master.untyped_storage().resize_(g.master.nbytes)  # its shape and dtype stay: its size
                 join_low_bits(g.row, self._low[g], g.master)
                 del self._low[g]  # only now: a join that fails keeps the low bits
                 g.note_published()  # the master its row was published from (to 1 ulp at a tie)
-        stale = [d for d, flag in self._stale.items() if bool(flag)]  # the host's only read of the flags
-        self._stale = {}
-        if stale:
+        stale, self._stale = self._stale, None
+        if stale is not None and bool(stale):  # the host's only read of the flag
             raise RuntimeError("split_masters=True found parameters changed outside an optimizer step in a way the "
                                "version counters did not see (through .data, or a tensor sharing the storage), "
                                "before the minibatch's first forward: their changes are lost. "
