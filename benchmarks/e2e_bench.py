@@ -102,7 +102,8 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         levers = set(method.partition("-")[2].split("+"))  # an ablation, or variants joined by "+"
-        compute = torch.bfloat16 if cuda else torch.float32
+        # split_masters splits fp32 masters into bf16 rows: bf16 compute on the CPU too (its CPU run in CI)
+        compute = torch.bfloat16 if cuda or "split_masters" in levers else torch.float32
         bf16_reduce = bool(levers & {"bf16_reduce", "lean"})
         group_bytes = UNIT_GROUP_BYTES if "unit_groups" in levers else args.group_bytes
         sharded = ODCShard(model, group_bytes, comm="collective" if method == "odc_collective" else "auto",

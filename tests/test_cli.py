@@ -64,6 +64,8 @@ def test_data_path_alone_trains_on_the_file(tmp_path, texts):
     (["data.format=alpaca"], "data.format is not used by this run: synthetic data is not read from a file"),
     (["data.fields.prompt=question"], "data.fields.prompt is not used by this run: synthetic data is not read"),
     (["optim.name=Muon"], "optim.name=Muon: torch.optim.Muon orthogonalises each whole matrix"),
+    (["shard.split_masters=true", "shard.param_dtype=float32"], "shard.split_masters=true splits fp32 masters on "
+                                                                 "the device into bf16 rows and low bits"),
 ])
 def test_unknown_and_unused_keys_fail_at_start_in_one_line(tmp_path, texts, args, message):
     """Hydra's `+key` append (which the typed config used to drop), typos, and keys this run would not read."""

@@ -25,7 +25,7 @@ def test_split_masters_nvshmem(world, micro_batches):
     whole for the fused step ([split-masters]); against the same mixed-precision reference as the default."""
     run = Run(world, micro_batches=micro_batches)
     results = spawn(functools.partial(sharded_run, split_masters=True), world, run, torch.float32, 4096, True,
-                    "nvshmem", "cuda", backend="nccl")
+                    "nvshmem", "cuda", backend="nccl", timeout=240)
     compare(f"split_masters[{world},{micro_batches}]", run, results, mixed_precision_reference(run, "cuda"), BF16_TOL)
 
 

@@ -262,3 +262,23 @@ def test_a_forgotten_end_minibatch_is_refused_on_every_rank(tmp_path):
     if __name__ == "__main__":
         assert spawn(body, 2, timeout=120) == [True, True]
     """)
+
+
+def test_a_write_through_data_with_split_masters_raises_at_the_next_sync(tmp_path):
+    """``split_masters=True`` ([split-masters]): a write through ``.data`` between steps, which the version counters
+    miss, leaves a row that is not its master's rounding; the next step's sync raises, naming the fix, instead of
+    losing the write silently."""
+    run_case(tmp_path, """
+    model = ODCShard(llama(), 4096, param_dtype=torch.bfloat16, split_masters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 16))
+
+    def step():
+        causal_lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    next(model.parameters()).data.add_(1.0)  # unseen by the version counters
+    expect(RuntimeError, "changing_parameters", step)
+    """)
