@@ -1,6 +1,7 @@
 """The watchdog's liveness half ([watchdog] in odcfsdp/sharding/placement/watchdog.py) under torchrun, through the Python API:
 a rank blocked inside a gloo collective (where no Python exception reaches) still ends, naming the stopped rank.
-The meeting half and the spawned CLI run are tested in test_train.py (test_a_stuck_rank_...)."""
+The meeting half and the spawned CLI run are tested in test_train.py (test_a_stuck_rank_...); the arrival guard's
+barrier contract here, through benchmarks/meeting_bench.py."""
 
 from __future__ import annotations
 
@@ -58,3 +59,21 @@ def test_a_rank_blocked_in_a_collective_names_the_stopped_one_under_torchrun(tmp
     pids = [int(p) for p in re.findall(r"rank \d pid (\d+)", out)]
     assert len(pids) == 2 and not [p for p in pids if Path(f"/proc/{p}").exists()], out[-3000:]
     assert elapsed < 3 + 15, f"{elapsed:.0f} s from the stop to the end"
+
+
+def test_the_arrival_guard_holds_every_rank_until_the_last_comes(tmp_path: Path):
+    """benchmarks.meeting_bench on 3 CPU ranks, rank 2 late by 0 and 20 ms: in no meeting does a rank leave
+    ``Watchdog.arrive`` before the last one entered it (the barrier's contract, from the ranks' clocks on one host),
+    and every meeting's release lag is recorded, finite and >= 0."""
+    import json
+    import math
+
+    from benchmarks import meeting_bench
+
+    meeting_bench.main(["--cpu-ranks", "3", "--late-ms", "0", "20", "--meetings", "5", "--warmup", "1",
+                        "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "meeting_bench.json").read_text())["rows"]
+    assert [r["late_ms"] for r in rows] == [0, 20] and all(r["meetings"] == 5 for r in rows)
+    assert all(r["early_leaves"] == 0 for r in rows), rows
+    lags = [r[k] for r in rows for k in ("release_lag_ms_median", "release_lag_ms_p90", "release_lag_ms_max")]
+    assert all(math.isfinite(x) and x >= 0 for x in lags), rows
