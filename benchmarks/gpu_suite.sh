@@ -6,7 +6,7 @@
 #   e.g. bash benchmarks/gpu_suite.sh $OUT abc1234 0,1:tests,e2e_balanced 2,3:checkpoint,train1b
 #
 # Sections: tests (GPU tests; 2- and 4-GPU ones where the lane has them, the copy-engine gather's 2-GPU ones
-# left to tests_copy_engine), tests_four (the tests that need 4 GPUs alone: on a 4-GPU lane `tests` runs some
+# left to tests_copy_engine), tests_rest (the GPU tests after them: parking, split_masters, ...), tests_four (the tests that need 4 GPUs alone: on a 4-GPU lane `tests` runs some
 # 94 tests, more than its limit holds, whose 2-GPU ones a 2-GPU lane runs), tests_copy_engine (issue 31's copy-engine hang taken apart: the gather with and
 # without its side streams, each case bounded), fully_shard (issues 34, 42: tests/test_gpu_fully_shard.py, a
 # torchtitan-style script through torch's fully_shard and ours, uneven counts against one process, a CPU-built model
@@ -52,7 +52,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export ODC_COMMIT=$COMMIT
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A LIMIT=([tests]=540 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [park]=360 [park_backward]=570 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
+declare -A LIMIT=([tests]=540 [tests_rest]=360 [tests_four]=240 [tests_copy_engine]=480 [fully_shard]=300 [trl]=480 [comm]=240 [optim]=240 [park]=360 [park_backward]=570 [checkpoint]=180 [train1b]=300 [e2e_balanced]=300
                   [e2e_balanced_8b]=420 [e2e_longtail]=420 [e2e_longtail_8b]=570 [memory_8b_balanced]=540 [memory_8b_longtail]=570
                   [best_fit_1b]=560 [best_fit_8b_balanced_odc]=570 [best_fit_8b_balanced_fsdp2]=400
                   [best_fit_8b_longtail_odc]=570 [best_fit_8b_longtail_fsdp2]=400 [hf_8b_balanced]=540
@@ -75,13 +75,17 @@ section_cmd() {  # section, gpus in lane, port, dir
       # copy-engine gather's 2-GPU tests to tests_copy_engine, to fit the limit with room for one bounded hang
       local select=""; [ "$n" -gt 1 ] && select="-k 'not inductor and not copy_engine'"
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
-           "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py" \
-           "tests/test_gpu.py tests/test_gpu_parking.py tests/test_gpu_split_masters.py tests/test_torch_private.py" \
-           "tests/test_explicit_minibatch.py" \
+           "tests/test_kernels.py tests/test_standard_loop.py tests/test_loss.py tests/test_gpu.py" \
            "-q -p no:cacheprovider" \
            "$(per_test_bound 300)" \
            "--junitxml=$dir/gpu_tests.xml $select" \
            "$extra" ;;
+    tests_rest)  # the GPU tests that no longer fit `tests`' limit (at f0ddbfb its 2-GPU lane ran 509 s of tests
+      # before these files began): the parked state's, split_masters', the private-API adapter's, the explicit minibatch's
+      echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
+           "tests/test_gpu_parking.py tests/test_gpu_split_masters.py tests/test_torch_private.py" \
+           "tests/test_explicit_minibatch.py -q -p no:cacheprovider $(per_test_bound 240)" \
+           "--junitxml=$dir/gpu_tests.xml $extra" ;;
     tests_four)  # the 4-GPU parity tests (nvshmem with uneven counts, collective), about 20 s each
       echo "ODC_RESULTS=$dir/gpu_measured.jsonl ODC_TEST_OUTCOMES=$dir/outcomes.jsonl python3 -m pytest" \
            "tests/test_gpu.py -k four_gpus -q -p no:cacheprovider $(per_test_bound 120)" \
