@@ -44,7 +44,8 @@ def kernel_summary(prof, top: int = 12) -> dict:
     launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                      "cuLaunchKernelEx", "cudaLaunchKernelExC"))
     return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "busy_ms": busy_ms(prof), "kernel_launches": launches, "host_ms_by_phase": host_by_phase(prof),
+            "busy_ms": busy_ms(prof), "idle_ms_by_phase": idle_ms_by_phase(prof), "kernel_launches": launches,
+            "host_ms_by_phase": host_by_phase(prof),
             "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]],
             "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
                              for e in host[:2 * top]]}
@@ -71,17 +72,64 @@ def host_by_phase(prof) -> dict:
             for k, (ms, n) in sorted(folded.items(), key=lambda kv: -kv[1][0])}
 
 
+def _device_spans(prof) -> list[tuple[float, float]]:
+    """The (start, end) of every kernel, memcpy and memset on this rank's device (us), sorted."""
+    return sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                  if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
+                  and not e.name.startswith("nccl:"))
+
+
 def busy_ms(prof) -> float:
     """Milliseconds in which at least one kernel ran on this rank's device (the union over streams)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
-                   and not e.name.startswith("nccl:"))
     total, end = 0.0, float("-inf")
-    for a, b in spans:
+    for a, b in _device_spans(prof):
         if b > end:
             total += b - max(a, end)
             end = b
     return total / 1e3
+
+
+def idle_gaps(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals between the first span's start and the last one's end in which no span ran (sorted spans)."""
+    gaps, end = [], float("inf")
+    for a, b in spans:
+        if a > end:
+            gaps.append((end, a))
+        end = b if end == float("inf") else max(end, b)
+    return gaps
+
+
+def idle_by_phase(gaps: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
+    """How much of the device's idle time (``gaps``, us) fell inside each host phase's ranges (``phases``: name,
+    start, end, us on the profiler's one clock), in ms, and ``outside the phases`` for the rest. A phase inside
+    another shares its idle with it: compare phases, never their sum."""
+    out: dict[str, float] = {}
+    for g0, g1 in gaps:
+        covered = []
+        for name, a, b in phases:
+            lo, hi = max(g0, a), min(g1, b)
+            if hi > lo:
+                out[name] = out.get(name, 0.0) + (hi - lo) / 1e3
+                covered.append((lo, hi))
+        union, end = 0.0, float("-inf")
+        for lo, hi in sorted(covered):
+            if hi > end:
+                union += hi - max(lo, end)
+                end = hi
+        if g1 - g0 - union > 0:
+            out["outside the phases"] = out.get("outside the phases", 0.0) + (g1 - g0 - union) / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+#: host ranges the idle is attributed to: the sharding phases and the optimizer's own ranges (``Optimizer.step#...``)
+IDLE_PHASE_PREFIXES = PHASE_PREFIXES + ("Optimizer.",)
+
+
+def idle_ms_by_phase(prof) -> dict[str, float]:
+    """``idle_by_phase`` of one profiled step: where in the host's phases this rank's device waited."""
+    phases = [(re.split(r" \(| \[| for |#", e.name)[0], e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.name.startswith(IDLE_PHASE_PREFIXES) and not str(e.device_type).endswith("CUDA")]
+    return idle_by_phase(idle_gaps(_device_spans(prof)), phases)
 
 
 def profile_report(results: list[dict]) -> list[str]:
@@ -102,7 +150,20 @@ def profile_report(results: list[dict]) -> list[str]:
             lines.append(f"| {r['workload']} | {r['method']} | {r['balance']} | {r['profile']['step_s']:.2f} | "
                          f"{'-' if busy is None else f'{busy / 1e3:.2f}'} | "
                          + " | ".join(f"{by.get(k, 0):.0f}" for k in kinds) + " |")
-    return lines + host_phase_report(results) + host_wait_report(results)
+    return lines + idle_report(results) + host_phase_report(results) + host_wait_report(results)
+
+
+def idle_report(results: list[dict]) -> list[str]:
+    """The profiled step's device idle time by the host phase it fell in (``idle_ms_by_phase``)."""
+    profiled = [r for r in results if (r.get("profile") or {}).get("idle_ms_by_phase")]
+    if not profiled:
+        return []
+    lines = ["", "## When the device idles (rank 0, one profiled step, ms with no kernel running, by host phase)", "",
+             "Between the step's first kernel and its last; a phase inside another shares its idle with it. The "
+             "profiler slows the host, so idle the host causes is larger here than in the measured steps.", "",
+             "| workload | method | host phase | idle ms |", "|---|---|---|---|"]
+    return lines + [f"| {r['workload']} | {r['method']} | {phase} | {ms:.1f} |"
+                    for r in profiled for phase, ms in r["profile"]["idle_ms_by_phase"].items()]
 
 
 def host_phase_report(results: list[dict]) -> list[str]:

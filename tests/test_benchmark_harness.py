@@ -174,3 +174,23 @@ def test_host_wait_report_lists_the_runtime_calls_that_wait_or_copy():
                           "| longtail | odc-park | cudaMemcpyAsync | 128.9 | 674 |"]
     assert host_wait_report([{"workload": "w", "method": "odc"}]) == []
 
+
+
+def test_idle_by_phase_splits_the_device_gaps_among_the_host_phases_they_fell_in():
+    """Kernels at [0, 10], [5, 20], [30, 40], [45, 50] us leave two gaps, [20, 30] and [40, 45]. The sync's range
+    [15, 27] holds 7 us of the first, the step's [29, 60] 1 us of it and all of the second; 2 us of the first is in
+    no phase (the gather's [0, 19] touches no gap). In ms, as the report prints."""
+    import pytest
+
+    from benchmarks.e2e_profile import idle_by_phase, idle_gaps, idle_report
+
+    gaps = idle_gaps([(0, 10), (5, 20), (30, 40), (45, 50)])
+    assert gaps == [(20, 30), (40, 45)]
+    idle = idle_by_phase(gaps, [("odc::sync", 15, 27), ("Optimizer.step", 29, 60), ("odc::gather", 0, 19)])
+    assert idle == pytest.approx({"odc::sync": 7e-3, "Optimizer.step": 6e-3, "outside the phases": 2e-3})
+    # nested phases each get their overlap, and only the gap's part in neither is outside
+    assert idle_by_phase([(20, 30)], [("odc::sync", 20, 27), ("odc::finish", 25, 29)]) == pytest.approx(
+        {"odc::sync": 7e-3, "odc::finish": 4e-3, "outside the phases": 1e-3})
+    assert idle_gaps([(0, 10), (2, 4)]) == [] and idle_by_phase([], [("odc::sync", 0, 1)]) == {}
+    lines = idle_report([{"workload": "balanced", "method": "odc", "profile": {"idle_ms_by_phase": {"odc::sync": 7.0}}}])
+    assert lines[-1] == "| balanced | odc | odc::sync | 7.0 |"
