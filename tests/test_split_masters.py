@@ -19,14 +19,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["chunked", "compiled"])
+def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch, compiled):
     """Every finite fp32 value (random over the whole exponent range, the signed zeros, infinities, subnormals,
     the extremes, and exact ties of both parities and signs), over several chunked passes, comes back to the bit
     from its bf16 rounding and the int16 low bits, except an exact tie that rounded down: 1 ulp towards its row,
-    which it still rounds to; NaN stays NaN."""
+    which it still rounds to; NaN stays NaN. ``compiled``: the same passes through ``torch.compile`` in one piece,
+    as CUDA runs them (here inductor's CPU code: the integer arithmetic, wrap-around included, not the kernel)."""
     from odcfsdp.sharding.groups import split_master
 
     monkeypatch.setattr(split_master, "CHUNK", 1 << 16)  # several passes, the last one partial
+    monkeypatch.setattr(split_master, "compiled_on", lambda t: compiled)
     g = torch.Generator().manual_seed(0)
     n = 5 * split_master.CHUNK + 1000
     x = torch.randn(n, generator=g) * torch.logspace(-44, 38, n)

@@ -35,8 +35,9 @@ offloaded, rows that are not bf16 under fp32 masters) are left as they are.
 
 Measured (f0ddbfb, 8B on 4 H200s, results/e2e/n4_8b_*_levers_f0ddbfb): balanced, 30.7 GiB against FSDP2's 31.1 (the
 default 33.9), but the split and the join, a few torch operators per chunk of ``CHUNK`` elements, cost about 45 ms a
-1.1 s step (0.93x FSDP2, the default 0.97x); long-tailed (11-16 s steps) 0.2-0.7%. One fused kernel per group each
-way (8 bytes an element read and written, no int32 temporaries) is what would take most of that back.
+1.1 s step (0.93x FSDP2, the default 0.97x); long-tailed (11-16 s steps) 0.2-0.7%. So on CUDA each way is one
+kernel per group since, compiled by ``torch.compile`` from the same pass the CPU runs in chunks (``compiled_on``):
+8 bytes an element read and written, about 4 ms a step each way at 4 GPUs by the bytes; not measured yet.
 """
 
 from __future__ import annotations
@@ -47,7 +48,32 @@ import torch
 
 from .row_format import ParamDtypeRows
 
-CHUNK = 1 << 24  # elements per pass: a few int32 temporaries of 64 MiB, a few launches per group
+CHUNK = 1 << 24  # elements per eager pass: a few int32 temporaries of 64 MiB, a few launches per group
+_compiled: dict = {}
+
+
+def compiled_on(t: torch.Tensor) -> bool:
+    """Whether the split and join of ``t``'s device run compiled (``torch.compile``: one fused kernel each way,
+    reading and writing 8 bytes an element, no temporaries; CUDA) rather than as torch operators in chunks."""
+    return t.is_cuda
+
+
+def _fused(fn):
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)  # one graph for every group's size
+    return _compiled[fn]
+
+
+def _split_pass(m_bits: torch.Tensor, h_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 on flat bits: the int16 low bits, and whether any difference was out of range (the row was stale)."""
+    h32 = h_bits.to(torch.int32)  # sign-extended: its << 16 wraps to the unsigned row's bits, as int32 sums do
+    d = torch.where((h32 & 0x7FFF) > 0x7F80, 0, m_bits - (h32 << 16))  # a NaN row: its own NaN comes back
+    return d.clamp(-32768, 32767).to(torch.int16), ((d > 32768) | (d < -32768)).any()
+
+
+def _join_pass(h_bits: torch.Tensor, d_bits: torch.Tensor, out: torch.Tensor) -> None:
+    """Step 2 on flat bits: ``out`` (int32) = the row's bits << 16 + the low bits."""
+    out.copy_((h_bits.to(torch.int32) << 16) + d_bits.to(torch.int32))
 
 
 def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
@@ -57,23 +83,27 @@ def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor)
     row is not the master's rounding (a write the version counters did not see): ``stale`` (a bool on the
     master's device) is set, read at the join, never here (no wait for the device). A NaN master comes back as its
     row's NaN."""
+    m_bits, h_bits = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1)
+    if compiled_on(master):
+        low, bad = _fused(_split_pass)(m_bits, h_bits)
+        stale.logical_or_(bad)
+        return low.view(master.shape)
     low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
-    m_bits, h_bits, out = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1), low.view(-1)
+    out = low.view(-1)
     for start in range(0, m_bits.numel(), CHUNK):
-        d = torch.sub(m_bits[start:start + CHUNK], h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16))
-        d.masked_fill_(h_bits[start:start + CHUNK].view(torch.bfloat16).isnan(), 0)  # NaN: its row's NaN
-        low_d, high_d = torch.aminmax(d)
-        stale.logical_or_((high_d > 32768).logical_or_(low_d < -32768))
-        out[start:start + CHUNK] = d.clamp_(-32768, 32767)
+        out[start:start + CHUNK], bad = _split_pass(m_bits[start:start + CHUNK], h_bits[start:start + CHUNK])
+        stale.logical_or_(bad)
     return low
 
 
 def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
     """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape)."""
     h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
+    if compiled_on(master):
+        _fused(_join_pass)(h_bits, d_bits, out)
+        return
     for start in range(0, h_bits.numel(), CHUNK):
-        torch.add(h_bits[start:start + CHUNK].to(torch.int32).bitwise_left_shift_(16), d_bits[start:start + CHUNK],
-                  out=out[start:start + CHUNK])
+        _join_pass(h_bits[start:start + CHUNK], d_bits[start:start + CHUNK], out[start:start + CHUNK])
 
 
 def splittable(group) -> bool:
