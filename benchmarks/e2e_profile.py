@@ -153,43 +153,39 @@ def profile_report(results: list[dict]) -> list[str]:
     return lines + idle_report(results) + host_phase_report(results) + host_wait_report(results)
 
 
+def _section(title: str, note: str, columns: list[str], rows: list[str]) -> list[str]:
+    """A markdown section of the profile report: ``## title``, ``note`` (if any), and a table (none without rows)."""
+    if not rows:
+        return []
+    return ["", f"## {title}", ""] + ([note, ""] if note else []) + \
+        ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + rows
+
+
 def idle_report(results: list[dict]) -> list[str]:
     """The profiled step's device idle time by the host phase it fell in (``idle_ms_by_phase``)."""
-    profiled = [r for r in results if (r.get("profile") or {}).get("idle_ms_by_phase")]
-    if not profiled:
-        return []
-    lines = ["", "## When the device idles (rank 0, one profiled step, ms with no kernel running, by host phase)", "",
-             "Between the step's first kernel and its last; a phase inside another shares its idle with it. The "
-             "profiler slows the host, so idle the host causes is larger here than in the measured steps.", "",
-             "| workload | method | host phase | idle ms |", "|---|---|---|---|"]
-    return lines + [f"| {r['workload']} | {r['method']} | {phase} | {ms:.1f} |"
-                    for r in profiled for phase, ms in r["profile"]["idle_ms_by_phase"].items()]
+    rows = [f"| {r['workload']} | {r['method']} | {phase} | {ms:.1f} |" for r in results
+            for phase, ms in ((r.get("profile") or {}).get("idle_ms_by_phase") or {}).items()]
+    return _section("When the device idles (rank 0, one profiled step, ms with no kernel running, by host phase)",
+                    "Between the step's first kernel and its last; a phase inside another shares its idle with it. "
+                    "The profiler slows the host, so idle the host causes is larger here than in the measured steps.",
+                    ["workload", "method", "host phase", "idle ms"], rows)
 
 
 def host_phase_report(results: list[dict]) -> list[str]:
     """The profiled step's host time per sharding phase (``host_by_phase``), one row per method and phase."""
-    profiled = [r for r in results if (r.get("profile") or {}).get("host_ms_by_phase")]
-    if not profiled:
-        return []
-    lines = ["", "## Where the host time goes (rank 0, one profiled step, per sharding phase)", "",
-             "CPU time inside each phase's profiler range, with what it called; a phase inside another is in both. "
-             "The profiler slows the host, so compare methods, not these with the measured steps.", "",
-             "| workload | method | phase | host ms | openings | ms per opening |", "|---|---|---|---|---|---|"]
-    for r in profiled:
-        for phase, p in r["profile"]["host_ms_by_phase"].items():
-            lines.append(f"| {r['workload']} | {r['method']} | {phase} | {p['ms']:.1f} | {p['calls']} | "
-                         f"{p['ms_per_call']:.3f} |")
-    return lines
+    rows = [f"| {r['workload']} | {r['method']} | {phase} | {p['ms']:.1f} | {p['calls']} | {p['ms_per_call']:.3f} |"
+            for r in results for phase, p in ((r.get("profile") or {}).get("host_ms_by_phase") or {}).items()]
+    return _section("Where the host time goes (rank 0, one profiled step, per sharding phase)",
+                    "CPU time inside each phase's profiler range, with what it called; a phase inside another is in "
+                    "both. The profiler slows the host, so compare methods, not these with the measured steps.",
+                    ["workload", "method", "phase", "host ms", "openings", "ms per opening"], rows)
 
 
 def host_wait_report(results: list[dict]) -> list[str]:
     """The CUDA runtime calls in which the profiled step's host waited or copied (synchronisations, memcpys), by
     their own host time: where a step's time goes that no phase range holds."""
-    rows = [(r, op) for r in results for op in (r.get("profile") or {}).get("top_host_ops", [])
+    rows = [f"| {r['workload']} | {r['method']} | {op['name']} | {op['self_ms']:.1f} | {op['calls']} |"
+            for r in results for op in (r.get("profile") or {}).get("top_host_ops", [])
             if "ynchronize" in op["name"] or "Memcpy" in op["name"]]
-    if not rows:
-        return []
-    lines = ["", "## Where the host waits (rank 0, one profiled step, CUDA runtime calls)", "",
-             "| workload | method | call | host ms | calls |", "|---|---|---|---|---|"]
-    return lines + [f"| {r['workload']} | {r['method']} | {op['name']} | {op['self_ms']:.1f} | {op['calls']} |"
-                    for r, op in rows]
+    return _section("Where the host waits (rank 0, one profiled step, CUDA runtime calls)", "",
+                    ["workload", "method", "call", "host ms", "calls"], rows)
