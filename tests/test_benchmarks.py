@@ -36,7 +36,7 @@ RUN_ELSEWHERE = {"hf_attention_bench.py": "tests/test_hf.py", "e2e_bench.py": "t
                  "timing.py": "benchmarks/optim_bench.py",  # the timers of optim_bench, comm_bench, attention_bench
                  "provenance.py": "tests/test_provenance.py", "step_sim_model.py": "tests/test_step_sim.py",
                  "harness.py": "tests/test_benchmark_harness.py", "results_index.py": "tests/test_benchmark_harness.py",
-                 "gpu_suite.sh": "tests/test_benchmark_suite.py",
+                 "gpu_suite.sh": "tests/test_benchmark_suite.py", "meeting_bench.py": "tests/test_watchdog.py",
                  "e2e_profile.py": "benchmarks/e2e_bench.py",  # e2e_bench --profile (test_e2e_bench runs it)
                  "step_sim_predict.py": "tests/test_step_sim.py"}  # step_sim --predict
 
