@@ -72,17 +72,19 @@ def host_by_phase(prof) -> dict:
             for k, (ms, n) in sorted(folded.items(), key=lambda kv: -kv[1][0])}
 
 
-def _device_spans(prof) -> list[tuple[float, float]]:
-    """The (start, end) of every kernel, memcpy and memset on this rank's device (us), sorted."""
-    return sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+def device_spans(events) -> list[tuple[float, float]]:
+    """The (start, end) of every kernel, memcpy and memset among a profile's ``events`` on this rank's device (us),
+    sorted: not the ranges' annotations on the device's track (``odc::sync``, ``nccl:...``), which span the idle
+    between their kernels too."""
+    return sorted((e.time_range.start, e.time_range.end) for e in events
                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start
-                  and not e.name.startswith("nccl:"))
+                  and not e.name.startswith("nccl:") and not getattr(e, "is_user_annotation", False))
 
 
 def busy_ms(prof) -> float:
     """Milliseconds in which at least one kernel ran on this rank's device (the union over streams)."""
     total, end = 0.0, float("-inf")
-    for a, b in _device_spans(prof):
+    for a, b in device_spans(prof.events()):
         if b > end:
             total += b - max(a, end)
             end = b
@@ -129,7 +131,7 @@ def idle_ms_by_phase(prof) -> dict[str, float]:
     """``idle_by_phase`` of one profiled step: where in the host's phases this rank's device waited."""
     phases = [(re.split(r" \(| \[| for |#", e.name)[0], e.time_range.start, e.time_range.end) for e in prof.events()
               if e.name.startswith(IDLE_PHASE_PREFIXES) and not str(e.device_type).endswith("CUDA")]
-    return idle_by_phase(idle_gaps(_device_spans(prof)), phases)
+    return idle_by_phase(idle_gaps(device_spans(prof.events())), phases)
 
 
 def profile_report(results: list[dict]) -> list[str]:

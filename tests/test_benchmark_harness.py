@@ -192,5 +192,18 @@ def test_idle_by_phase_splits_the_device_gaps_among_the_host_phases_they_fell_in
     assert idle_by_phase([(20, 30)], [("odc::sync", 20, 27), ("odc::finish", 25, 29)]) == pytest.approx(
         {"odc::sync": 7e-3, "odc::finish": 4e-3, "outside the phases": 1e-3})
     assert idle_gaps([(0, 10), (2, 4)]) == [] and idle_by_phase([], [("odc::sync", 0, 1)]) == {}
+    assert idle_gaps([(0, 10), (2, 4), (6, 12)]) == []  # a span inside another does not end the first one early
+    # the device's spans are its kernels, not the ranges' annotations on its track (which span the gaps too)
+    from types import SimpleNamespace as Event
+
+    from benchmarks.e2e_profile import device_spans
+
+    def event(name, start, end, device="DeviceType.CUDA", annotation=False):
+        return Event(name=name, device_type=device, is_user_annotation=annotation,
+                     time_range=Event(start=start, end=end))
+
+    events = [event("gemm", 30, 40), event("odc::sync", 0, 50, annotation=True), event("nccl:all_gather", 0, 50),
+              event("gemm", 0, 10), event("odc::sync", 0, 50, device="DeviceType.CPU")]
+    assert device_spans(events) == [(0, 10), (30, 40)]
     lines = idle_report([{"workload": "balanced", "method": "odc", "profile": {"idle_ms_by_phase": {"odc::sync": 7.0}}}])
     assert lines[-1] == "| balanced | odc | odc::sync | 7.0 |"

@@ -30,6 +30,7 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
 
     monkeypatch.setattr(split_master, "CHUNK", 1 << 16)  # several passes, the last one partial
     monkeypatch.setattr(split_master, "compiled_on", lambda t: compiled)
+    monkeypatch.setattr(split_master, "compile_failures", [])  # a failed compile would fall back to the chunks
     g = torch.Generator().manual_seed(0)
     n = 5 * split_master.CHUNK + 1000
     x = torch.randn(n, generator=g) * torch.logspace(-44, 38, n)
@@ -53,6 +54,35 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     assert torch.equal(moved[~tie_down], torch.zeros_like(moved[~tie_down]))
     assert torch.equal(moved[tie_down], torch.full_like(moved[tie_down], -1)) and tie_down.sum() > 1000
     assert torch.equal(back.to(torch.bfloat16).view(torch.int16), row.view(torch.int16))  # what peers gather
+    assert split_master.compile_failures == []  # compiled, where asked: not the chunks after a failure
+
+
+def test_a_pass_torch_compile_cannot_build_falls_back_to_the_chunked_operators(monkeypatch):
+    """Where the compiled passes cannot be built (no working inductor or Triton), one warning names it and the
+    chunked operators compute the same bits; compiling is not tried again in the process."""
+    from odcfsdp.sharding.groups import split_master
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no Triton here")
+        return call
+
+    monkeypatch.setattr(split_master, "_compiled", {})
+    monkeypatch.setattr(split_master, "compile_failures", [])
+    monkeypatch.setattr(split_master.torch, "compile", broken)
+    monkeypatch.setattr(split_master, "compiled_on", lambda t: not split_master.compile_failures)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(1))
+    row, back, stale = x.to(torch.bfloat16), torch.empty_like(x), torch.zeros((), dtype=torch.bool)
+    with pytest.warns(UserWarning, match="could not build the split and join passes .RuntimeError: no Triton here"):
+        low = split_low_bits(x, row, stale)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second try, so no second warning
+        join_low_bits(row, low, back)
+    assert len(split_master.compile_failures) == 1 and not stale
+    ties = (_bits(x) & 0xFFFF) == 0x8000
+    assert torch.equal(_bits(back)[~ties], _bits(x)[~ties])
 
 
 def _run(micro_batches: list[int], comm: str, split: bool) -> dict:

@@ -77,3 +77,59 @@ def test_the_arrival_guard_holds_every_rank_until_the_last_comes(tmp_path: Path)
     assert all(r["early_leaves"] == 0 for r in rows), rows
     lags = [r[k] for r in rows for k in ("release_lag_ms_median", "release_lag_ms_p90", "release_lag_ms_max")]
     assert all(math.isfinite(x) and x >= 0 for x in lags), rows
+
+
+INTERRUPTED = r"""
+import os, time
+import torch.distributed as dist
+from odcfsdp.launch import init_torchrun
+from odcfsdp.sharding.placement.collectives import RankGroup
+from odcfsdp.sharding.placement.watchdog import Watchdog
+
+init_torchrun(use_cuda=False)
+watchdog = Watchdog(RankGroup(), timeout_s=float("inf"))  # no bound: only a signal ends the wait
+os.write(1, f"rank {dist.get_rank()} pid {os.getpid()}\n".encode())
+if dist.get_rank() == 1:
+    time.sleep(60)  # never comes
+try:
+    watchdog.arrive("the test's meeting")
+except KeyboardInterrupt:
+    os.write(1, b"rank 0 interrupted\n")
+    os._exit(3)
+"""
+
+
+def test_ctrl_c_reaches_a_rank_waiting_at_a_meeting_at_once(tmp_path: Path):
+    """Rank 0 waits at a meeting rank 1 never reaches, with no time bound; a SIGINT to rank 0 alone raises
+    KeyboardInterrupt there within 5 s (the store's wait runs on a thread of its own, [watchdog] 1: waiting inside
+    it, the main thread would run no signal handler until the store answered)."""
+    import os
+    import re
+    import signal
+
+    import threading
+
+    (tmp_path / "case.py").write_text(INTERRUPTED)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "case.py"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # the output, as it comes
+
+    def seen(text: str, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if any(text in line for line in list(lines)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    try:
+        assert seen("rank 0 pid", 60) and seen("rank 1 pid", 10), "".join(lines)[-3000:]
+        pid = int(re.search(r"rank 0 pid (\d+)", "".join(lines)).group(1))
+        time.sleep(1.0)  # rank 0 is in arrive by now
+        os.kill(pid, signal.SIGINT)
+        assert seen("rank 0 interrupted", 5), "".join(lines)[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

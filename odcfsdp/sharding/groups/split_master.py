@@ -42,6 +42,7 @@ kernel per group since, compiled by ``torch.compile`` from the same pass the CPU
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -50,18 +51,28 @@ from .row_format import ParamDtypeRows
 
 CHUNK = 1 << 24  # elements per eager pass: a few int32 temporaries of 64 MiB, a few launches per group
 _compiled: dict = {}
+#: why this process stopped compiling the passes (empty: it compiles them); the chunked operators run instead
+compile_failures: list[BaseException] = []
 
 
 def compiled_on(t: torch.Tensor) -> bool:
     """Whether the split and join of ``t``'s device run compiled (``torch.compile``: one fused kernel each way,
     reading and writing 8 bytes an element, no temporaries; CUDA) rather than as torch operators in chunks."""
-    return t.is_cuda
+    return t.is_cuda and not compile_failures
 
 
-def _fused(fn):
+def _fused(fn, *args) -> tuple[bool, object]:
+    """``(True, fn(*args))`` compiled; ``(False, None)``, with one warning, if this process cannot compile it (no
+    working inductor or Triton here): the caller then runs the chunked operators, which compute the same."""
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=True)  # one graph for every group's size
-    return _compiled[fn]
+    try:
+        return True, _compiled[fn](*args)
+    except Exception as e:  # noqa: BLE001 - a real device error fails the chunked pass as well, and is raised there
+        compile_failures.append(e)
+        warnings.warn(f"split_masters: torch.compile could not build the split and join passes ({type(e).__name__}: "
+                      f"{str(e)[:200]}); running them as torch operators in chunks, slower", stacklevel=3)
+        return False, None
 
 
 def _split_pass(m_bits: torch.Tensor, h_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +95,8 @@ def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor)
     master's device) is set, read at the join, never here (no wait for the device). A NaN master comes back as its
     row's NaN."""
     m_bits, h_bits = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1)
-    if compiled_on(master):
-        low, bad = _fused(_split_pass)(m_bits, h_bits)
+    if compiled_on(master) and (fused := _fused(_split_pass, m_bits, h_bits))[0]:
+        low, bad = fused[1]
         stale.logical_or_(bad)
         return low.view(master.shape)
     low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
@@ -99,8 +110,7 @@ def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor)
 def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
     """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape)."""
     h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
-    if compiled_on(master):
-        _fused(_join_pass)(h_bits, d_bits, out)
+    if compiled_on(master) and _fused(_join_pass, h_bits, d_bits, out)[0]:
         return
     for start in range(0, h_bits.numel(), CHUNK):
         _join_pass(h_bits[start:start + CHUNK], d_bits[start:start + CHUNK], out[start:start + CHUNK])

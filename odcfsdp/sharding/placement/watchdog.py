@@ -14,10 +14,13 @@ it, a stopped rank 0 makes the store unreachable, which ends the others after
    whose count completes the meeting sets its ``all`` key, which the others wait for in the
    store (``Store.wait``: the store answers them the moment it is set, so nobody sleeps past the last
    arrival, which a poll with back-off did, by up to its 10 ms pause, every minibatch: ranks with uneven work
-   arrive at the sync milliseconds apart). The survivors of a rank that is
+   arrive at the sync milliseconds apart). That wait runs on a thread and a store connection of its own, the
+   rank's main thread on an event: signal handlers (Ctrl-C) run at once, and the process's store connection,
+   which NCCL's watchdog also uses, is never held for a long-tailed rank's seconds. The survivors of a rank that is
    alive but never comes (stuck in a kernel, a loop) all time out at the same meeting and
    raise the same error, naming the missing ranks and ``what`` they were expected at.
-   Costs three or four store round trips per meeting (about 20 us each on one host).
+   Costs two or three store round trips per meeting, and two or three deletions of an older meeting's keys
+   (about 20 us each on one host), and a thread's start where the rank waits.
 2. Liveness (``_Heartbeat``): a thread per rank beats once a second and watches the
    peers' beats; a peer silent for ``timeout_s`` is stopped, and the rank may then be
    blocked where no exception reaches (inside a collective, a one-sided wait), so the
@@ -227,6 +230,7 @@ class Watchdog:
         if everyone.world_size > 1:
             # One key prefix per mesh, agreed on by all its ranks (ids differ between processes).
             self._store = default_store()
+            self._waiter = self._store.clone()  # the arrival wait's own connection (_wait_for_all)
             n = self._store.add("odcfsdp/meshes", 1 if everyone.rank == 0 else 0)
             self._prefix = everyone.broadcast_object(f"odcfsdp/arrive/{n}" if everyone.rank == 0 else None)
             if 0 < timeout_s < float("inf"):
@@ -242,19 +246,32 @@ class Watchdog:
             self._heartbeat = None
 
     def _wait_for_all(self, key: str, what: str) -> None:
-        """Wait in the store for meeting ``key``'s ``all`` key (set by the last rank to come), at most ``timeout_s``;
-        then raise naming the ranks that did not come, or the store, if it failed rather than timed out."""
-        ask = self._asker(what)
-        wait_s = min(self.timeout_s, _FOREVER_S)
+        """Wait for meeting ``key``'s ``all`` key (set by the last rank to come), at most ``timeout_s``; then raise
+        naming the ranks that did not come, or the store, if it failed or went silent rather than the ranks.
+
+        The store's wait blocks inside C++, where no signal handler runs, and holds its connection: so it runs on a
+        thread of its own, on a connection of its own (NCCL's watchdog and the rest of the process keep the
+        default one), and this thread waits on an event, which Ctrl-C interrupts at once."""
+        outcome: list[BaseException] = []
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                self._waiter.wait([f"{key}/all"], timedelta(seconds=min(self.timeout_s, _FOREVER_S)))
+            except Exception as e:  # noqa: BLE001 - c10d's DistStoreError: reported by the main thread
+                outcome.append(e)
+            finally:
+                done.set()
+
         asked = time.monotonic()
-        try:
-            self._store.wait([f"{key}/all"], timedelta(seconds=wait_s))
+        threading.Thread(target=wait, name="odcfsdp-arrival", daemon=True).start()
+        if done.wait(None if self.timeout_s == float("inf") else self.timeout_s) and not outcome:
             return
-        except RuntimeError as e:  # c10d's DistStoreError: its wait timed out, or the store failed
-            if time.monotonic() - asked < 0.9 * wait_s:  # not a time-out: a closed socket, a store gone
-                raise RuntimeError(f"{store_silent(time.monotonic() - asked, f'at {what}')}; rank {self._rank} "
-                                   f"stops here ({type(e).__name__})") from None
-        missing = [r for r in range(self._world_size) if not ask(self._store.check, [f"{key}/{r}"])]
+        if outcome and time.monotonic() - asked < 0.9 * self.timeout_s:  # not a time-out: a closed socket, a store gone
+            raise RuntimeError(f"{store_silent(time.monotonic() - asked, f'at {what}')}; rank {self._rank} "
+                               f"stops here ({type(outcome[0]).__name__})")
+        # timed out: the ranks that did not come, by their keys; a store gone silent raises here instead (ask)
+        missing = [r for r in range(self._world_size) if not self._asker(what)(self._store.check, [f"{key}/{r}"])]
         if missing:  # else all came, while the store was slow to count them: the meeting is whole
             raise RuntimeError(f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} s "
                                f"(run.timeout_s / ODCShard(timeout=)); rank {self._rank} stops here")
