@@ -1,5 +1,5 @@
-"""The e2e benchmark's profiled step (``--profile``): the profiler, the step's kernel time by kind, the host's time
-per sharding phase and its waits, and their markdown sections."""
+"""The e2e benchmark's profiled step (``--profile``): the profiler, the step's kernel time by kind, the device's idle
+time by the host phase it fell in, the host's time per sharding phase and its waits, and their markdown sections."""
 
 from __future__ import annotations
 
