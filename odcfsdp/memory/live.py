@@ -113,7 +113,7 @@ def odc_tensors(model: nn.Module, optimizer=None) -> dict[str, list[torch.Tensor
         "masters": [g.master for g in groups if g.master is not g.row] + _split_low_bits_held(model),
         "optimizer_state": [t for t in optimizer_tensors(optimizer) if t.device == device],
         "unsharded_params": [g.unsharded for g in groups],
-        "grad_buffers": [g.grad_buffer for g in groups if g.grad_buffer is not None],
+        "grad_buffers": [t for g in groups for t in g.pending_grads()],
     }
 
 

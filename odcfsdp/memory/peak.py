@@ -22,6 +22,7 @@ _MARKER = "_probe_marker"  # the function whose allocation marks a probe in the 
 FRAME_RULES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("unsharded_params", "odcfsdp/sharding/groups/group.py", ("to_unsharded",)),
     ("grad_buffers", "odcfsdp/sharding/groups/group.py", ("prepare_grad", "add_grad", "collect_late_grads")),
+    ("grad_buffers", "odcfsdp/sharding/groups/fresh_grads.py", ("buffer_from_grads",)),  # [fresh-grads]
     ("masters", "odcfsdp/sharding/groups/split_master.py", None),  # a split master's low bits ([split-masters])
     ("comm_buffers", "odcfsdp/sharding/transport/", None),
     ("comm_buffers", "odcfsdp/kernels/", None),

@@ -7,9 +7,11 @@ A group's life, in numbered steps (its states are ``GroupState``):
 2. a site needs it ([lifecycle] 2 and 5 in ``lifecycle.py``): ``to_unsharded`` resizes
    the unsharded storage back and gathers every rank's row into it (ahead of use on a
    side stream, [streams]); UNSHARDED (modules hold the unsharded parameters, [params]);
-3. in backward ([lifecycle] 5-7): ``prepare_grad`` gives the trained parameters a zeroed
-   gradient buffer ([grad-buffers]); after the group's last site, the lifecycle takes it
-   (``take_grad_buffer``) and pushes it into the owners' accumulator rows; ``to_sharded`` frees the storage:
+3. in backward ([lifecycle] 5-7): autograd keeps the trained parameters' gradients, and after
+   the group's last site the lifecycle takes them, copied into one buffer ([fresh-grads] in
+   ``fresh_grads.py``; where their dtype is not the buffer's, ``prepare_grad`` gives the parameters
+   a zeroed buffer to accumulate into, [grad-buffers]) (``take_grad_buffer``), and pushes it into
+   the owners' accumulator rows; ``to_sharded`` frees the storage:
    SHARDED again;
 4. at the minibatch's meetings ([lifecycle] 8-10, [step-protocol]): ``attach_grads``
    shows the accumulator as the shards' ``.grad``; the optimizer updates the master
@@ -31,7 +33,8 @@ no code outside forward ever sees a freed storage.
 
 Design note [grad-buffers]
 --------------------------
-A trained parameter's ``.grad`` is, during backward, a view of its group's
+(Only where a group's gradients are not in its buffer's dtype since [fresh-grads], ``fresh_grads.py``; the
+rest of this note holds for both.) A trained parameter's ``.grad`` is, during backward, a view of its group's
 parameter-major gradient buffer, so autograd's own gradient accumulation adds into
 the buffer in place: no Python runs per parameter (a post-accumulate-grad hook per
 parameter cost host time per parameter, which made backward launch-bound). The
@@ -54,7 +57,7 @@ of its parameters' shards: optimizers update it in place. The communicated row i
 even) when a minibatch ends ([step-protocol]); with ``param_dtype`` equal to the
 master's dtype the row *is* the master and publishing is nothing. (A bf16 row plus
 16 low bits would save 2 bytes per parameter / N, but no torch optimizer can update
-such a pair in place.)
+such a pair in place: ``split_masters`` holds the masters so only inside a minibatch, [split-masters].)
 
 Design note [offload]
 ---------------------
@@ -99,6 +102,7 @@ import torch
 import torch.nn as nn
 
 from ..placement.layout import GroupLayout
+from .fresh_grads import buffer_from_grads, fresh_grads_apply
 from .param import ShardedParam
 from .row_format import RowFormat
 from ..transport.streams import CommStreams
@@ -176,6 +180,7 @@ class FlatGroup:
                                     device_mesh, first_position + i, wraps[i] if wraps else None)
                        for i, (p, regs) in enumerate(zip(params, registrations, strict=True))]
         self._trained = [sp for sp in self.params if sp.trainable]  # may be trained: an accumulator view each
+        self._fresh_grads = fresh_grads_apply(self.params, self.grad_dtype, self.unsharded)  # [fresh-grads]
         self._published_version = self._versions()
         if not params[0].is_meta:  # a meta model has no values yet: rows stay zero until loaded
             self.load_full_(initial)
@@ -289,8 +294,8 @@ class FlatGroup:
         hook per parameter (see [grad-buffers]); no-op when the buffer exists or
         nothing is trained.
         """
-        if self.grad_buffer is not None or not any(sp.trained for sp in self._trained):
-            return
+        if self.grad_buffer is not None or self._fresh_grads or not any(sp.trained for sp in self._trained):
+            return  # [fresh-grads]: autograd keeps its own gradient tensors, copied into a buffer at the push
         self.grad_buffer = torch.zeros(self.layout.unsharded_numel, dtype=self.grad_dtype,
                                        device=self.unsharded.device)
         for i, sp in enumerate(self.params):
@@ -320,9 +325,17 @@ class FlatGroup:
         """The pending gradient buffer, handed over for its push ([lifecycle] 6-7): the group forgets it, and the
         push stream holds what it still reads ([streams] 2). None: nothing pending."""
         grad = self.grad_buffer
+        if grad is None and self._fresh_grads:
+            grad = buffer_from_grads(self.layout, self.params, self.grad_dtype, self.unsharded.device)
         if grad is not None:
             self.drop_grad_buffer()
         return grad
+
+    def pending_grads(self) -> list[torch.Tensor]:
+        """The gradients of this backward not pushed yet: the buffer, or autograd's own tensors ([fresh-grads])."""
+        if self.grad_buffer is not None:
+            return [self.grad_buffer]
+        return [sp.unsharded.grad for sp in self._trained if sp.unsharded.grad is not None] if self._fresh_grads else []
 
     def drop_grad_buffer(self) -> None:
         """Forget the gradient buffer and the parameters' views of it: once pushed, or, unpushed, after an aborted

@@ -14,8 +14,8 @@ gets these hooks:
    reshard a group after its last site; then register a pre-backward hook on the
    site's outputs;
 3. pre-backward hook (fires when the gradient of any output is ready, i.e. right
-   before the site's own backward): [lifecycle] 5, re-gather with gradient buffers
-   ([grad-buffers] in ``group.py``);
+   before the site's own backward): [lifecycle] 5, re-gather ([fresh-grads] in
+   ``fresh_grads.py``, [grad-buffers] in ``group.py``);
 4. post-backward: [lifecycle] 6, push each group whose last site is through, and
    reshard it.
 

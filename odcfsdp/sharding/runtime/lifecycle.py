@@ -24,8 +24,9 @@ object that holds the minibatch: its pushes, meetings, gradients and state.
    without grad); the root's post-hook frees every such group then. A group held by a method
    registered with ``register_fsdp_forward_method`` (``generate``) stays gathered until it returns.
 5. ``pre_backward`` (the first gradient of a site's outputs), ``odc::pre_backward``: re-gather the
-   site's groups and give each trained group a zeroed gradient buffer, which autograd accumulates
-   into ([grad-buffers] in ``group.py``).
+   site's groups; autograd keeps each trained parameter's gradient as its kernel wrote it, copied into
+   the group's buffer at the push ([fresh-grads] in ``fresh_grads.py``; a zeroed buffer autograd adds
+   into where the gradients' dtype is not the buffer's, [grad-buffers] in ``group.py``).
 6. ``post_backward`` (the gradients of all a site's inputs are done), ``odc::push``: each group whose
    last site is through is pushed (scatter-accumulate into the owners' accumulator rows) and
    resharded (a group whose ``reshard_after_backward`` is off stays gathered until step 10).
