@@ -48,6 +48,22 @@ def test_the_buffer_holds_each_gradient_at_its_place_and_zeros_elsewhere(monkeyp
                              torch.device("cpu")) is None  # nothing to push
 
 
+def test_a_sparse_gradient_and_a_zero_size_parameter_take_their_places():
+    """A sparse embedding's gradient (rows 1 and 3, row 1 twice) is added at its place as dense values; a trained
+    zero-size parameter without a gradient takes no place and breaks nothing; all by hand."""
+    layout = _Layout(2, [(4, 3), (0,), (5,)])
+    sparse = torch.sparse_coo_tensor(torch.tensor([[1, 3, 1]]), torch.ones(3, 3), (4, 3))
+    dense = torch.randn(5)
+    out = buffer_from_grads(layout, [_param(sparse), _param(None), _param(dense)], torch.float32, torch.device("cpu"))
+    expected = torch.zeros(layout.unsharded_numel)
+    expected[3:6], expected[9:12] = 2.0, 1.0  # row 1 (twice) and row 3 of the (4, 3) embedding
+    start, end = layout.unsharded_range(2)
+    expected[start:end] = dense
+    assert torch.equal(out, expected)
+    out = buffer_from_grads(layout, [_param(None), _param(None), _param(dense)], torch.float32, torch.device("cpu"))
+    assert torch.equal(out, torch.where(torch.arange(layout.unsharded_numel) < start, 0.0, expected))
+
+
 def test_groups_whose_gradients_come_in_another_dtype_keep_the_zeroed_buffer():
     """A buffer narrower or wider than the parameters' gradients (autograd's are in the parameter's dtype) cannot
     take them by a copy; a group with nothing trained has nothing to push."""

@@ -17,8 +17,9 @@ Categories (``memory_breakdown``; N ranks per shard group, P parameters; "heap":
 * ``optimizer_state``: every tensor in ``optimizer.state`` on the rows' device (DTensors: their local
   tensors): AdamW 8P/N plus one 4-byte ``step`` per parameter;
 * ``unsharded_params``: unsharded buffers resident now (in use or prefetched): 2 bytes x N x row length per
-  gathered group; ``grad_buffers``: gradient buffers in flight during backward (the same size, one per group
-  between its pre-backward and its push);
+  gathered group; ``grad_buffers``: the gradients of a backward not pushed yet (autograd's own tensors of a
+  group's parameters from their backward to the group's push, then the push's buffer, the same size as the
+  unsharded buffer: [fresh-grads]; or a zeroed buffer from the pre-backward, [grad-buffers]);
 * on CUDA also ``torch_allocated`` (``torch.cuda.memory_allocated``), ``activations_and_other`` (that minus
   the torch-allocated categories above: activations, autograd's saved tensors, caches, block rounding) and
   ``allocator_slack`` (reserved - allocated).

@@ -14,8 +14,10 @@ The rest of [grad-buffers] holds as it was: the push runs after the site's gradi
 that arrives after the push lands in a fresh ``.grad`` and is collected at the end of backward, one that arrives
 before the site's backward (TRL's fused head reading ``lm_head.weight``) is simply accumulated into by the site's.
 What it costs: the site's gradient tensors and its buffer live together for the copy, one site's gradients more at
-most (the buffer replaced the zeroed one autograd added into); the tensors are autograd's, so a memory breakdown
-counts them with the activations until the push.
+most (the buffer replaced the zeroed one autograd added into). ``memory_breakdown`` counts the tensors as
+``grad_buffers`` (``FlatGroup.pending_grads``); the peak replay, which sees them allocated by autograd without a
+Python frame of ours, with the activations, and the push's buffer as ``grad_buffers``. A sparse gradient (a
+sparse embedding's) is added into a zeroed buffer instead, as before.
 """
 
 from __future__ import annotations
@@ -32,27 +34,28 @@ def fresh_grads_apply(params, grad_dtype: torch.dtype, unsharded: torch.Tensor) 
 def buffer_from_grads(layout, params, grad_dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """The group's parameter-major gradient buffer, from its trained parameters' unsharded ``.grad`` (zeros for
     those without one, and in the padding between parameters); None if no trained parameter has a gradient.
-    One ``torch.cat`` into the buffer."""
+    One ``torch.cat`` into the buffer; sparse gradients are added into a zeroed one."""
     grads = [sp.unsharded.grad if sp.trained else None for sp in params]
     if all(g is None for g in grads):
         return None
+    if any(g is not None and g.is_sparse for g in grads):  # a sparse embedding's: add it into dense zeros
+        out = torch.zeros(layout.unsharded_numel, dtype=grad_dtype, device=device)
+        for i, g in enumerate(grads):
+            if g is not None:
+                start, end = layout.unsharded_range(i)
+                out[start:end].view(g.shape).add_(g)
+        return out
     out = torch.empty(layout.unsharded_numel, dtype=grad_dtype, device=device)
-    pieces, position, zeros = [], 0, None
+    pieces, position = [], 0  # (start, end, gradient or None: zeros), padding included, in order
     for i, g in enumerate(grads):
         start, end = layout.unsharded_range(i)
-        gap = start - position + (0 if g is not None else end - start)
-        if gap:
-            if zeros is None or zeros.numel() < gap:
-                zeros = torch.zeros(max(gap, 1024), dtype=grad_dtype, device=device)
-            pieces.append(zeros[:start - position])
-        if g is not None:
-            pieces.append(g.reshape(-1))
-        else:
-            pieces.append(zeros[:end - start])
+        pieces += [(position, start, None), (start, end, g)]
         position = end
-    if position < out.numel():
-        pieces.append(torch.zeros(out.numel() - position, dtype=grad_dtype, device=device))
-    torch.cat([p for p in pieces if p.numel()], out=out)
+    pieces = [p for p in pieces + [(position, out.numel(), None)] if p[1] > p[0]]
+    most = max((e - s for s, e, g in pieces if g is None), default=0)
+    zeros = torch.zeros(most, dtype=grad_dtype, device=device) if most else None  # one fill, sliced
+    if pieces:
+        torch.cat([g.reshape(-1) if g is not None else zeros[:e - s] for s, e, g in pieces], out=out)
     return out
 
 
