@@ -41,10 +41,12 @@ def kernel_summary(prof, top: int = 12) -> dict:
     # kernels the step launched (each costs host time, however small the kernel).
     host = sorted((e for e in prof.key_averages() if not str(e.device_type).endswith("CUDA")),
                   key=lambda e: -e.self_cpu_time_total)
+    spans = device_spans(prof.events())  # once: the busy time and the idle by phase both read them
     launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                      "cuLaunchKernelEx", "cudaLaunchKernelExC"))
     return {"device_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "busy_ms": busy_ms(prof), "idle_ms_by_phase": idle_ms_by_phase(prof), "kernel_launches": launches,
+            "busy_ms": _union_us(spans) / 1e3, "idle_ms_by_phase": idle_ms_by_phase(prof, spans),
+            "kernel_launches": launches,
             "host_ms_by_phase": host_by_phase(prof),
             "top_kernels": [{"name": e.key[:120], "ms": device_us(e) / 1e3, "calls": e.count} for e in events[:top]],
             "top_host_ops": [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
@@ -81,14 +83,14 @@ def device_spans(events) -> list[tuple[float, float]]:
                   and not e.name.startswith("nccl:") and not getattr(e, "is_user_annotation", False))
 
 
-def busy_ms(prof) -> float:
-    """Milliseconds in which at least one kernel ran on this rank's device (the union over streams)."""
+def _union_us(spans) -> float:
+    """The length of the union of ``(start, end)`` intervals: the time any kernel ran, for the device's spans."""
     total, end = 0.0, float("-inf")
-    for a, b in device_spans(prof.events()):
+    for a, b in sorted(spans):
         if b > end:
             total += b - max(a, end)
             end = b
-    return total / 1e3
+    return total
 
 
 def idle_gaps(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -113,11 +115,7 @@ def idle_by_phase(gaps: list[tuple[float, float]], phases: list[tuple[str, float
             if hi > lo:
                 out[name] = out.get(name, 0.0) + (hi - lo) / 1e3
                 covered.append((lo, hi))
-        union, end = 0.0, float("-inf")
-        for lo, hi in sorted(covered):
-            if hi > end:
-                union += hi - max(lo, end)
-                end = hi
+        union = _union_us(covered)
         if g1 - g0 - union > 0:
             out["outside the phases"] = out.get("outside the phases", 0.0) + (g1 - g0 - union) / 1e3
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
@@ -127,11 +125,12 @@ def idle_by_phase(gaps: list[tuple[float, float]], phases: list[tuple[str, float
 IDLE_PHASE_PREFIXES = PHASE_PREFIXES + ("Optimizer.",)
 
 
-def idle_ms_by_phase(prof) -> dict[str, float]:
-    """``idle_by_phase`` of one profiled step: where in the host's phases this rank's device waited."""
+def idle_ms_by_phase(prof, spans: list[tuple[float, float]]) -> dict[str, float]:
+    """``idle_by_phase`` of one profiled step (its device's ``spans``): where in the host's phases this rank's device
+    waited."""
     phases = [(re.split(r" \(| \[| for |#", e.name)[0], e.time_range.start, e.time_range.end) for e in prof.events()
               if e.name.startswith(IDLE_PHASE_PREFIXES) and not str(e.device_type).endswith("CUDA")]
-    return idle_by_phase(idle_gaps(device_spans(prof.events())), phases)
+    return idle_by_phase(idle_gaps(spans), phases)
 
 
 def profile_report(results: list[dict]) -> list[str]:

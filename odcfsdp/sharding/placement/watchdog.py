@@ -271,7 +271,8 @@ class Watchdog:
             raise RuntimeError(f"{store_silent(time.monotonic() - asked, f'at {what}')}; rank {self._rank} "
                                f"stops here ({type(outcome[0]).__name__})")
         # timed out: the ranks that did not come, by their keys; a store gone silent raises here instead (ask)
-        missing = [r for r in range(self._world_size) if not self._asker(what)(self._store.check, [f"{key}/{r}"])]
+        ask = self._asker(what)
+        missing = [r for r in range(self._world_size) if not ask(self._store.check, [f"{key}/{r}"])]
         if missing:  # else all came, while the store was slow to count them: the meeting is whole
             raise RuntimeError(f"rank(s) {missing} did not reach {what} within {self.timeout_s:g} s "
                                f"(run.timeout_s / ODCShard(timeout=)); rank {self._rank} stops here")
