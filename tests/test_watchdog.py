@@ -102,7 +102,7 @@ except KeyboardInterrupt:
 def test_ctrl_c_reaches_a_rank_waiting_at_a_meeting_at_once(tmp_path: Path):
     """Rank 0 waits at a meeting rank 1 never reaches, with no time bound; a SIGINT to rank 0 alone raises
     KeyboardInterrupt there within 5 s (the store's wait runs on a thread of its own, [watchdog] 1: waiting inside
-    it, the main thread would run no signal handler until the store answered)."""
+    it, the main thread would run no signal handler until the store answered); the run then fails, exit code 1."""
     import os
     import re
     import signal
@@ -130,6 +130,11 @@ def test_ctrl_c_reaches_a_rank_waiting_at_a_meeting_at_once(tmp_path: Path):
         time.sleep(1.0)  # rank 0 is in arrive by now
         os.kill(pid, signal.SIGINT)
         assert seen("rank 0 interrupted", 5), "".join(lines)[-3000:]
+        proc.wait(timeout=60)  # rank 0 exited 3 from its handler: torchrun stops rank 1 and fails
+        assert proc.returncode == 1, "".join(lines)[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run
+        except ProcessLookupError:
+            pass
         proc.wait()
