@@ -19,7 +19,8 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # accumulators (mp_policy reduce_dtype, [precision]), both ("lean"), or CPUOffloadPolicy (host masters, CPU step;
 # FSDP2 runs it too, as fsdp2-offload: the baseline an offloading user has); or with one lever off: pushes unbounded
 # (each gradient buffer freed with record_stream, not one site in flight, [streams] 2), or N sites of them in flight
-# (pushesN, N = 1-9); or one group per decoder
+# (pushesN, N = 1-9); or autograd's gradients added into zeroed buffers, as before [fresh-grads] (zeroed_grads,
+# its ablation); or one group per decoder
 # layer (no group_bytes budget inside a unit: one gather and one push launch per layer instead of one per group);
 # or the optimizer's state parked on the host between steps ([parking]): all of it (park), or a share (park60:
 # the first 60% of its bytes), or the share that keeps the peak under 90% of the GPU's memory (parkfit, the CLI's
@@ -29,7 +30,7 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # ([park-trickle], the default); with park_largest_first, a rank's micro-batches run in the plan's order (largest
 # first), not with the largest last ([park-backward] 0).
 VARIANTS = ("gather_masters", "split_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN",
-            "unit_groups", "park", "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once", "park_largest_first")
+            "zeroed_grads", "unit_groups", "park", "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once", "park_largest_first")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:

@@ -119,6 +119,9 @@ def wrap(method: str, model: nn.Module, device: torch.device, args):
                            mesh=hybrid_mesh(args.replicas, device.type))
         if "unbounded_pushes" in levers:  # [streams] 2: buffers freed with record_stream, not one site in flight
             sharded.comm.pushes_in_flight = None
+        if "zeroed_grads" in levers:  # [fresh-grads]' ablation: autograd adds into zeroed buffers, as before it
+            for group in sharded.engine.groups:
+                group._fresh_grads = False
         for n in filter(None, map(pushes_in_flight, levers)):  # pushesN: N sites in flight
             sharded.comm.pushes_in_flight = n
         sharded.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised by the global tokens

@@ -19,11 +19,11 @@ BALANCED = ["--cpu-ranks", "2", "--size", "tiny", "--vocab", "256", "--batch", "
 
 @pytest.fixture(scope="module")
 def variants_run(tmp_path_factory) -> dict:
-    """One process: odc and FSDP2 with the lean, offload, park and park50 variants, odc with split_masters (the runs
-    by method); odc and FSDP2 run one more step under the profiler."""
+    """One process: odc and FSDP2 with the lean, offload, park and park50 variants, odc with split_masters and
+    zeroed_grads (the runs by method); odc and FSDP2 run one more step under the profiler."""
     out = tmp_path_factory.mktemp("variants")
     e2e_bench.main([*BALANCED, "--steps", "2", "--warmup", "1", "--variants", "lean", "offload", "park",
-                    "park50", "split_masters", "--profile", "odc", "fsdp2", "--out", str(out)])
+                    "park50", "split_masters", "zeroed_grads", "--profile", "odc", "fsdp2", "--out", str(out)])
     return {r["method"]: r for r in json.loads((out / "e2e_bench.json").read_text())["rows"]}
 
 
@@ -80,8 +80,10 @@ def test_memory_variants_train_the_same_model(variants_run):
     FSDP2 (``fsdp2-offload``, the baseline) step on host masters and train what they train without it; with ``park``
     odc's optimizer state (``park50``: half of it) waits on the host between steps and odc trains what it trains."""
     runs = variants_run
-    assert set(runs) == {"odc", "odc-lean", "odc-offload", "odc-park", "odc-park50", "odc-split_masters", "fsdp2",
-                         "fsdp2-offload"}
+    assert set(runs) == {"odc", "odc-lean", "odc-offload", "odc-park", "odc-park50", "odc-split_masters",
+                         "odc-zeroed_grads", "fsdp2", "fsdp2-offload"}
+    # [fresh-grads]' ablation: autograd adding into zeroed buffers gives the same gradients (0 + g is g)
+    assert runs["odc-zeroed_grads"]["losses"] == runs["odc"]["losses"]
     for park in ("odc-park", "odc-park50"):  # [parking]: the state (half of it) moved and back (shm sums in any
         for a, b in zip(runs[park]["losses"], runs["odc"]["losses"]):  # order: not to the bit between runs)
             assert abs(a - b) <= 1e-5 * abs(b), park
