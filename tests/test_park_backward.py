@@ -155,6 +155,43 @@ def test_the_room_is_the_level_less_what_is_allocated():
     assert all(torch.equal(e.local, h) for e, h in zip(entries, hosts))
 
 
+@pytest.mark.parametrize("front", ["odcshard", "fully_shard"])
+def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
+    """Step 2's h_k: the room is the level less the reading less the bytes held for pushes in flight. With 30 held,
+    a reading 20 under the level brings nothing back; with one byte less held than the first block's footprint F, a
+    reading F under brings nothing back (it would without h_k); with F held, a reading 2F under brings the first
+    block. The models' ``gradient_bytes_in_flight`` is what ``train_step`` passes: 0 on a CPU (no push stream), and
+    the streams' count of held buffers is their bytes."""
+    model = _model(front)
+    assert model.gradient_bytes_in_flight() == 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
+    model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    first = parking.memory.footprint(parking._parked[0].host.nbytes)
+    for held, readings, arrived in ((30, [120, 100], 0), (first - 1, [120 + 2 * first, 120 + first], 0),
+                                    (first, [120 + 2 * first, 120], 1)):
+        values = iter(readings)
+
+        class Scripted(CudaMemory):
+            def allocated(self, device):
+                return next(values) + sum(parking.memory.footprint(e.host.nbytes)
+                                          for e in parking._parked[:parking._arrived])
+
+        memory, parking.memory = parking.memory, Scripted()
+        back = BackwardReturn(parking, lambda: held)
+        back(), back()
+        assert parking._arrived == arrived, (held, readings)
+        parking.settle()
+        parking.memory = memory
+    streams = model.engine.comm if front == "odcshard" else model._odc_engine.comm
+    streams._held.append((None, [torch.empty(100, dtype=torch.bfloat16)]))
+    streams._site.append(torch.empty(10))
+    assert model.gradient_bytes_in_flight() == 240
+    streams._held.clear(), streams._site.clear()
+
+
 def test_state_stays_parked_through_the_backward_with_under_backward_off_or_without_units():
     """``under_backward=False``, and a model without units (no ``register_post_backward_hook``): all of it comes
     back once the micro-batches are done, as before."""

@@ -18,9 +18,11 @@ the state can come back into it, its copies running under the rest of the backwa
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
    first unit's, as a backward frees more than it keeps.
-2. **Room.** Start bringing back the next parked tensors, in order, while their blocks fit in L - a_k
+2. **Room.** Start bringing back the next parked tensors, in order, while their blocks fit in L - a_k - h_k
    (``bring_back_within``): each block is allocated on the backward's stream and filled on the parking's side
-   stream after the work queued so far. From then on a_k counts them.
+   stream after the work queued so far. From then on a_k counts them. h_k is the bytes of gradient buffers held
+   for pushes in flight at the reading (``gradient_bytes_in_flight``: with pushes bounded to one site in flight,
+   unit k's own buffer, [streams] 2), see below.
 3. **The rest.** ``prefetch_parked`` once the micro-batches are done brings back what did not fit, as before.
 
 Why the peak does not rise. Between units the allocated bytes are a_k; inside a unit's backward they rise by a
@@ -29,6 +31,13 @@ backward's peak is at least L + T_1 (the first unit, before anything came back).
 T_k is about T_1, and filling to the level keeps every later unit's a_k + T_k at or under L + T_k: the peak and
 its reading by the fitted share ([park-fit], which counts what came back here as not resident) are the run's
 without this. Both count the allocator's blocks, so they agree to the byte.
+
+Why h_k is left unfilled. The first unit's backward runs with no earlier unit's buffer held; every later one holds
+the unit before's (h_k) until its own push is queued. With [fresh-grads] (``fresh_grads.py``) that push is a
+transient of its own: autograd's gradients G and the buffer B they are copied into live together, so unit k+1
+peaks at its push at a_k + G + B, with h_k = B still held, while unit 1 peaked at a_1 + G (a_1 counts B_1 already).
+Filling to L - h_k keeps a_k + G + B at or under L + G, unit 1's own. Measured on a GPU at 7c802f1, filling to L
+raised the peak by exactly one layer's buffer (6.3 MB, tests/test_gpu_parking.py's 4-layer model).
 
 What it hides: min(S_p, F) of the copies back, where F is what the last backward frees above the level: about
 that micro-batch's saved activations (one hidden state per unit with recomputation). A rank whose last
@@ -52,10 +61,13 @@ class BackwardReturn:
 
     Args:
         parking: the optimizer's parked state (its device's allocated bytes are read).
+        in_flight: the bytes of gradient buffers held for pushes in flight at a reading (the model's
+            ``gradient_bytes_in_flight``), left unfilled (step 2); None: nothing held.
     """
 
-    def __init__(self, parking: ParkedOptimizerState):
+    def __init__(self, parking: ParkedOptimizerState, in_flight: Callable[[], int] | None = None):
         self.parking = parking
+        self.in_flight = in_flight
         self.level: int | None = None
         self.brought = 0  # bytes of blocks allocated here
 
@@ -66,7 +78,9 @@ class BackwardReturn:
         if self.level is None or allocated >= self.level:
             self.level = allocated
             return
-        self.brought += self.parking.bring_back_within(self.level - allocated)
+        held = self.in_flight() if self.in_flight is not None else 0
+        if self.level - allocated > held:
+            self.brought += self.parking.bring_back_within(self.level - allocated - held)
 
 
 def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:
@@ -80,15 +94,17 @@ def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:
 
 @contextlib.contextmanager
 def returning_under_backward(optimizer: torch.optim.Optimizer,
-                             register: Callable[[Callable[[], None]], object] | None) -> Iterator[None]:
+                             register: Callable[[Callable[[], None]], object] | None,
+                             in_flight: Callable[[], int] | None = None) -> Iterator[None]:
     """Around the last micro-batch's forward and backward: its units' backward bring the parked state back
     ([park-backward]). ``register`` is the model's ``register_post_backward_hook`` (None: a model without units,
-    nothing comes back early); nothing either for an optimizer without parking, or with ``under_backward`` off."""
+    nothing comes back early), ``in_flight`` its ``gradient_bytes_in_flight`` (step 2); nothing either for an
+    optimizer without parking, or with ``under_backward`` off."""
     parking = parking_of(optimizer)
     if register is None or parking is None or not parking.under_backward or parking.where is not Where.PARKED:
         yield
         return
-    handle = register(BackwardReturn(parking))
+    handle = register(BackwardReturn(parking, in_flight))
     try:
         yield
     except BaseException:

@@ -186,6 +186,11 @@ class CommStreams:
             _current(self.push_stream).wait_event(earlier)
             del buffers  # after the wait is queued: a later allocation reusing a block runs after the push
 
+    def held_bytes(self) -> int:
+        """Bytes of the gradient buffers held for bounded pushes in flight (2): allocated until a later site's push
+        waits for theirs (0 without a push stream; unbounded ones count as free at once, [streams] 2)."""
+        return sum(b.nbytes for _, buffers in self._held for b in buffers) + sum(b.nbytes for b in self._site)
+
     def backward_done(self) -> None:
         """The end of a backward (step 7): buffers still held for bounded pushes are freed once their pushes are
         done, as unbounded ones are, instead of living into the next micro-batch (2)."""
