@@ -119,7 +119,8 @@ def test_profiled_step_reports_host_time_per_sharding_phase(variants_run):
     assert fsdp2["FSDP::pre_forward"]["calls"] == 4 * (LLAMA_SIZES["tiny"]["n_layers"] + 1)
     assert odc["odc::gather"]["calls"] == odc["odc::pre_backward"]["calls"] > 0
     assert odc["odc::gather"]["calls"] % 4 == 0
-    assert odc["odc::sync"]["calls"] == odc["odc::finish"]["calls"] == 1
+    assert odc["odc::sync"]["calls"] == odc["odc::finish"]["calls"] == odc["odc::publish"]["calls"] == 1
+    assert odc["odc::meet"]["calls"] == odc["odc::quiesce"]["calls"] == 2  # inside sync and finish, each
     assert all(p["ms"] > 0 and p["ms_per_call"] == pytest.approx(p["ms"] / p["calls"]) for p in odc.values())
     from benchmarks import e2e_report
 

@@ -271,13 +271,15 @@ class Minibatch:
     def meet(self, kind: Meeting) -> int:
         """One meeting of all ranks (``Meetings.meet``); returns every rank's pushes."""
         skipped, self.skipped_passes = self.skipped_passes, 0
-        return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
+        with phase_range("meet"):  # the profile's split of sync and finish: the meeting, the wait, the publish
+            return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
 
     def meet_carrying(self, kind: Meeting, carry: torch.Tensor) -> torch.Tensor:
         """``meet``, carrying this rank's ``carry`` (``LatePublish.carry``); returns every rank's
         (``Meetings.meet_carrying``)."""
         skipped, self.skipped_passes = self.skipped_passes, 0
-        return self.meetings.meet_carrying(kind, self.minibatch, skipped, self.pushes, carry)[1]
+        with phase_range("meet"):
+            return self.meetings.meet_carrying(kind, self.minibatch, skipped, self.pushes, carry)[1]
 
     def declare_minibatch(self, micro_batches: int, tokens: int | None) -> int | None:
         """``ODCShard.begin_minibatch``: one small all-gather (none if one-sided without tokens); see there."""
@@ -288,7 +290,8 @@ class Minibatch:
         """Step 8: this rank's pushes complete, one meeting, the HSDP replicas' all-reduce, then the accumulator
         rows attached as ``.grad``. Returns every rank's pushes (0: nothing to attach)."""
         with phase_range("sync"):
-            self.comm.pushes_done()
+            with phase_range("quiesce"):
+                self.comm.pushes_done()
             pushes = self.meet(Meeting.SYNC)  # with HSDP, over every replica
             if self.mesh.replicas > 1 and pushes:  # [hsdp]: the replicas' one exchange of gradients
                 for g in self._trained:
@@ -325,12 +328,14 @@ class Minibatch:
             reshard_all(self.groups)
             if changed is None:
                 changed = [g for g in self.groups if g.layout.requires_grad or g.master_changed]
-            for g in changed:
-                g.publish()
+            with phase_range("publish"):
+                for g in changed:
+                    g.publish()
             for g in self._trained:
                 g.detach_grads()
             self.division.cleared()  # the accumulators are zeroed below
-            self.comm.rows_published()
+            with phase_range("quiesce"):
+                self.comm.rows_published()
             self.comm.zero_before_meeting(self._accumulators)
             if self.late is None:
                 self.meet(kind)
