@@ -192,6 +192,41 @@ def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
     streams._held.clear(), streams._site.clear()
 
 
+def test_readings_count_from_the_first_unit_that_raised_the_peak():
+    """Step 1 with a device whose peak reads: readings before the first unit whose backward raised torch's peak (the
+    head's, higher than the layers') neither set the level nor bring anything back (the old rule brought blocks back
+    after the second reading); from that unit on the level is the highest reading, and a reading one block's
+    footprint F under it brings the first block back."""
+    model = _model("odcshard")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
+    model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    f = parking.memory.footprint(parking._parked[0].host.nbytes)
+    readings = iter([(100 + 3 * f, 500), (100, 500), (100 + f, 501), (100, 501)])  # (allocated, peak)
+    current = [0, 0]
+
+    class Scripted(CudaMemory):
+        def allocated(self, device):
+            current[:] = next(readings)
+            return current[0] + sum(parking.memory.footprint(e.host.nbytes) for e in parking._parked[:parking._arrived])
+
+        def peak(self, device):
+            return current[1]
+
+    memory, parking.memory = parking.memory, Scripted()
+    back = BackwardReturn(parking)
+    back(), back()
+    assert back.level is None and parking._arrived == 0
+    back()
+    assert back.level == 100 + f and parking._arrived == 0
+    back()
+    assert parking._arrived == 1 and back.brought == f
+    parking.settle()
+    parking.memory = memory
+
+
 def test_state_stays_parked_through_the_backward_with_under_backward_off_or_without_units():
     """``under_backward=False``, and a model without units (no ``register_post_backward_hook``): all of it comes
     back once the micro-batches are done, as before."""
