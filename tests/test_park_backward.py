@@ -160,10 +160,10 @@ def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
     """Step 2's h_k: the room is the level less the reading less the bytes held for pushes in flight. With 30 held,
     a reading 20 under the level brings nothing back; with one byte less held than the first block's footprint F, a
     reading F under brings nothing back (it would without h_k); with F held, a reading 2F under brings the first
-    block. The models' ``gradient_bytes_in_flight`` is what ``train_step`` passes: 0 on a CPU (no push stream), and
-    the streams' count of held buffers is their bytes."""
+    block. The models' ``gradient_bytes_in_flight`` is what ``train_step`` passes: None on a CPU (no push stream),
+    and where pushes are held, the streams' count of held buffers is their bytes."""
     model = _model(front)
-    assert model.gradient_bytes_in_flight() == 0
+    assert model.gradient_bytes_in_flight() is None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
     model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
@@ -186,17 +186,21 @@ def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
         parking.settle()
         parking.memory = memory
     streams = model.engine.comm if front == "odcshard" else model._odc_engine.comm
+    streams.push_stream = object()  # as on a GPU with bounded pushes (no stream is used here)
     streams._held.append((None, [torch.empty(100, dtype=torch.bfloat16)]))
     streams._site.append(torch.empty(10))
     assert model.gradient_bytes_in_flight() == 240
+    streams.pushes_in_flight = None  # unbounded: nothing held
+    assert model.gradient_bytes_in_flight() is None
     streams._held.clear(), streams._site.clear()
+    streams.push_stream = None
 
 
-def test_readings_count_from_the_first_unit_that_raised_the_peak():
-    """Step 1 with a device whose peak reads: readings before the first unit whose backward raised torch's peak (the
-    head's, higher than the layers') neither set the level nor bring anything back (the old rule brought blocks back
-    after the second reading); from that unit on the level is the highest reading, and a reading one block's
-    footprint F under it brings the first block back."""
+def test_a_reading_with_no_push_held_does_not_count():
+    """Step 1 where pushes are held: a reading with nothing held (the head's site before its push, higher than the
+    layers') neither sets the level nor brings anything back, where counting it would bring blocks back at the
+    next reading; from the first reading with a buffer held the level is the highest, and a reading one block's
+    footprint F (plus what is held) under it brings the first block back."""
     model = _model("odcshard")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
@@ -204,7 +208,7 @@ def test_readings_count_from_the_first_unit_that_raised_the_peak():
     opt.step()
     opt.zero_grad()
     f = parking.memory.footprint(parking._parked[0].host.nbytes)
-    readings = iter([(100 + 3 * f, 500), (100, 500), (100 + f, 501), (100, 501)])  # (allocated, peak)
+    readings = iter([(100 + 3 * f, 0), (100, 8), (100 + f, 8), (92, 8)])  # (allocated, bytes held)
     current = [0, 0]
 
     class Scripted(CudaMemory):
@@ -212,13 +216,12 @@ def test_readings_count_from_the_first_unit_that_raised_the_peak():
             current[:] = next(readings)
             return current[0] + sum(parking.memory.footprint(e.host.nbytes) for e in parking._parked[:parking._arrived])
 
-        def peak(self, device):
-            return current[1]
-
     memory, parking.memory = parking.memory, Scripted()
-    back = BackwardReturn(parking)
-    back(), back()
+    back = BackwardReturn(parking, lambda: current[1])
+    back()
     assert back.level is None and parking._arrived == 0
+    back()
+    assert back.level == 100 and parking._arrived == 0
     back()
     assert back.level == 100 + f and parking._arrived == 0
     back()

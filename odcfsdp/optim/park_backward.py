@@ -17,12 +17,10 @@ the state can come back into it, its copies running under the rest of the backwa
    is each micro-batch's peak.
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
-   first unit's, as a backward frees more than it keeps. Only the readings from the first unit whose backward
-   raised torch's peak (above its value at the backward's first reading) count: the sites before it (the head's,
-   the root's) have small transients of their own and may read higher than the layers (on a GPU at 9c2e4af the
-   head read 6 MB above the first layer, and filling after it raised the peak by the 6 MB it brought). Where
-   the peak never rises in the last backward (an earlier pass peaked higher), nothing comes back early; where
-   the peak cannot be read, every reading counts.
+   first unit's, as a backward frees more than it keeps. Where pushes are held (bounded, on a GPU), a reading
+   with no gradient buffer held does not count: the hook fired before any of the site's groups was pushed, with
+   its backward's transient still allocated (on a GPU at 9c2e4af the head's first reading was 6 MB above every
+   layer's, and filling to it raised the peak by the 6 MB that came back).
 2. **Room.** Start bringing back the next parked tensors, in order, while their blocks fit in L - a_k - h_k
    (``bring_back_within``): each block is allocated on the backward's stream and filled on the parking's side
    stream after the work queued so far. From then on a_k counts them. h_k is the bytes of gradient buffers held
@@ -67,7 +65,8 @@ class BackwardReturn:
     Args:
         parking: the optimizer's parked state (its device's allocated bytes are read).
         in_flight: the bytes of gradient buffers held for pushes in flight at a reading (the model's
-            ``gradient_bytes_in_flight``), left unfilled (step 2); None: nothing held.
+            ``gradient_bytes_in_flight``; None where pushes are not held), left unfilled (step 2); a reading with
+            none held does not count (step 1). None: pushes are never held.
     """
 
     def __init__(self, parking: ParkedOptimizerState, in_flight: Callable[[], int] | None = None):
@@ -75,25 +74,18 @@ class BackwardReturn:
         self.in_flight = in_flight
         self.level: int | None = None
         self.brought = 0  # bytes of blocks allocated here
-        self._first_peak: int | None = None  # torch's peak at the first reading (step 1)
-        self._counting = False  # a unit's backward raised the peak since: readings count
 
     def __call__(self) -> None:
-        memory, device = self.parking.memory, self.parking.device
-        allocated = memory.allocated(device)
+        allocated = self.parking.memory.allocated(self.parking.device)
         if allocated is None or self.parking.where is not Where.PARKED:
             return
-        if not self._counting:
-            peak = memory.peak(device)
-            if peak is not None and self._first_peak is None:
-                self._first_peak = peak
-            self._counting = peak is None or peak > self._first_peak
-            if not self._counting:
-                return
+        held = self.in_flight() if self.in_flight is not None else None
+        if held == 0:  # pushes are held, and none is: nothing of the site pushed yet (step 1)
+            return
+        held = held or 0
         if self.level is None or allocated >= self.level:
             self.level = allocated
             return
-        held = self.in_flight() if self.in_flight is not None else 0
         if self.level - allocated > held:
             self.brought += self.parking.bring_back_within(self.level - allocated - held)
 

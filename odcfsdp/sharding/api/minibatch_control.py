@@ -49,11 +49,12 @@ class MinibatchControl:
         hooks[handle.id] = hook
         return handle
 
-    def gradient_bytes_in_flight(self) -> int:
+    def gradient_bytes_in_flight(self) -> int | None:
         """Bytes of gradient buffers still held for pushes in flight: with pushes bounded to a site in flight
         ([streams] 2 in ``streams.py``) a unit's buffer lives until the next unit's push has queued its own. Read in
         a post-backward hook, it is what the next unit's backward holds on top of its own buffer, which
-        [park-backward] leaves unfilled. 0 on CPUs and with unbounded pushes."""
+        [park-backward] leaves unfilled (0: nothing of the unit pushed yet). None where pushes are not held: on
+        CPUs (no push stream) and with unbounded pushes."""
         return self._control_lifecycle().comm.held_bytes()
 
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:

@@ -186,9 +186,12 @@ class CommStreams:
             _current(self.push_stream).wait_event(earlier)
             del buffers  # after the wait is queued: a later allocation reusing a block runs after the push
 
-    def held_bytes(self) -> int:
+    def held_bytes(self) -> int | None:
         """Bytes of the gradient buffers held for bounded pushes in flight (2): allocated until a later site's push
-        waits for theirs (0 without a push stream; unbounded ones count as free at once, [streams] 2)."""
+        waits for theirs. None where pushes are not held: no push stream, or unbounded (their buffers count as free
+        at once, [streams] 2)."""
+        if self.push_stream is None or self._pushes_in_flight is None:
+            return None
         return sum(b.nbytes for _, buffers in self._held for b in buffers) + sum(b.nbytes for b in self._site)
 
     def backward_done(self) -> None:
