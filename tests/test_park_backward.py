@@ -155,6 +155,33 @@ def test_the_room_is_the_level_less_what_is_allocated():
     assert all(torch.equal(e.local, h) for e, h in zip(entries, hosts))
 
 
+class ScriptedBackward(CudaMemory):
+    """A device whose readings are scripted: each reading takes the next (allocated, bytes held for pushes) pair and
+    adds the state brought back; ``held`` is the last pair's bytes held (the model's ``gradient_bytes_in_flight``)."""
+
+    def __init__(self, parking: ParkedOptimizerState, readings):
+        self.parking, self.readings, self.current = parking, iter(readings), (0, 0)
+
+    def allocated(self, device):
+        self.current = next(self.readings)
+        back = self.parking._parked[:self.parking._arrived]
+        return self.current[0] + sum(self.footprint(e.host.nbytes) for e in back)
+
+    def held(self) -> int:
+        return self.current[1]
+
+
+def _parked_after_a_step(front: str):
+    """The model and its optimizer's parking, all of the state parked after one step (nothing back yet)."""
+    model = _model(front)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
+    model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, parking
+
+
 @pytest.mark.parametrize("front", ["odcshard", "fully_shard"])
 def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
     """Step 2's h_k: the room is the level less the reading less the bytes held for pushes in flight. With 30 held,
@@ -162,29 +189,16 @@ def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
     reading F under brings nothing back (it would without h_k); with F held, a reading 2F under brings the first
     block. The models' ``gradient_bytes_in_flight`` is what ``train_step`` passes: None on a CPU (no push stream),
     and where pushes are held, the streams' count of held buffers is their bytes."""
-    model = _model(front)
+    model, parking = _parked_after_a_step(front)
     assert model.gradient_bytes_in_flight() is None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
-    model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-    first = parking.memory.footprint(parking._parked[0].host.nbytes)
-    for held, readings, arrived in ((30, [120, 100], 0), (first - 1, [120 + 2 * first, 120 + first], 0),
-                                    (first, [120 + 2 * first, 120], 1)):
-        values = iter(readings)
-
-        class Scripted(CudaMemory):
-            def allocated(self, device):
-                return next(values) + sum(parking.memory.footprint(e.host.nbytes)
-                                          for e in parking._parked[:parking._arrived])
-
-        memory, parking.memory = parking.memory, Scripted()
-        back = BackwardReturn(parking, lambda: held)
+    f = parking.memory.footprint(parking._parked[0].host.nbytes)
+    for held, readings, arrived in ((30, [120, 100], 0), (f - 1, [120 + 2 * f, 120 + f], 0),
+                                    (f, [120 + 2 * f, 120], 1)):
+        memory = parking.memory = ScriptedBackward(parking, [(r, held) for r in readings])
+        back = BackwardReturn(parking, memory.held)
         back(), back()
         assert parking._arrived == arrived, (held, readings)
         parking.settle()
-        parking.memory = memory
     streams = model.engine.comm if front == "odcshard" else model._odc_engine.comm
     streams.push_stream = object()  # as on a GPU with bounded pushes (no stream is used here)
     streams._held.append((None, [torch.empty(100, dtype=torch.bfloat16)]))
@@ -201,23 +215,10 @@ def test_a_reading_with_no_push_held_does_not_count():
     layers') neither sets the level nor brings anything back, where counting it would bring blocks back at the
     next reading; from the first reading with a buffer held the level is the highest, and a reading one block's
     footprint F (plus what is held) under it brings the first block back."""
-    model = _model("odcshard")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    parking = ParkedOptimizerState(opt, 1.0, memory=FreeingBackward(0))
-    model(torch.randint(0, CFG.vocab_size, (2, 8))).float().pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
+    _, parking = _parked_after_a_step("odcshard")
     f = parking.memory.footprint(parking._parked[0].host.nbytes)
-    readings = iter([(100 + 3 * f, 0), (100, 8), (100 + f, 8), (92, 8)])  # (allocated, bytes held)
-    current = [0, 0]
-
-    class Scripted(CudaMemory):
-        def allocated(self, device):
-            current[:] = next(readings)
-            return current[0] + sum(parking.memory.footprint(e.host.nbytes) for e in parking._parked[:parking._arrived])
-
-    memory, parking.memory = parking.memory, Scripted()
-    back = BackwardReturn(parking, lambda: current[1])
+    memory = parking.memory = ScriptedBackward(parking, [(100 + 3 * f, 0), (100, 8), (100 + f, 8), (92, 8)])
+    back = BackwardReturn(parking, memory.held)
     back()
     assert back.level is None and parking._arrived == 0
     back()
@@ -227,7 +228,6 @@ def test_a_reading_with_no_push_held_does_not_count():
     back()
     assert parking._arrived == 1 and back.brought == f
     parking.settle()
-    parking.memory = memory
 
 
 def test_state_stays_parked_through_the_backward_with_under_backward_off_or_without_units():
