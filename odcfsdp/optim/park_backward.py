@@ -18,14 +18,16 @@ the state can come back into it, its copies running under the rest of the backwa
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
    first unit's, as a backward frees more than it keeps. Where pushes are held (bounded, on a GPU), a reading
-   with no gradient buffer held does not count: the hook fired before any of the site's groups was pushed, with
-   its backward's transient still allocated (on a GPU at 9c2e4af the head's first reading was 6 MB above every
+   with no gradient buffer held does not count: the hook fired before anything was pushed in this backward (the
+   head's site), with its transient still allocated (on a GPU at 9c2e4af the head's first reading was 6 MB above every
    layer's, and filling to it raised the peak by the 6 MB that came back).
 2. **Room.** Start bringing back the next parked tensors, in order, while their blocks fit in L - a_k - h_k
    (``bring_back_within``): each block is allocated on the backward's stream and filled on the parking's side
    stream after the work queued so far. From then on a_k counts them. h_k is the bytes of gradient buffers held
    for pushes in flight at the reading (``gradient_bytes_in_flight``: with pushes bounded to one site in flight,
-   unit k's own buffer, [streams] 2), see below.
+   unit k's own buffer, [streams] 2), see below; their bytes, not their blocks' (within 512 bytes a buffer).
+   Where pushes are not held (unbounded, none in flight, no push stream) h_k is 0 and every reading counts, so
+   there a head that reads above the layers may still set the level.
 3. **The rest.** ``prefetch_parked`` once the micro-batches are done brings back what did not fit, as before.
 
 Why the peak does not rise. Between units the allocated bytes are a_k; inside a unit's backward they rise by a
@@ -69,7 +71,7 @@ class BackwardReturn:
             none held does not count (step 1). None: pushes are never held.
     """
 
-    def __init__(self, parking: ParkedOptimizerState, in_flight: Callable[[], int] | None = None):
+    def __init__(self, parking: ParkedOptimizerState, in_flight: Callable[[], int | None] | None = None):
         self.parking = parking
         self.in_flight = in_flight
         self.level: int | None = None
@@ -102,7 +104,7 @@ def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:
 @contextlib.contextmanager
 def returning_under_backward(optimizer: torch.optim.Optimizer,
                              register: Callable[[Callable[[], None]], object] | None,
-                             in_flight: Callable[[], int] | None = None) -> Iterator[None]:
+                             in_flight: Callable[[], int | None] | None = None) -> Iterator[None]:
     """Around the last micro-batch's forward and backward: its units' backward bring the parked state back
     ([park-backward]). ``register`` is the model's ``register_post_backward_hook`` (None: a model without units,
     nothing comes back early), ``in_flight`` its ``gradient_bytes_in_flight`` (step 2); nothing either for an

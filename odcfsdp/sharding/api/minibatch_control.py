@@ -53,8 +53,8 @@ class MinibatchControl:
         """Bytes of gradient buffers still held for pushes in flight: with pushes bounded to a site in flight
         ([streams] 2 in ``streams.py``) a unit's buffer lives until the next unit's push has queued its own. Read in
         a post-backward hook, it is what the next unit's backward holds on top of its own buffer, which
-        [park-backward] leaves unfilled (0: nothing of the unit pushed yet). None where pushes are not held: on
-        CPUs (no push stream) and with unbounded pushes."""
+        [park-backward] leaves unfilled (0: nothing pushed yet in this backward). None where pushes are not held:
+        on CPUs (no push stream), with unbounded pushes and with none in flight (``pushes_in_flight`` 0)."""
         return self._control_lifecycle().comm.held_bytes()
 
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:

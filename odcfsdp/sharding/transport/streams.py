@@ -188,9 +188,9 @@ class CommStreams:
 
     def held_bytes(self) -> int | None:
         """Bytes of the gradient buffers held for bounded pushes in flight (2): allocated until a later site's push
-        waits for theirs. None where pushes are not held: no push stream, or unbounded (their buffers count as free
-        at once, [streams] 2)."""
-        if self.push_stream is None or self._pushes_in_flight is None:
+        waits for theirs. None where pushes are not held: no push stream, unbounded (their buffers count as free
+        at once, [streams] 2), or bounded to 0 sites (each site's buffers go once its push is queued)."""
+        if self.push_stream is None or not self._pushes_in_flight:
             return None
         return sum(b.nbytes for _, buffers in self._held for b in buffers) + sum(b.nbytes for b in self._site)
 
