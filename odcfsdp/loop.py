@@ -127,7 +127,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, mi
         sync = no_sync() if no_sync is not None and k < last else contextlib.nullcontext()
         # parked optimizer state comes back under the last backward, in the memory it frees ([park-backward])
         early = (returning_under_backward(optimizer, getattr(model, "register_post_backward_hook", None),
-                                          getattr(model, "gradient_bytes_in_flight", None))
+                                          getattr(model, "gradient_bytes_in_flight", None),
+                                          getattr(model, "backward_pushes", None))
                  if k == last else contextlib.nullcontext())
         with sync, early:  # around backward too: FSDP2 reads its sync flag in backward, DDP at forward
             with autocast():

@@ -62,18 +62,23 @@ class FreeingBackward(CudaMemory):
 def test_post_backward_hook_runs_after_each_unit_until_removed(front):
     """The hook runs after each site's backward (ODCShard without units: each module holding parameters; fully_shard:
     each layer, and the root's own parameters), as often in every backward, in the backward's thread, and not after
-    ``remove()``; two hooks both run."""
+    ``remove()``; two hooks both run. ``backward_pushes`` counts the backward's pushes so far: never fewer at a
+    later call, from 0 again in the next backward, all of them once it is over (each group once)."""
     model = _model(front)
-    calls, phases = [], []
+    calls, phases, pushes = [], [], []
     handle = model.register_post_backward_hook(lambda: calls.append(torch.is_grad_enabled()))
-    other = model.register_post_backward_hook(lambda: phases.append(model._control_lifecycle().phase.name))
+    other = model.register_post_backward_hook(lambda: (phases.append(model._control_lifecycle().phase.name),
+                                                       pushes.append(model.backward_pushes())))
     tokens = torch.randint(0, CFG.vocab_size, (2, 8))
     model(tokens).float().pow(2).mean().backward()
     first = len(calls)
+    groups = len(model.engine.groups if front == "odcshard" else model._odc_engine.groups)
+    assert model.backward_pushes() == groups
     model(tokens).float().pow(2).mean().backward()
     leaves = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
     assert first >= (leaves - 1 if front == "odcshard" else CFG.n_layers + 1)
     assert len(calls) == 2 * first and set(phases) == {"BACKWARD"} and len(phases) == len(calls)
+    assert pushes[:first] == pushes[first:] == sorted(pushes[:first]) and pushes[-1] <= groups
     handle.remove()
     model(tokens).float().pow(2).mean().backward()
     assert len(calls) == 2 * first and len(phases) == 3 * first
@@ -156,11 +161,12 @@ def test_the_room_is_the_level_less_what_is_allocated():
 
 
 class ScriptedBackward(CudaMemory):
-    """A device whose readings are scripted: each reading takes the next (allocated, bytes held for pushes) pair and
-    adds the state brought back; ``held`` is the last pair's bytes held (the model's ``gradient_bytes_in_flight``)."""
+    """A device whose readings are scripted: each reading takes the next (allocated, bytes held for pushes, pushes of
+    the backward so far) and adds the state brought back; ``held`` and ``pushes`` are the last reading's (the model's
+    ``gradient_bytes_in_flight`` and ``backward_pushes``)."""
 
     def __init__(self, parking: ParkedOptimizerState, readings):
-        self.parking, self.readings, self.current = parking, iter(readings), (0, 0)
+        self.parking, self.readings, self.current = parking, iter(readings), (0, 0, 0)
 
     def allocated(self, device):
         self.current = next(self.readings)
@@ -169,6 +175,9 @@ class ScriptedBackward(CudaMemory):
 
     def held(self) -> int:
         return self.current[1]
+
+    def pushes(self) -> int:
+        return self.current[2]
 
 
 def _parked_after_a_step(front: str):
@@ -194,8 +203,8 @@ def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
     f = parking.memory.footprint(parking._parked[0].host.nbytes)
     for held, readings, arrived in ((30, [120, 100], 0), (f - 1, [120 + 2 * f, 120 + f], 0),
                                     (f, [120 + 2 * f, 120], 1)):
-        memory = parking.memory = ScriptedBackward(parking, [(r, held) for r in readings])
-        back = BackwardReturn(parking, memory.held)
+        memory = parking.memory = ScriptedBackward(parking, [(r, held, 1) for r in readings])
+        back = BackwardReturn(parking, memory.held, memory.pushes)
         back(), back()
         assert parking._arrived == arrived, (held, readings)
         parking.settle()
@@ -211,15 +220,18 @@ def test_the_room_leaves_the_buffers_of_pushes_in_flight_unfilled(front):
     streams.push_stream = None
 
 
-def test_a_reading_with_no_push_held_does_not_count():
-    """Step 1 where pushes are held: a reading with nothing held (the head's site before its push, higher than the
-    layers') neither sets the level nor brings anything back, where counting it would bring blocks back at the
-    next reading; from the first reading with a buffer held the level is the highest, and a reading one block's
-    footprint F (plus what is held) under it brings the first block back."""
+@pytest.mark.parametrize("held", [0, 8])
+def test_a_reading_before_the_backwards_first_push_does_not_count(held):
+    """Step 1: a reading before anything of the backward was pushed (the head's site, its gradients not all in,
+    higher than the layers') neither sets the level nor brings anything back, where counting it would bring blocks
+    back at the next reading; from the first push on the level is the highest reading, and a reading one block's
+    footprint F (plus what is held) under it brings the first block back. Alike with pushes held (8 bytes) and not
+    (unbounded or on a CPU: 0)."""
     _, parking = _parked_after_a_step("odcshard")
     f = parking.memory.footprint(parking._parked[0].host.nbytes)
-    memory = parking.memory = ScriptedBackward(parking, [(100 + 3 * f, 0), (100, 8), (100 + f, 8), (92, 8)])
-    back = BackwardReturn(parking, memory.held)
+    memory = parking.memory = ScriptedBackward(parking, [(100 + 3 * f, held, 0), (100, held, 1), (100 + f, held, 2),
+                                                         (100 - held, held, 3)])
+    back = BackwardReturn(parking, memory.held, memory.pushes)
     back()
     assert back.level is None and parking._arrived == 0
     back()

@@ -17,17 +17,17 @@ the state can come back into it, its copies running under the rest of the backwa
    is each micro-batch's peak.
 1. **Level.** After each unit's backward of the last micro-batch (the model's ``register_post_backward_hook``),
    read the bytes torch has allocated, a_k. The level is the highest reading so far, L = max a_j (j <= k): the
-   first unit's, as a backward frees more than it keeps. Where pushes are held (bounded, on a GPU), a reading
-   with no gradient buffer held does not count: the hook fired before anything was pushed in this backward (the
-   head's site), with its transient still allocated (on a GPU at 9c2e4af the head's first reading was 6 MB above every
-   layer's, and filling to it raised the peak by the 6 MB that came back).
+   first unit's, as a backward frees more than it keeps. A reading before the backward's first push does not
+   count (the model's ``backward_pushes``): the hook fired for a site whose gradients are not all in, its
+   transient still allocated (on a GPU at 9c2e4af the head's first reading was 6 MB above every layer's, and
+   filling to it raised the peak by the 6 MB that came back; 4ca0138 skipped it where no push buffer was held,
+   which covered bounded pushes only).
 2. **Room.** Start bringing back the next parked tensors, in order, while their blocks fit in L - a_k - h_k
    (``bring_back_within``): each block is allocated on the backward's stream and filled on the parking's side
    stream after the work queued so far. From then on a_k counts them. h_k is the bytes of gradient buffers held
    for pushes in flight at the reading (``gradient_bytes_in_flight``: with pushes bounded to one site in flight,
-   unit k's own buffer, [streams] 2), see below; their bytes, not their blocks' (within 512 bytes a buffer).
-   Where pushes are not held (unbounded, none in flight, no push stream) h_k is 0 and every reading counts, so
-   there a head that reads above the layers may still set the level.
+   unit k's own buffer, [streams] 2), see below; their bytes, not their blocks' (within 512 bytes a buffer);
+   0 where pushes are not held (unbounded, none in flight, no push stream).
 3. **The rest.** ``prefetch_parked`` once the micro-batches are done brings back what did not fit, as before.
 
 Why the peak does not rise. Between units the allocated bytes are a_k; inside a unit's backward they rise by a
@@ -67,13 +67,17 @@ class BackwardReturn:
     Args:
         parking: the optimizer's parked state (its device's allocated bytes are read).
         in_flight: the bytes of gradient buffers held for pushes in flight at a reading (the model's
-            ``gradient_bytes_in_flight``; None where pushes are not held), left unfilled (step 2); a reading with
-            none held does not count (step 1). None: pushes are never held.
+            ``gradient_bytes_in_flight``; None where pushes are not held), left unfilled (step 2). None: pushes
+            are never held.
+        pushed: the pushes of the backward so far (the model's ``backward_pushes``); a reading before the first
+            does not count (step 1). None: every reading counts.
     """
 
-    def __init__(self, parking: ParkedOptimizerState, in_flight: Callable[[], int | None] | None = None):
+    def __init__(self, parking: ParkedOptimizerState, in_flight: Callable[[], int | None] | None = None,
+                 pushed: Callable[[], int] | None = None):
         self.parking = parking
         self.in_flight = in_flight
+        self.pushed = pushed
         self.level: int | None = None
         self.brought = 0  # bytes of blocks allocated here
 
@@ -81,10 +85,9 @@ class BackwardReturn:
         allocated = self.parking.memory.allocated(self.parking.device)
         if allocated is None or self.parking.where is not Where.PARKED:
             return
-        held = self.in_flight() if self.in_flight is not None else None
-        if held == 0:  # pushes are held, and none is: nothing of the site pushed yet (step 1)
+        if self.pushed is not None and self.pushed() == 0:  # nothing of this backward pushed yet (step 1)
             return
-        held = held or 0
+        held = (self.in_flight() if self.in_flight is not None else None) or 0
         if self.level is None or allocated >= self.level:
             self.level = allocated
             return
@@ -104,16 +107,17 @@ def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:
 @contextlib.contextmanager
 def returning_under_backward(optimizer: torch.optim.Optimizer,
                              register: Callable[[Callable[[], None]], object] | None,
-                             in_flight: Callable[[], int | None] | None = None) -> Iterator[None]:
+                             in_flight: Callable[[], int | None] | None = None,
+                             pushed: Callable[[], int] | None = None) -> Iterator[None]:
     """Around the last micro-batch's forward and backward: its units' backward bring the parked state back
     ([park-backward]). ``register`` is the model's ``register_post_backward_hook`` (None: a model without units,
-    nothing comes back early), ``in_flight`` its ``gradient_bytes_in_flight`` (step 2); nothing either for an
-    optimizer without parking, or with ``under_backward`` off."""
+    nothing comes back early), ``in_flight`` its ``gradient_bytes_in_flight`` (step 2), ``pushed`` its
+    ``backward_pushes`` (step 1); nothing either for an optimizer without parking, or with ``under_backward`` off."""
     parking = parking_of(optimizer)
     if register is None or parking is None or not parking.under_backward or parking.where is not Where.PARKED:
         yield
         return
-    handle = register(BackwardReturn(parking, in_flight))
+    handle = register(BackwardReturn(parking, in_flight, pushed))
     try:
         yield
     except BaseException:

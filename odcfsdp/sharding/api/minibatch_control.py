@@ -53,9 +53,15 @@ class MinibatchControl:
         """Bytes of gradient buffers still held for pushes in flight: with pushes bounded to a site in flight
         ([streams] 2 in ``streams.py``) a unit's buffer lives until the next unit's push has queued its own. Read in
         a post-backward hook, it is what the next unit's backward holds on top of its own buffer, which
-        [park-backward] leaves unfilled (0: nothing pushed yet in this backward). None where pushes are not held:
-        on CPUs (no push stream), with unbounded pushes and with none in flight (``pushes_in_flight`` 0)."""
+        [park-backward] leaves unfilled. None where pushes are not held: on CPUs (no push stream), with unbounded
+        pushes and with none in flight (``pushes_in_flight`` 0)."""
         return self._control_lifecycle().comm.held_bytes()
+
+    def backward_pushes(self) -> int:
+        """How many gradient pushes the current backward has queued so far (the last backward's, after it). Read in
+        a post-backward hook, 0 says the hook fired before anything of the backward was pushed: a site whose
+        gradients are not all in yet, its transient still allocated, which [park-backward] does not count."""
+        return self._control_lifecycle().backward_pushes
 
     def begin_minibatch(self, micro_batches: int, tokens: int | None = None) -> int | None:
         """Declare this rank's share of the coming minibatch; return the global token count.

@@ -99,6 +99,7 @@ class StepLifecycle:
         self.minibatch = minibatch
         self.checks = checks
         self.phase = TrainingPhase.IDLE
+        self.backward_pushes = 0  # pushes queued in the current (or last) backward: the post-backward hooks read it
         # torch's RemovableHandle's ids -> hooks (an OrderedDict: the handle holds it by a weak reference)
         self.post_backward_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
@@ -164,6 +165,7 @@ class StepLifecycle:
         queued once), then re-gather with gradient buffers."""
         if self.phase is not TrainingPhase.BACKWARD:
             self._set_phase(TrainingPhase.BACKWARD)
+            self.backward_pushes = 0
             queue_end_of_backward(self.finalize_backward)
         with phase_range("pre_backward"):
             self._unshard(site, backward=True)
@@ -209,6 +211,7 @@ class StepLifecycle:
         with torch.no_grad():
             self.comm.push(group.index, grad)
         self.minibatch.count_pushes(1)
+        self.backward_pushes += 1
 
     def reshard_all(self) -> None:
         """Free every group's unsharded buffer (the modules hold shards)."""
