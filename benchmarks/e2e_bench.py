@@ -274,6 +274,9 @@ def run_one(workload: str, method: str, balance: str, args, device: torch.device
                # host: time to queue the forward/backward work (close to compute = launch-bound)
                for key in ("rank_compute_s", "rank_step_s", "rank_host_s")},
             "losses": [s["loss"] for s in steps], "steps": steps, "profile": profile, "memory_breakdown": memory,
+            # [fresh-grads] on in some group (odc; zeroed_grads turns it off): None for the other methods
+            "fresh_grads": (any(g._fresh_grads for g in wrapped.engine.groups)
+                            if isinstance(wrapped, ODCShard) else None),
         }
     finally:  # the NVSHMEM heap must be freed even if the run failed, or the next run cannot get it
         events.close()

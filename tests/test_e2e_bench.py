@@ -84,6 +84,7 @@ def test_memory_variants_train_the_same_model(variants_run):
                          "odc-zeroed_grads", "fsdp2", "fsdp2-offload"}
     # [fresh-grads]' ablation: autograd adding into zeroed buffers gives the same gradients (0 + g is g)
     assert runs["odc-zeroed_grads"]["losses"] == runs["odc"]["losses"]
+    assert [runs[m]["fresh_grads"] for m in ("odc", "odc-zeroed_grads", "fsdp2")] == [True, False, None]
     for park in ("odc-park", "odc-park50"):  # [parking]: the state (half of it) moved and back (shm sums in any
         for a, b in zip(runs[park]["losses"], runs["odc"]["losses"]):  # order: not to the bit between runs)
             assert abs(a - b) <= 1e-5 * abs(b), park
