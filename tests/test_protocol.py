@@ -316,7 +316,8 @@ def test_the_design_notes_transition_table_is_the_protocols():
 def test_each_lifecycle_step_is_a_profiler_range():
     """[lifecycle]: a profiled step of the standard loop shows each phase as an ``odc::`` range, as FSDP2's show in a
     trace: gather and reshard per site in forward, re-gather and push per site in backward, the flush at the end of
-    each backward, then one sync and one finish per minibatch (two micro-batches here)."""
+    each backward, then one sync and one finish per minibatch (two micro-batches here), each with its wait for the
+    device (quiesce) and its meeting, the finish with its publish."""
     from torch.profiler import ProfilerActivity, profile
 
     model = ODCShard(_tiny(), units=(torch.nn.Linear,), reshard_after_forward=True)
@@ -339,7 +340,8 @@ def test_each_lifecycle_step_is_a_profiler_range():
     # a push range per site whose inputs need a gradient, per backward: the last Linear's (the Tanh's output); the
     # first Linear's inputs are data, so its groups are pushed at the end of backward, in the flush
     assert counts == {"odc::gather": 2 * sites, "odc::reshard": 2 * sites, "odc::pre_backward": 2 * sites,
-                      "odc::push": 2 * 1, "odc::flush": 2, "odc::sync": 1, "odc::finish": 1}, counts
+                      "odc::push": 2 * 1, "odc::flush": 2, "odc::sync": 1, "odc::finish": 1, "odc::quiesce": 2,
+                      "odc::meet": 2, "odc::publish": 1}, counts
     model.close()
 
 
