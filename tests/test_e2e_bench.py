@@ -82,8 +82,10 @@ def test_memory_variants_train_the_same_model(variants_run):
     runs = variants_run
     assert set(runs) == {"odc", "odc-lean", "odc-offload", "odc-park", "odc-park50", "odc-split_masters",
                          "odc-zeroed_grads", "fsdp2", "fsdp2-offload"}
-    # [fresh-grads]' ablation: autograd adding into zeroed buffers gives the same gradients (0 + g is g)
-    assert runs["odc-zeroed_grads"]["losses"] == runs["odc"]["losses"]
+    # [fresh-grads]' ablation: autograd adding into zeroed buffers sums a parameter's contributions in another
+    # order (into the buffer, one at a time), so to fp32's rounding, not to the bit (CI at f2ea2e4: 4e-8 relative)
+    for a, b in zip(runs["odc-zeroed_grads"]["losses"], runs["odc"]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
     assert [runs[m]["fresh_grads"] for m in ("odc", "odc-zeroed_grads", "fsdp2")] == [True, False, None]
     for park in ("odc-park", "odc-park50"):  # [parking]: the state (half of it) moved and back (shm sums in any
         for a, b in zip(runs[park]["losses"], runs["odc"]["losses"]):  # order: not to the bit between runs)
