@@ -30,7 +30,8 @@ ABLATIONS = ("prefetch0", "no_overlap", "unfused", "module_hooks")  # odc with o
 # ([park-trickle], the default); with park_largest_first, a rank's micro-batches run in the plan's order (largest
 # first), not with the largest last ([park-backward] 0).
 VARIANTS = ("gather_masters", "split_masters", "bf16_reduce", "lean", "offload", "unbounded_pushes", "pushesN",
-            "zeroed_grads", "unit_groups", "park", "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once", "park_largest_first")
+            "zeroed_grads", "unit_groups", "park", "parkNN", "parkfit", "parkfitNN", "park_late", "park_at_once",
+            "park_largest_first")
 
 
 def _percent(lever: str, name: str, alone: float) -> float | None:

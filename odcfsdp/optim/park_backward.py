@@ -87,12 +87,12 @@ class BackwardReturn:
             return
         if self.pushed is not None and self.pushed() == 0:  # nothing of this backward pushed yet (step 1)
             return
-        held = (self.in_flight() if self.in_flight is not None else None) or 0
         if self.level is None or allocated >= self.level:
             self.level = allocated
             return
-        if self.level - allocated > held:
-            self.brought += self.parking.bring_back_within(self.level - allocated - held)
+        room = self.level - allocated - ((self.in_flight and self.in_flight()) or 0)  # h_k: None where not held
+        if room > 0:
+            self.brought += self.parking.bring_back_within(room)
 
 
 def wants_largest_last(optimizer: torch.optim.Optimizer) -> bool:

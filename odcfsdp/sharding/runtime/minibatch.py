@@ -270,16 +270,17 @@ class Minibatch:
     # -- meetings -----------------------------------------------------------------------------------------
     def meet(self, kind: Meeting) -> int:
         """One meeting of all ranks (``Meetings.meet``); returns every rank's pushes."""
-        skipped, self.skipped_passes = self.skipped_passes, 0
-        with phase_range("meet"):  # the profile's split of sync and finish: the meeting, the wait, the publish
-            return self.meetings.meet(kind, self.minibatch, skipped, self.pushes)
+        return self._meet(kind, None)[0]
 
     def meet_carrying(self, kind: Meeting, carry: torch.Tensor) -> torch.Tensor:
         """``meet``, carrying this rank's ``carry`` (``LatePublish.carry``); returns every rank's
         (``Meetings.meet_carrying``)."""
+        return self._meet(kind, carry)[1]
+
+    def _meet(self, kind: Meeting, carry: torch.Tensor | None) -> tuple[int, torch.Tensor]:
         skipped, self.skipped_passes = self.skipped_passes, 0
-        with phase_range("meet"):
-            return self.meetings.meet_carrying(kind, self.minibatch, skipped, self.pushes, carry)[1]
+        with phase_range("meet"):  # the profile's split of sync and finish: the meeting, the wait, the publish
+            return self.meetings.meet_carrying(kind, self.minibatch, skipped, self.pushes, carry)
 
     def declare_minibatch(self, micro_batches: int, tokens: int | None) -> int | None:
         """``ODCShard.begin_minibatch``: one small all-gather (none if one-sided without tokens); see there."""
