@@ -19,6 +19,9 @@ odc variants, see below):
   (on CUDA on a side stream, under the next forward, as ODCShard does: [streams] 5);
 * ``odc_gather_masters``: ``odc_torch`` with ``gather_masters=True``: peers read the masters, nothing
   is published ([gather-masters]);
+* ``odc_split_masters``: ``odc_torch`` with ``split_masters=True``: the masters joined from their rows and low
+  bits before the step and split again after it (where ODCShard splits them, at the next minibatch's first forward,
+  the pass is on the same path: [split-masters]);
 * ``odc_lean``: that plus bf16 accumulators (``mp_policy`` reduce_dtype): at the sync the bf16
   accumulator is cast into fp32 ``.grad``, after the step the bf16 accumulator is zeroed ([precision]).
 
@@ -46,6 +49,7 @@ import statistics
 import torch
 
 from odcfsdp.models.llama import Llama, llama_config
+from odcfsdp.sharding.groups.split_master import join_low_bits, split_low_bits
 
 from benchmarks import timing
 from benchmarks import harness, provenance
@@ -57,9 +61,10 @@ BYTES_PER_PARAM = {  # minimum traffic per parameter (fp32 master/grad/moments, 
     "fsdp2_dtensor": 4 + 8 + 16 + 12,
     "odc_torch": 4 + 8 + 16 + 12 + 6,  # + publish (read p, write row)
     "odc_gather_masters": 4 + 8 + 16 + 12,  # nothing published
+    "odc_split_masters": 4 + 8 + 16 + 12 + 6 + 16,  # + publish, the join (read 4, write 4) and the split (4, 4)
     "odc_lean": 4 + 8 + 16 + 12 + 6,  # + cast the bf16 accumulator into fp32 .grad
 }
-ZERO_BYTES = {"odc_torch": 4, "odc_gather_masters": 4, "odc_lean": 2}  # zeroing the accumulator (under the forward)
+ZERO_BYTES = {"odc_torch": 4, "odc_gather_masters": 4, "odc_split_masters": 4, "odc_lean": 2}  # zeroing the accumulator (under the forward)
 
 
 def shard_shapes(size: str, vocab: int, world: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -176,13 +181,16 @@ def run_size(size: str, args, device) -> dict:
         opt = torch.optim.AdamW([{"params": decay}, {"params": keep, "weight_decay": 0.0}], lr=HP["lr"],
                                 betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"],
                                 fused=device.type == "cuda" or None)
-        publish = name == "odc_torch"
+        publish = name in ("odc_torch", "odc_split_masters")
+        split = name == "odc_split_masters"
         row_views, master_views, acc_views = group_views(rows), group_views(master), group_views(acc)
         acc16_views = group_views(acc16)
         zeroed = acc16_views if name == "odc_lean" else acc_views
 
         # every step sees a full gradient (a zeroed accumulator would make the step trivial); odc_lean's are in its
         # bf16 accumulator, which the sync casts into ``acc``
+        stale = torch.zeros((), dtype=torch.bool, device=device)
+        lows = [split_low_bits(m, row, stale) for row, m in zip(row_views, master_views)] if split else []
         refill = functools.partial((acc16 if name == "odc_lean" else acc).copy_, grad_src)
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
@@ -194,12 +202,18 @@ def run_size(size: str, args, device) -> dict:
             if standin is not None:  # the backward's tail: the host queues the step while the GPU is busy, as in
                 standin()            # training, so the step's time is the GPU's and not the host's dispatch
             marks.mark("start")
+            if split:  # the sync's join: every master whole again from its row and low bits
+                for row, low, m in zip(row_views, lows, master_views):
+                    join_low_bits(row, low, m)
+                lows.clear()
             if name == "odc_lean":  # the sync: .grad is the bf16 accumulator cast to fp32
                 torch._foreach_copy_(acc_views, acc16_views)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             if publish:
                 torch._foreach_copy_(row_views, master_views)
+            if split:  # the next minibatch's first forward splits them again (the same stream, the same path)
+                lows.extend(split_low_bits(m, row, stale) for row, m in zip(row_views, master_views))
             if aside is None and name.startswith("odc"):  # no stand-in forward to overlap: zeroed in the step
                 torch._foreach_zero_(zeroed)
             marks.mark("stepped")
@@ -231,7 +245,7 @@ def run_size(size: str, args, device) -> dict:
     standin = forward_standin(device, args.forward_ms)
     aside = torch.cuda.Stream(device) if standin is not None else None  # nothing to overlap: zeroed in the step
     for name, dtensor in (("fsdp2", False), ("fsdp2_dtensor", True), ("odc_torch", True),
-                          ("odc_gather_masters", True), ("odc_lean", True)):
+                          ("odc_gather_masters", True), ("odc_split_masters", True), ("odc_lean", True)):
         if name in args.variants:
             results[name] = torch_variant(name, dtensor)
             if device.type == "cuda":

@@ -200,21 +200,28 @@ def _meta_init_run(split: bool) -> list[float]:
                 m.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
-    losses = []
+    losses, reads = [], []
+    weight = model[1][0].weight  # a sharded DTensor parameter
     for _ in range(4):
         for _ in range(2):
             loss = model(torch.randn(8, 32, generator=g)).float().pow(2).mean()
+            if split:  # [split-masters] 3: a read between the split and the join raises, naming the fix
+                with pytest.raises(RuntimeError, match="'1.0.weight'.*split_masters=True holds"):
+                    weight.sum()
+                assert "split_masters=False" in repr(weight)
             loss.backward()
         losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the sync: whole again
+        reads.append(weight.detach().float().pow(2).sum().item())
         opt.step()
         opt.zero_grad()
-    return losses
+    return losses + reads
 
 
 def test_fully_shard_meta_init_with_split_masters_trains_as_without():
     """The FSDP2 init recipe (meta device, ``to_empty``, init) with ``EngineSettings(split_masters=True)`` on 2 CPU
-    ranks: each rank's losses those of the same run without it."""
+    ranks: each rank's losses, and a parameter read after each sync, those of the same run without it; a read of a
+    shard inside a minibatch raises, naming the parameter and the fix (before, it read freed storage: a crash)."""
     want = spawn(_meta_init_run, 2, False, timeout=180)
     got = spawn(_meta_init_run, 2, True, timeout=180)
     for a, b in zip(got, want, strict=True):

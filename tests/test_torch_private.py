@@ -105,6 +105,17 @@ def test_dtensor_spec_tree_leaves_and_wrapper_subclasses():
     assert tp.apply_to_tensors(lambda t: t * 2, {"a": torch.ones(1)})["a"].item() == 2.0
 
 
+def test_a_valueless_tensor_keeps_its_metadata_and_raises_on_any_operation():
+    like = torch.zeros(4, 6)[:, :3]  # a strided view: its strides are kept
+    held = tp.ValuelessTensor(like, "held elsewhere")
+    assert (held.shape, held.stride(), held.dtype, held.device) == (like.shape, like.stride(), like.dtype, like.device)
+    assert repr(held) == "<held elsewhere>" and not held.requires_grad
+    for op in (lambda: held.sum(), lambda: held + 1, lambda: held.add_(1), lambda: torch.ones(4, 3).copy_(held),
+               lambda: torch._foreach_norm([held]), lambda: held.detach()):
+        with pytest.raises(RuntimeError, match="held elsewhere"):
+            op()
+
+
 def test_torchs_fully_shard_state_finds_a_registered_state():
     from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard  # never patched
 

@@ -52,8 +52,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.layout import GroupLayout
-from ...torch_private import (UNSHARDED, DTensorSpec, EventGrad, EventSink, TensorMeta, local_of, mark_parameter,
-                              register_foreach_types, set_local, store_grad, stored_grad)
+from ...torch_private import (UNSHARDED, DTensorSpec, EventGrad, EventSink, TensorMeta, ValuelessTensor, local_of,
+                              mark_parameter, register_foreach_types, set_local, store_grad, stored_grad)
 
 
 class ODCParameter(EventGrad, DTensor):
@@ -149,6 +149,8 @@ class ShardedParam:
         self.slot = slot
         self.shape = slot.shape
         self.local = local = layout.local_view(master, index, rank)
+        self.held: torch.Tensor | None = None  # the DTensor's local while the master is held elsewhere (hold)
+        self._valueless: ValuelessTensor | None = None
         if device_mesh is None:
             sharded = ODCLocalParameter(local, requires_grad=self.trainable)
         else:
@@ -190,6 +192,8 @@ class ShardedParam:
                    for mod, attr in self.registrations):
             return "was replaced after ODCShard wrapped the model"
         local = local_of(self.sharded)  # the DTensor's local tensor (no autograd op)
+        if local is self.held:  # its values are held elsewhere for now ([split-masters] 3): the view stays its own
+            local = self.local
         if (tuple(self.sharded.shape) != self.shape or local.data_ptr() != self.local.data_ptr()
                 or tuple(self.unsharded.shape) != self.shape or self.unsharded.dtype != param_dtype):
             return "had its data reassigned after wrapping"
@@ -197,6 +201,24 @@ class ShardedParam:
             return ("was frozen when the model was sharded, so its group has no gradient accumulator: unfreeze it "
                     "before sharding (a parameter trained then may be frozen and unfrozen between steps)")
         return None
+
+    # -- values held elsewhere ([split-masters] 3) ------------------------------------------------------
+    def hold(self, why: str) -> None:
+        """The master's storage is about to be freed: the shard's DTensor points at a tensor without values, so a
+        read raises ``why`` instead of touching freed memory. (A plain parameter, one process without
+        torch.distributed, cannot be re-pointed: it keeps its view.)"""
+        if isinstance(self.sharded, DTensor):
+            why = f"parameter {self.name!r}: {why}"
+            if self._valueless is None or self._valueless.why != why:  # made once: a split holds every shard a step
+                self._valueless = ValuelessTensor(self.local, why)
+            self.held = self._valueless
+            set_local(self.sharded, self.held)
+
+    def unhold(self) -> None:
+        """The master is whole again: the shard's DTensor points at its view of it."""
+        if self.held is not None:
+            set_local(self.sharded, self.local)
+            self.held = None
 
     # -- gradient ----------------------------------------------------------------------------------
     @property

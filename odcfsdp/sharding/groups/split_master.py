@@ -22,11 +22,15 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    (about one element in 65536 per split).
 3. **Readers.** odcfsdp's own readers make the masters whole first: any module's ``state_dict()`` (a pre-hook on
    every module), ``read_master`` (``full_state_dict``, checkpoints, exports), ``to_empty``. Anything else that
-   reads a parameter's values between the two (a norm of the shards, a copy into it) touches freed storage, which
-   torch does not always check: it may raise, or end the process. A ``state_dict`` taken between steps holds views
-   of the masters: write it out before the next forward (DCP's ``async_save`` stages a copy first). A write the
-   version counters do not see (through ``.data``) leaves a row that is not its master's rounding: the split notes
-   it on the device and the join raises, naming the fix (without ``split_masters`` the row would stay stale).
+   reads a parameter between the two (a norm of the shards, a copy into it, a print) finds its DTensor pointing at
+   a tensor without values (``ShardedParam.hold``, ``ValuelessTensor`` in the adapter), which raises ``HELD``,
+   naming the parameter and the fix; the join points it back at its view of the master. Reading freed storage
+   instead ends the process (a segmentation fault on CPU, an illegal address on CUDA), which is what a read did
+   before. Not covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed,
+   and a tensor taken from a shard before the split (a ``state_dict`` between steps holds views of the masters:
+   write it out before the next forward; DCP's ``async_save`` stages a copy first). A write the version counters
+   do not see (through ``.data``) leaves a row that is not its master's rounding: the split notes it on the device
+   and the join raises, naming the fix (without ``split_masters`` the row would stay stale).
 
 The step itself holds the master, not the low bits (each group joins before the next: one group's 2 / N extra at
 a time), so its peak is the default's; the forward and backward hold 2 / N less. NaN stays NaN (its row's),
@@ -49,6 +53,11 @@ import torch
 
 from .row_format import ParamDtypeRows
 
+#: what a read of a shard between the split and the join raises (step 3)
+HELD = ("split_masters=True holds the fp32 masters as their bf16 rows plus low bits from a minibatch's first "
+        "forward to its sync, so a shard has no values to read in between: read parameters after the sync (the "
+        "first .grad read: clip_grad_norm_, the optimizer's step, or end_minibatch()), take model.state_dict() "
+        "(which makes them whole first), or wrap with split_masters=False")
 CHUNK = 1 << 24  # elements per eager pass: a few int32 temporaries of 64 MiB, a few launches per group
 _compiled: dict = {}
 #: why this process stopped compiling the passes (empty: it compiles them); the chunked operators run instead
@@ -151,6 +160,8 @@ class SplitMasters:
                         self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
                     self._low[g] = split_low_bits(g.master, g.row, self._stale)
                     g.master.untyped_storage().resize_(0)
+                    for sp in g.params:  # step 3: a read of a shard now raises, naming the fix
+                        sp.hold(HELD)
 
     def join(self) -> None:
         """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
@@ -159,6 +170,8 @@ class SplitMasters:
             for g in list(self._low):
                 g.master.untyped_storage().resize_(g.master.nbytes)  # its shape and dtype stay: its size
                 join_low_bits(g.row, self._low[g], g.master)
+                for sp in g.params:
+                    sp.unhold()
                 del self._low[g]  # only now: a join that fails keeps the low bits
                 g.note_published()  # the master its row was published from (to 1 ulp at a tie)
         stale, self._stale = self._stale, None
