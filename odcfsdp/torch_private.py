@@ -60,9 +60,9 @@ _apply_to_tensors``                   ``fully_shard``'s (dataclasses included)
 contract``: ``STATE_KEY``,            and its registry of composable APIs see a unit odcfsdp's
 ``REGISTRY_KEY``, ``RegistryItem``;   ``fully_shard`` made, as one torch's made ([fully-shard] 5)
 ``fsdp._fully_shard._fully_shard``
-``Tensor._make_wrapper_subclass``     ``ValuelessTensor``: a shard whose values are held elsewhere
-                                      raises on any read instead of touching freed storage
-                                      ([split-masters] 3)
+``Tensor._make_wrapper_subclass``     ``ValuesOnRead``: a shard whose values are held in another form
+                                      is made whole by its first read instead of reading freed
+                                      storage ([split-masters] 3)
 ====================================  ==============================================================
 
 Design note [implicit-events]
@@ -175,26 +175,36 @@ def set_local(t: torch.Tensor, local: torch.Tensor) -> None:
     t._local_tensor = local
 
 
-class ValuelessTensor(torch.Tensor):
-    """A tensor with a shape, dtype and device but no values: every operation on it raises ``RuntimeError(why)``,
-    ``repr`` shows ``<why>``. Metadata (shape, dtype, device, version) reads work. It stands as a DTensor's local
-    tensor while the values are held in another form ([split-masters] 3), where a read would otherwise touch freed
-    storage (a crash, not an error)."""
+class ValuesOnRead(torch.Tensor):
+    """A tensor with a shape, dtype and device whose values exist only in another form: the first operation on it
+    calls ``read()``, which makes them and returns the real tensor, and runs on that (``repr`` too). Metadata (shape,
+    dtype, device, version) reads make nothing. It stands as a DTensor's local tensor while the values are held
+    in another form ([split-masters] 3), where an operation would otherwise touch freed storage (a crash)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, why: str):
+    def __new__(cls, like: torch.Tensor, read: Callable[[], torch.Tensor]):
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
                                                 device=like.device, requires_grad=False)
-        t.why = why
+        t.read = read
         return t
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return f"<{self.why}>"
+        return repr(self.read())
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        why = next(a.why for a in tree_leaves((args, kwargs)) if isinstance(a, ValuelessTensor))
-        raise RuntimeError(f"{func.__name__}: {why}")
+        return func(*_real(args), **_real(kwargs or {}))
+
+
+def _real(a):
+    """``a`` (an ATen op's arguments: tensors in lists, tuples and dicts) with each ``ValuesOnRead`` read."""
+    if isinstance(a, ValuesOnRead):
+        return a.read()
+    if isinstance(a, (list, tuple)):
+        return type(a)(_real(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _real(v) for k, v in a.items()}
+    return a
 
 
 def mark_parameter(t: torch.Tensor) -> None:
@@ -356,4 +366,4 @@ __all__ = ["apply_to_tensors", "called_from", "default_store", "DTensorSpec", "E
            "record_memory_history", "register_foreach_types", "register_fully_shard_state", "set_last_lr", "set_local",
            "standard_gamma",
            "store_grad", "stored_grad", "TENSOR_GRAD", "TensorMeta", "TESTED_TORCH", "tree_leaves", "UNSHARDED",
-           "ValuelessTensor", "version_of"]
+           "ValuesOnRead", "version_of"]

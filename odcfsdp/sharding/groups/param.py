@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.layout import GroupLayout
-from ...torch_private import (UNSHARDED, DTensorSpec, EventGrad, EventSink, TensorMeta, ValuelessTensor, local_of,
+from ...torch_private import (UNSHARDED, DTensorSpec, EventGrad, EventSink, TensorMeta, ValuesOnRead, local_of,
                               mark_parameter, register_foreach_types, set_local, store_grad, stored_grad)
 
 
@@ -150,7 +150,8 @@ class ShardedParam:
         self.shape = slot.shape
         self.local = local = layout.local_view(master, index, rank)
         self.held: torch.Tensor | None = None  # the DTensor's local while the master is held elsewhere (hold)
-        self._valueless: ValuelessTensor | None = None
+        self._on_read: ValuesOnRead | None = None
+        self._make_whole: Callable[[], None] | None = None
         if device_mesh is None:
             sharded = ODCLocalParameter(local, requires_grad=self.trainable)
         else:
@@ -203,16 +204,22 @@ class ShardedParam:
         return None
 
     # -- values held elsewhere ([split-masters] 3) ------------------------------------------------------
-    def hold(self, why: str) -> None:
-        """The master's storage is about to be freed: the shard's DTensor points at a tensor without values, so a
-        read raises ``why`` instead of touching freed memory. (A plain parameter, one process without
+    def hold(self, make_whole: Callable[[], None]) -> None:
+        """The master's storage is about to be freed: the shard's DTensor points at a tensor whose first operation
+        calls ``make_whole`` (which must ``unhold``) and runs on the view of the master, so a read, a print or a
+        write of the shard works instead of touching freed memory. (A plain parameter, one process without
         torch.distributed, cannot be re-pointed: it keeps its view.)"""
         if isinstance(self.sharded, DTensor):
-            why = f"parameter {self.name!r}: {why}"
-            if self._valueless is None or self._valueless.why != why:  # made once: a split holds every shard a step
-                self._valueless = ValuelessTensor(self.local, why)
-            self.held = self._valueless
+            self._make_whole = make_whole
+            if self._on_read is None:  # made once: a split holds every shard each step
+                self._on_read = ValuesOnRead(self.local, self._read_whole)
+            self.held = self._on_read
             set_local(self.sharded, self.held)
+
+    def _read_whole(self) -> torch.Tensor:
+        if self.held is not None:
+            self._make_whole()
+        return self.local
 
     def unhold(self) -> None:
         """The master is whole again: the shard's DTensor points at its view of it."""

@@ -21,12 +21,13 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    ``m = (h << 16) + d``, the low bits are freed. The master is then what it was, or 1 ulp nearer its row at a tie
    (about one element in 65536 per split).
 3. **Readers.** odcfsdp's own readers make the masters whole first: any module's ``state_dict()`` (a pre-hook on
-   every module), ``read_master`` (``full_state_dict``, checkpoints, exports), ``to_empty``. Anything else that
-   reads a parameter between the two (a norm of the shards, a copy into it, a print) finds its DTensor pointing at
-   a tensor without values (``ShardedParam.hold``, ``ValuelessTensor`` in the adapter), which raises ``HELD``,
-   naming the parameter and the fix; the join points it back at its view of the master. Reading freed storage
-   instead ends the process (a segmentation fault on CPU, an illegal address on CUDA), which is what a read did
-   before. Not covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed,
+   every module), ``read_master`` (``full_state_dict``, checkpoints, exports), ``to_empty``. Any other read of a
+   parameter between the two (a norm of the shards, a print, a copy into it) finds its DTensor pointing at a tensor
+   without storage (``ShardedParam.hold``, ``ValuesOnRead`` in the adapter) whose first operation joins every
+   master (step 2) and then runs on the master's view, so it reads or writes what it would without
+   ``split_masters``; the next training forward splits them again (a write there is a change outside a step,
+   refused as by default). Before, such a read touched freed storage and ended the process (a segmentation
+   fault). Not covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed,
    and a tensor taken from a shard before the split (a ``state_dict`` between steps holds views of the masters:
    write it out before the next forward; DCP's ``async_save`` stages a copy first). A write the version counters
    do not see (through ``.data``) leaves a row that is not its master's rounding: the split notes it on the device
@@ -53,11 +54,6 @@ import torch
 
 from .row_format import ParamDtypeRows
 
-#: what a read of a shard between the split and the join raises (step 3)
-HELD = ("split_masters=True holds the fp32 masters as their bf16 rows plus low bits from a minibatch's first "
-        "forward to its sync, so a shard has no values to read in between: read parameters after the sync (the "
-        "first .grad read: clip_grad_norm_, the optimizer's step, or end_minibatch()), take model.state_dict() "
-        "(which makes them whole first), or wrap with split_masters=False")
 CHUNK = 1 << 24  # elements per eager pass: a few int32 temporaries of 64 MiB, a few launches per group
 _compiled: dict = {}
 #: why this process stopped compiling the passes (empty: it compiles them); the chunked operators run instead
@@ -160,8 +156,8 @@ class SplitMasters:
                         self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
                     self._low[g] = split_low_bits(g.master, g.row, self._stale)
                     g.master.untyped_storage().resize_(0)
-                    for sp in g.params:  # step 3: a read of a shard now raises, naming the fix
-                        sp.hold(HELD)
+                    for sp in g.params:  # step 3: a read of a shard joins every master first
+                        sp.hold(self.join)
 
     def join(self) -> None:
         """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
