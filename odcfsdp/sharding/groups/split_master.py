@@ -15,11 +15,13 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    [-32768, 32768], 65537 values for 16 bits: an exact tie that rounded down (``d = 32768``) is stored as 32767, the
    master moved 1 fp32 ulp (2^-24 of its value) towards its row, which it still rounds to, so what peers gather and
    what layers compute with are unchanged. ``d`` becomes an int16 tensor; the master's storage is freed
-   (``resize_(0)``: the shards, views of it, keep their identity for the optimizer and the state dict).
-2. **Join** (the end of the sync, where ``.grad`` is first read, once the pushes' buffers are free, before the
-   optimizer's step; the finish; a change of rows; a reader, step 3): the storage comes back,
-   ``m = (h << 16) + d``, the low bits are freed. The master is then what it was, or 1 ulp nearer its row at a tie
-   (about one element in 65536 per split).
+   (``resize_(0)``: the shards, views of it, keep their identity for the optimizer and the state dict). On CUDA
+   the passes run on the push stream (``aside``), memory-bound under the first forward's compute-bound layers,
+   and each master's block is reused only once its pass has read it (``record_stream``).
+2. **Join** (the sync, where ``.grad`` is first read: once this rank's pushes are done, so their buffers are free,
+   and *before* the meeting, so that the device joins while the host meets and waits for its peers; the finish;
+   a change of rows; a reader, step 3): the storage comes back, ``m = (h << 16) + d``, the low bits are freed.
+   The master is then what it was, or 1 ulp nearer its row at a tie (about one element in 65536 per split).
 3. **Readers.** odcfsdp's own readers make the masters whole first: any module's ``state_dict()`` (a pre-hook on
    every module), ``read_master`` (``full_state_dict``, checkpoints, exports), ``to_empty``. Any other read of a
    parameter between the two (a norm of the shards, a print, a copy into it) finds its DTensor pointing at a tensor
@@ -42,11 +44,15 @@ Measured (f0ddbfb, 8B on 4 H200s, results/e2e/n4_8b_*_levers_f0ddbfb): balanced,
 default 33.9), but the split and the join, a few torch operators per chunk of ``CHUNK`` elements, cost about 45 ms a
 1.1 s step (0.93x FSDP2, the default 0.97x); long-tailed (11-16 s steps) 0.2-0.7%. So on CUDA each way is one
 kernel per group since, compiled by ``torch.compile`` from the same pass the CPU runs in chunks (``compiled_on``):
-8 bytes an element read and written, about 4 ms a step each way at 4 GPUs by the bytes; not measured yet.
+8 bytes an element read and written. On one H200 at 8B's shards of 2 ranks (3.62B elements), the compiled split
+took 14.9 ms (1.9 TB/s: it also reduces the stale flag) and the join 8.1 ms (3.6 TB/s, the copy's 4.2), in line: 24.5
+ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``). Hence
+the split runs under the forward on the push stream, and the join before the meeting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Sequence
 
@@ -129,10 +135,16 @@ def splittable(group) -> bool:
 
 
 class SplitMasters:
-    """The model's masters held split between a minibatch's first forward and its sync ([split-masters])."""
+    """The model's masters held split between a minibatch's first forward and its sync ([split-masters]).
 
-    def __init__(self, groups: Sequence):
+    Args:
+        groups: the model's groups (those that are not ``splittable`` are left as they are).
+        aside: a CUDA stream the splits run on, under the forward's compute (the push stream); None: the current one.
+    """
+
+    def __init__(self, groups: Sequence, aside: torch.cuda.Stream | None = None):
         self.groups = [g for g in groups if splittable(g)]
+        self.aside = aside
         self._low: dict = {}
         self._stale: torch.Tensor | None = None  # set where a split found a row that was not its master's rounding
         for g in self.groups:
@@ -148,28 +160,47 @@ class SplitMasters:
         return list(self._low.values())
 
     def split(self) -> None:
-        """Step 1 for every group not split yet; frees each master as its low bits are made."""
-        with torch.no_grad():
-            for g in self.groups:
-                if g not in self._low:
-                    if self._stale is None:  # one device: the model's
-                        self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
-                    self._low[g] = split_low_bits(g.master, g.row, self._stale)
-                    g.master.untyped_storage().resize_(0)
-                    for sp in g.params:  # step 3: a read of a shard joins every master first
-                        sp.hold(self.join)
+        """Step 1 for every group not split yet; frees each master as its low bits are made. With ``aside`` the
+        passes run on that stream after the current stream's work so far (the step and the publish wrote the
+        masters and rows), and each master's block goes back to the allocator only once they have read it."""
+        todo = [g for g in self.groups if g not in self._low]
+        if not todo:
+            return
+        aside = self.aside
+        if aside is not None:
+            aside.wait_stream(torch.cuda.current_stream(todo[0].master.device))
+        with torch.no_grad(), (torch.cuda.stream(aside) if aside is not None else contextlib.nullcontext()):
+            for g in todo:
+                if self._stale is None:  # one device: the model's
+                    self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
+                self._low[g] = split_low_bits(g.master, g.row, self._stale)
+                if aside is not None:
+                    g.master.record_stream(aside)  # freed next, while the split on ``aside`` may still read it
+                g.master.untyped_storage().resize_(0)
+                for sp in g.params:  # step 3: a read of a shard joins every master first
+                    sp.hold(self.join)
 
-    def join(self) -> None:
-        """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
-        master is back) where a split found a row that was not its master's rounding."""
+    def join(self, check: bool = True) -> None:
+        """Step 2 for every split group, on the current stream (after the splits on ``aside``); frees each group's
+        low bits once its master is whole. Raises (once every master is back) where a split found a row that was
+        not its master's rounding: the host reads that flag, so it waits for the device, unless ``check`` is
+        False (the sync joins before its meeting, so that the device joins while the host meets, and checks
+        after it: the flag is kept until a join checks it)."""
         with torch.no_grad():
+            if self._low and self.aside is not None:
+                current = torch.cuda.current_stream(next(iter(self._low)).master.device)
+                current.wait_stream(self.aside)
             for g in list(self._low):
                 g.master.untyped_storage().resize_(g.master.nbytes)  # its shape and dtype stay: its size
                 join_low_bits(g.row, self._low[g], g.master)
                 for sp in g.params:
                     sp.unhold()
+                if self.aside is not None:  # made on ``aside``, read here: its block is reused after this read
+                    self._low[g].record_stream(current)
                 del self._low[g]  # only now: a join that fails keeps the low bits
                 g.note_published()  # the master its row was published from (to 1 ulp at a tie)
+        if not check:
+            return
         stale, self._stale = self._stale, None
         if stale is not None and bool(stale):  # the host's only read of the flag
             raise RuntimeError("split_masters=True found parameters changed outside an optimizer step in a way the "

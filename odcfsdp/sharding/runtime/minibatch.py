@@ -293,6 +293,9 @@ class Minibatch:
         with phase_range("sync"):
             with phase_range("quiesce"):
                 self.comm.pushes_done()
+            # [split-masters] 2, queued before the meeting (the pushes' buffers are free by now): the device joins
+            # the masters while the host meets; the stale-row check waits for the meeting (it read the device)
+            self.join_masters(check=False)
             pushes = self.meet(Meeting.SYNC)  # with HSDP, over every replica
             if self.mesh.replicas > 1 and pushes:  # [hsdp]: the replicas' one exchange of gradients
                 for g in self._trained:
@@ -303,13 +306,14 @@ class Minibatch:
                     g.attach_grads()
                 if (offloaded := next((g for g in self._trained if g.offloaded), None)) is not None:
                     offloaded.wait_host_copies()  # every group's host copies are queued back to back: one wait
-            self.join_masters()  # last: the pushes' buffers are free by now ([split-masters] 2)
+            self.join_masters()  # the stale-row check of the join queued above
         return pushes
 
-    def join_masters(self) -> None:
-        """[split-masters] 2: every master whole again (nothing to do unless split)."""
+    def join_masters(self, check: bool = True) -> None:
+        """[split-masters] 2: every master whole again (nothing to do unless split); ``check``: as
+        ``SplitMasters.join``'s."""
         if self.split is not None:
-            self.split.join()
+            self.split.join(check)
 
     @property
     def divide_factor(self) -> float:
