@@ -10,10 +10,8 @@ first forward and its sync, where the peak is: 4 / N, FSDP2's, with the gathers 
 
 Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m - (h << 16)``:
 
-1. **Split** (each group where a training forward of the minibatch first gathers it, ``Minibatch.split_site``
-   from step 2 of [lifecycle]: 33 compiled calls at the forward's start cost 25 ms of host time a step on 2 H200s
-   at 8B, spread over the layers the device hides them; the rows are current: a master changed since it was
-   published raises at the root forward). Rounding to nearest even puts ``d`` in
+1. **Split** (the minibatch's first forward with gradients on, ``Minibatch.before_forward``; the rows are current:
+   a master changed since it was published raises there). Rounding to nearest even puts ``d`` in
    [-32768, 32768], 65537 values for 16 bits: an exact tie that rounded down (``d = 32768``) is stored as 32767, the
    master moved 1 fp32 ulp (2^-24 of its value) towards its row, which it still rounds to, so what peers gather and
    what layers compute with are unchanged. ``d`` becomes an int16 tensor; the master's storage is freed
@@ -146,7 +144,6 @@ class SplitMasters:
 
     def __init__(self, groups: Sequence, aside: torch.cuda.Stream | None = None):
         self.groups = [g for g in groups if splittable(g)]
-        self._mine = set(self.groups)
         self.aside = aside
         self._low: dict = {}
         self._stale: torch.Tensor | None = None  # set where a split found a row that was not its master's rounding
@@ -162,12 +159,11 @@ class SplitMasters:
         """The low bits held now (none outside a minibatch)."""
         return list(self._low.values())
 
-    def split(self, groups: Sequence | None = None) -> None:
-        """Step 1 for every group of ``groups`` (None: all) not split yet; frees each master as its low bits are
-        made. With ``aside`` the passes run on that stream after the current stream's work so far (the step and
-        the publish wrote the masters and rows), and each master's block goes back to the allocator only once they
-        have read it."""
-        todo = [g for g in (self.groups if groups is None else groups) if g not in self._low and g in self._mine]
+    def split(self) -> None:
+        """Step 1 for every group not split yet; frees each master as its low bits are made. With ``aside`` the
+        passes run on that stream after the current stream's work so far (the step and the publish wrote the
+        masters and rows), and each master's block goes back to the allocator only once they have read it."""
+        todo = [g for g in self.groups if g not in self._low]
         if not todo:
             return
         aside = self.aside

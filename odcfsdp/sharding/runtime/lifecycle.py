@@ -126,8 +126,6 @@ class StepLifecycle:
             self._unshard(site, backward)
 
     def _unshard(self, site: Site, backward: bool) -> None:
-        if not backward:
-            self.minibatch.split_site(site)  # [split-masters] 1, where this forward first needs the site
         for g in site:
             g.to_unsharded()
             g.wait_ready()
@@ -155,7 +153,6 @@ class StepLifecycle:
         if self.phase is not TrainingPhase.FORWARD:
             return
         self._set_phase(TrainingPhase.IDLE)
-        self.minibatch.split_pending = False  # the groups this forward did not gather stay whole
         self.prefetch.finish_recording()
         no_grad = not torch.is_grad_enabled()
         for g in self.groups:

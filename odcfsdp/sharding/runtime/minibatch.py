@@ -83,7 +83,6 @@ class Minibatch:
         self._to_consume: dict = {}  # READY: the parameters trained at the sync (ordered), all to be consumed
         self.publish_at_next_forward = False  # to_empty() ran: publish whatever the model's init writes ([meta-init])
         self.split: SplitMasters | None = None  # [split-masters]: masters held as rows + low bits inside a minibatch
-        self.split_pending = False  # a training forward of an accumulating minibatch runs: its sites split
         self._trained = [g for g in self.groups if g.layout.requires_grad]
         self._accumulators = [g.accumulator for g in self._trained if g.accumulator is not None]
         self.comm.written_aside(self._accumulators)  # zeroed on the push stream ([streams] 5)
@@ -140,14 +139,8 @@ class Minibatch:
         if torch.is_grad_enabled():
             self.fresh = False
             self._fire(StepEvent.FORWARD)
-            # [split-masters] 1: the rows are current (a changed master raised above); each group splits where
-            # this forward first gathers it (``split_site``), spreading the host's calls over the forward
-            self.split_pending = self.split is not None and self.state is GradState.ACCUMULATING
-
-    def split_site(self, groups) -> None:
-        """[split-masters] 1 for ``groups`` (a site's, gathered by a training forward; nothing unless pending)."""
-        if self.split_pending:
-            self.split.split(groups)
+            if self.split is not None and self.state is GradState.ACCUMULATING:
+                self.split.split()  # [split-masters] 1: the rows are current (a changed master raised above)
 
     def after_backward(self) -> None:
         """Backward is over: the next ``.grad`` read starts a pass."""
