@@ -15,9 +15,7 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    [-32768, 32768], 65537 values for 16 bits: an exact tie that rounded down (``d = 32768``) is stored as 32767, the
    master moved 1 fp32 ulp (2^-24 of its value) towards its row, which it still rounds to, so what peers gather and
    what layers compute with are unchanged. ``d`` becomes an int16 tensor; the master's storage is freed
-   (``resize_(0)``: the shards, views of it, keep their identity for the optimizer and the state dict). On CUDA
-   the passes run on the push stream (``aside``), memory-bound under the first forward's compute-bound layers,
-   and each master's block is reused only once its pass has read it (``record_stream``).
+   (``resize_(0)``: the shards, views of it, keep their identity for the optimizer and the state dict).
 2. **Join** (the sync, where ``.grad`` is first read: once this rank's pushes are done, so their buffers are free,
    and *before* the meeting, so that the device joins while the host meets and waits for its peers; the finish;
    a change of rows; a reader, step 3): the storage comes back, ``m = (h << 16) + d``, the low bits are freed.
@@ -46,13 +44,17 @@ default 33.9), but the split and the join, a few torch operators per chunk of ``
 kernel per group since, compiled by ``torch.compile`` from the same pass the CPU runs in chunks (``compiled_on``):
 8 bytes an element read and written. On one H200 at 8B's shards of 2 ranks (3.62B elements), the compiled split
 took 14.9 ms (1.9 TB/s: it also reduces the stale flag) and the join 8.1 ms (3.6 TB/s, the copy's 4.2), in line: 24.5
-ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``). Hence
-the split runs under the forward on the push stream, and the join before the meeting.
+ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``). In training
+(8B balanced, 2 H200s) split_masters cost 1.5-2% of odc's step; its host-issue time was 25 ms a step above odc's,
+about the passes' device time too, so which of the two sets the pace is not settled. Tried, no better within the
+calls' spread: the
+splits on the push stream under the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the low bits in that
+stream's pool) and each group split where the forward first gathers it (b35958f: 2.6-3.0%); both reverted. The
+join runs before the sync's meeting (d4fde0f), hidden where the host waits for a peer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Sequence
 
@@ -135,16 +137,10 @@ def splittable(group) -> bool:
 
 
 class SplitMasters:
-    """The model's masters held split between a minibatch's first forward and its sync ([split-masters]).
+    """The model's masters held split between a minibatch's first forward and its sync ([split-masters])."""
 
-    Args:
-        groups: the model's groups (those that are not ``splittable`` are left as they are).
-        aside: a CUDA stream the splits run on, under the forward's compute (the push stream); None: the current one.
-    """
-
-    def __init__(self, groups: Sequence, aside: torch.cuda.Stream | None = None):
+    def __init__(self, groups: Sequence):
         self.groups = [g for g in groups if splittable(g)]
-        self.aside = aside
         self._low: dict = {}
         self._stale: torch.Tensor | None = None  # set where a split found a row that was not its master's rounding
         for g in self.groups:
@@ -160,43 +156,28 @@ class SplitMasters:
         return list(self._low.values())
 
     def split(self) -> None:
-        """Step 1 for every group not split yet; frees each master as its low bits are made. With ``aside`` the
-        passes run on that stream after the current stream's work so far (the step and the publish wrote the
-        masters and rows), and each master's block goes back to the allocator only once they have read it."""
-        todo = [g for g in self.groups if g not in self._low]
-        if not todo:
-            return
-        aside = self.aside
-        if aside is not None:
-            aside.wait_stream(torch.cuda.current_stream(todo[0].master.device))
-        with torch.no_grad(), (torch.cuda.stream(aside) if aside is not None else contextlib.nullcontext()):
-            for g in todo:
-                if self._stale is None:  # one device: the model's
-                    self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
-                self._low[g] = split_low_bits(g.master, g.row, self._stale)
-                if aside is not None:
-                    g.master.record_stream(aside)  # freed next, while the split on ``aside`` may still read it
-                g.master.untyped_storage().resize_(0)
-                for sp in g.params:  # step 3: a read of a shard joins every master first
-                    sp.hold(self.join)
+        """Step 1 for every group not split yet; frees each master as its low bits are made."""
+        with torch.no_grad():
+            for g in self.groups:
+                if g not in self._low:
+                    if self._stale is None:  # one device: the model's
+                        self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
+                    self._low[g] = split_low_bits(g.master, g.row, self._stale)
+                    g.master.untyped_storage().resize_(0)
+                    for sp in g.params:  # step 3: a read of a shard joins every master first
+                        sp.hold(self.join)
 
     def join(self, check: bool = True) -> None:
-        """Step 2 for every split group, on the current stream (after the splits on ``aside``); frees each group's
-        low bits once its master is whole. Raises (once every master is back) where a split found a row that was
-        not its master's rounding: the host reads that flag, so it waits for the device, unless ``check`` is
-        False (the sync joins before its meeting, so that the device joins while the host meets, and checks
-        after it: the flag is kept until a join checks it)."""
+        """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
+        master is back) where a split found a row that was not its master's rounding: the host reads that flag, so
+        it waits for the device, unless ``check`` is False (the sync joins before its meeting, so that the device
+        joins while the host meets, and checks after it: the flag is kept until a join checks it)."""
         with torch.no_grad():
-            if self._low and self.aside is not None:
-                current = torch.cuda.current_stream(next(iter(self._low)).master.device)
-                current.wait_stream(self.aside)
             for g in list(self._low):
                 g.master.untyped_storage().resize_(g.master.nbytes)  # its shape and dtype stay: its size
                 join_low_bits(g.row, self._low[g], g.master)
                 for sp in g.params:
                     sp.unhold()
-                if self.aside is not None:  # made on ``aside``, read here: its block is reused after this read
-                    self._low[g].record_stream(current)
                 del self._low[g]  # only now: a join that fails keeps the low bits
                 g.note_published()  # the master its row was published from (to 1 ulp at a tie)
         if not check:

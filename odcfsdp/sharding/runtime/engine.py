@@ -114,7 +114,7 @@ class ShardEngine:
             if host is not None or param_dtype != torch.bfloat16:
                 raise ValueError("split_masters=True splits fp32 masters on the device into bf16 rows and low bits: "
                                  f"it needs param_dtype=torch.bfloat16 (got {param_dtype}) and no offload_policy")
-            self.minibatch.split = SplitMasters(self.groups, aside=self.comm.push_stream)  # split under the forward
+            self.minibatch.split = SplitMasters(self.groups)
             # any module's state_dict() (a submodule's, a fully_shard unit's) holds views of the masters: whole first
             self._split_hooks = [m.register_state_dict_pre_hook(lambda *_: self.minibatch.join_masters())
                                  for m in root.modules()]
