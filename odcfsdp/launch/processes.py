@@ -69,10 +69,11 @@ import torch.distributed as dist
 
 from ..interrupts import Interrupted, install, restore
 from .link import die_with_parent, watch_launcher
+from .one_report import RankReport
 from .tempdir import pin_multiprocessing_tempdir
 from .start_method import start_helpers, worker_context
 from .rank_outcomes import (collect_stacks, dead_peers, died, ended_by_signal, failure_report, stop_ranks,
-                            stopped_by_signal)
+                            stopped_by_signal, written_report)
 
 
 
@@ -176,6 +177,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
     if link is not None:
         watch_launcher(link)
     _record_stacks(stack_path)
+    report = RankReport(results, rank, stack_path)
     interrupted: list[int] = []  # a forwarded SIGINT while this rank's own handler is in place (start-up)
     if own_group:  # a terminal's Ctrl-C reaches the parent only, which passes it on once (see spawn)
         os.setpgid(0, 0)
@@ -204,9 +206,7 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         set_wait_cap(guard_s)  # every ODCShard's watchdog fires before spawn's bound ([bounded-spawn] 2)
 
         def report_fatal(message: str) -> None:  # the watchdog's line, handed over before the process ends
-            results.put((rank, False, f"RuntimeError: {message}"))
-            results.close()
-            results.join_thread()
+            report(False, f"RuntimeError: {message}", last=True)
 
         set_fatal_handler(report_fatal)
         if backend == "nccl":
@@ -220,9 +220,9 @@ def _worker(fn, args, rank, world_size, port, backend, threads, results, parent_
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles outliving the worker
-        results.put((rank, True, buf.getvalue()))
+        report(True, buf.getvalue())
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, False, failure_report(traceback.format_exc(), bool(interrupted))))
+        report(False, failure_report(traceback.format_exc(), bool(interrupted)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -295,17 +295,22 @@ def spawn(
             try:
                 rank, ok, payload = results.get(timeout=1.0)
             except queue.Empty:
-                # A queue is flushed before its process exits, so an exited rank with nothing
-                # delivered after a full second of silence has died without a result.
+                # A rank's report is flushed before its process exits ([one-report]), so an exited rank with
+                # nothing delivered after a full second of silence has died without a result...
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if stopped_by_signal(procs, dead, sent):
-                    raise Interrupted(received[0])
-                if dead:
-                    raise RuntimeError(died(procs, dead))
-                if time.monotonic() > deadline:
-                    late = sorted(set(range(world_size)) - set(out))
-                    raise TimeoutError(f"ranks {late} did not finish in {timeout}s")
-                continue
+                if dead and not results.empty():  # ...unless it wrote as that second ended: read that first
+                    continue
+                lost = next(((r, text) for r in dead if (text := written_report(paths[r]))), None)
+                if lost is None:
+                    if stopped_by_signal(procs, dead, sent):
+                        raise Interrupted(received[0])
+                    if dead:
+                        raise RuntimeError(died(procs, dead))
+                    if time.monotonic() > deadline:
+                        late = sorted(set(range(world_size)) - set(out))
+                        raise TimeoutError(f"ranks {late} did not finish in {timeout}s")
+                    continue
+                (rank, payload), ok = lost, False  # its failure, written before its queue lost it ([one-report])
             if ok is None:
                 started.add(rank)
                 continue

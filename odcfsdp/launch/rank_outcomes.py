@@ -1,5 +1,6 @@
 """What ``spawn`` says about ranks that did not deliver a result, and how it ends them ([bounded-spawn] 3-5 in
-``processes.py``): the rank that died, named first; every pending rank's Python stack; the bounded stop."""
+``processes.py``): the rank that died, named first (by its own report where its queue lost it, [one-report]); every
+pending rank's Python stack; the bounded stop."""
 
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ def dead_peers(procs, delivered: dict, failed: int, wait_s: float = 1.0) -> list
         if dead or time.monotonic() > deadline or all(p.exitcode is not None for p in procs):
             return dead
         time.sleep(0.05)
+
+
+def report_path(stack_path: str) -> str:
+    """Where a rank writes its failure report before queueing it, beside its stack file ([one-report])."""
+    return f"{stack_path}.report"
+
+
+def written_report(stack_path: str) -> str:
+    """The failure report a rank wrote (``report_path``), or "" where it wrote none."""
+    try:
+        return Path(report_path(stack_path)).read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def failure_report(trace: str, interrupted: bool) -> str:
@@ -96,5 +110,5 @@ def stop_ranks(procs, delivered: dict, world_size: int, paths: list[str]) -> Non
                           "driver call?); left behind", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["DUMP_WAIT_S", "KILL_WAIT_S", "collect_stacks", "dead_peers", "died", "ended_by_signal", "stop_ranks",
-           "stopped_by_signal"]
+__all__ = ["DUMP_WAIT_S", "KILL_WAIT_S", "collect_stacks", "dead_peers", "died", "ended_by_signal", "report_path",
+           "stop_ranks", "stopped_by_signal", "written_report"]
