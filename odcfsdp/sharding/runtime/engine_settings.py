@@ -37,9 +37,9 @@ class EngineSettings:
     ``group.py``)."""
     split_masters: bool = False
     """hold each bf16 group's fp32 master as its bf16 row plus 16 low bits from a minibatch's first forward to its
-    sync, where the peak is: 2 bytes per parameter / N less, the gathers unchanged; the shards hold no values in
-    between ([split-masters] in ``split_master.py``). Needs bf16 ``param_dtype``; not with ``gather_masters`` or an
-    offload policy."""
+    sync, where the peak is: 2 bytes per parameter / N less, the gathers unchanged; a read of a shard in between
+    joins them first ([split-masters] in ``split_master.py``). Needs bf16 ``param_dtype``; not with
+    ``gather_masters`` or an offload policy."""
     float8_gather: bool = FLOAT8_GATHER_DEFAULT
     """gather the weights of tensorwise ``Float8Linear`` layers (``float8="tensorwise"``'s, or ones converted before
     wrapping) in float8: their owners cast them once per step, with scales from amaxes the step's meeting carries;
