@@ -216,30 +216,40 @@ def _meta_init_run(split: bool) -> list[float]:
                 m.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
-    losses, reads = [], []
+    losses, reads, shown = [], [], []
     weight = model[1][0].weight  # a sharded DTensor parameter
     for _ in range(4):
         for micro in range(2):
             loss = model(torch.randn(8, 32, generator=g)).float().pow(2).mean()
             assert isinstance(local_of(weight), ValuesOnRead) == split  # split by the training forward
-            if micro == 0:  # [split-masters] 3: a read inside the minibatch joins the masters and reads them
+            # [split-masters] 3: a print, then an operation, each inside the minibatch while split: each joins the
+            # masters and reads them; the next forward splits them again
+            if micro == 0:
+                shown.append(repr(weight))
+            else:
                 reads.append(weight.detach().float().pow(2).sum().item())
-                assert not isinstance(local_of(weight), ValuesOnRead)
+            assert not isinstance(local_of(weight), ValuesOnRead)
             loss.backward()
         losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        reads.append(repr(weight).count("DTensor"))  # a print after the sync
         opt.step()
         opt.zero_grad()
-    return losses + reads
+    model(torch.randn(8, 32, generator=g)).float().sum()
+    with torch.no_grad():
+        weight.add_(1.0)  # a write inside a minibatch: a change outside a step, refused as without split_masters
+    with pytest.raises(RuntimeError, match="changed in place outside an optimizer step"):
+        model(torch.randn(8, 32, generator=g))
+    return losses + reads, shown
 
 
 def test_fully_shard_meta_init_with_split_masters_trains_as_without():
     """The FSDP2 init recipe (meta device, ``to_empty``, init) with ``EngineSettings(split_masters=True)`` on 2 CPU
-    ranks: each rank's losses those of the same run without it. A read of a shard inside a minibatch (after the first
-    micro-batch's forward split the masters) reads the same values as without, and the next forward splits them
-    again (before, such a read touched freed storage: a segmentation fault)."""
+    ranks: each rank's losses those of the same run without it. A print and a read of a shard inside a minibatch
+    (after a forward split the masters) show and read what they do without, and the next forward splits them again
+    (before, such a read touched freed storage: a segmentation fault); a write there is refused at the next forward,
+    as without."""
     want = spawn(_meta_init_run, 2, False, timeout=180)
     got = spawn(_meta_init_run, 2, True, timeout=180)
-    for a, b in zip(got, want, strict=True):
+    for (a, shown_a), (b, shown_b) in zip(got, want, strict=True):
         assert a == pytest.approx(b, rel=1e-6)
+        assert shown_a == shown_b and all("DTensor(local_tensor=tensor(" in t for t in shown_a)

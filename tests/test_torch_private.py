@@ -120,6 +120,8 @@ def test_values_on_read_keep_their_metadata_and_are_made_by_the_first_operation(
     assert torch.equal(torch._foreach_mul([held], 2.0)[0], like * 2) and repr(held) == repr(like)
     held.add_(1)  # in place: on the real tensor
     assert like[0, 0].item() == 1.0 and len(reads) == 5
+
+
 def test_torchs_fully_shard_state_finds_a_registered_state():
     from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard  # never patched
 

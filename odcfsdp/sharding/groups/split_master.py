@@ -27,11 +27,15 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    master (step 2) and then runs on the master's view, so it reads or writes what it would without
    ``split_masters``; the next training forward splits them again (a write there is a change outside a step,
    refused as by default). Before, such a read touched freed storage and ended the process (a segmentation
-   fault). Not covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed,
-   and a tensor taken from a shard before the split (a ``state_dict`` between steps holds views of the masters:
-   write it out before the next forward; DCP's ``async_save`` stages a copy first). A write the version counters
-   do not see (through ``.data``) leaves a row that is not its master's rounding: the split notes it on the device
-   and the join raises, naming the fix (without ``split_masters`` the row would stay stale).
+   fault). That join runs the chunked operators (inside the dispatch a compiled pass would compile anew). Not
+   covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed; the local
+   tensor itself (``to_local()`` under ``no_grad``, ``_local_tensor``), which is the ``ValuesOnRead`` (an operation
+   on it still reads the master; ``data_ptr()`` and pickling do not); a read on a CUDA stream other than the
+   current one at the split; and a tensor taken from a shard before the split (a ``state_dict`` between steps
+   holds views of the masters: write it out before the next forward; DCP's ``async_save`` stages a copy first). A
+   write the version counters do not see (through ``.data``) leaves a row that is not its master's rounding: the
+   split notes it on the device and the join raises, naming the fix (without ``split_masters`` the row would stay
+   stale).
 
 The step itself holds the master, not the low bits (each group joins before the next: one group's 2 / N extra at
 a time), so its peak is the default's; the forward and backward hold 2 / N less. NaN stays NaN (its row's),
@@ -120,10 +124,12 @@ def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor)
     return low
 
 
-def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
-    """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape)."""
+def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor, compiled: bool = True) -> None:
+    """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape); ``compiled=False``: the
+    chunked operators even where the compiled pass runs (a join inside an operator's dispatch, step 3: autograd's
+    dispatch keys are off there, which the compiled pass's guards would take for a new graph to compile)."""
     h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
-    if compiled_on(master) and _fused(_join_pass, h_bits, d_bits, out)[0]:
+    if compiled and compiled_on(master) and _fused(_join_pass, h_bits, d_bits, out)[0]:
         return
     for start in range(0, h_bits.numel(), CHUNK):
         _join_pass(h_bits[start:start + CHUNK], d_bits[start:start + CHUNK], out[start:start + CHUNK])
@@ -165,9 +171,13 @@ class SplitMasters:
                     self._low[g] = split_low_bits(g.master, g.row, self._stale)
                     g.master.untyped_storage().resize_(0)
                     for sp in g.params:  # step 3: a read of a shard joins every master first
-                        sp.hold(self.join)
+                        sp.hold(self._join_on_read)
 
-    def join(self, check: bool = True) -> None:
+    def _join_on_read(self) -> None:
+        """Step 3's join, from inside an operator's dispatch: the chunked operators (``join_low_bits``)."""
+        self.join(compiled=False)
+
+    def join(self, check: bool = True, compiled: bool = True) -> None:
         """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
         master is back) where a split found a row that was not its master's rounding: the host reads that flag, so
         it waits for the device, unless ``check`` is False (the sync joins before its meeting, so that the device
@@ -175,7 +185,7 @@ class SplitMasters:
         with torch.no_grad():
             for g in list(self._low):
                 g.master.untyped_storage().resize_(g.master.nbytes)  # its shape and dtype stay: its size
-                join_low_bits(g.row, self._low[g], g.master)
+                join_low_bits(g.row, self._low[g], g.master, compiled)
                 for sp in g.params:
                     sp.unhold()
                 del self._low[g]  # only now: a join that fails keeps the low bits
