@@ -149,8 +149,7 @@ class ShardedParam:
         self.slot = slot
         self.shape = slot.shape
         self.local = local = layout.local_view(master, index, rank)
-        self.held: torch.Tensor | None = None  # the DTensor's local while the master is held elsewhere (hold)
-        self._on_read: ValuesOnRead | None = None
+        self._on_read: ValuesOnRead | None = None  # the DTensor's local while held ([split-masters] 3), made once
         self._make_whole: Callable[[], None] | None = None
         if device_mesh is None:
             sharded = ODCLocalParameter(local, requires_grad=self.trainable)
@@ -193,7 +192,7 @@ class ShardedParam:
                    for mod, attr in self.registrations):
             return "was replaced after ODCShard wrapped the model"
         local = local_of(self.sharded)  # the DTensor's local tensor (no autograd op)
-        if local is self.held:  # its values are held elsewhere for now ([split-masters] 3): the view stays its own
+        if self.held:  # its values are held elsewhere for now ([split-masters] 3): the view stays its own
             local = self.local
         if (tuple(self.sharded.shape) != self.shape or local.data_ptr() != self.local.data_ptr()
                 or tuple(self.unsharded.shape) != self.shape or self.unsharded.dtype != param_dtype):
@@ -210,22 +209,24 @@ class ShardedParam:
         write of the shard works instead of touching freed memory. (A plain parameter, one process without
         torch.distributed, cannot be re-pointed: it keeps its view.)"""
         if isinstance(self.sharded, DTensor):
-            self._make_whole = make_whole
             if self._on_read is None:  # made once: a split holds every shard each step
-                self._on_read = ValuesOnRead(self.local, self._read_whole)
-            self.held = self._on_read
-            set_local(self.sharded, self.held)
+                self._make_whole, self._on_read = make_whole, ValuesOnRead(self.local, self._read_whole)
+            set_local(self.sharded, self._on_read)
+
+    @property
+    def held(self) -> bool:
+        """Whether the shard's DTensor points at its ``ValuesOnRead`` now (``hold``)."""
+        return self._on_read is not None and local_of(self.sharded) is self._on_read
 
     def _read_whole(self) -> torch.Tensor:
-        if self.held is not None:
+        if self.held:
             self._make_whole()
         return self.local
 
     def unhold(self) -> None:
         """The master is whole again: the shard's DTensor points at its view of it."""
-        if self.held is not None:
+        if self.held:
             set_local(self.sharded, self.local)
-            self.held = None
 
     # -- gradient ----------------------------------------------------------------------------------
     @property

@@ -51,10 +51,9 @@ took 14.9 ms (1.9 TB/s: it also reduces the stale flag) and the join 8.1 ms (3.6
 ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``). In training
 (8B balanced, 2 H200s) split_masters cost 1.5-2% of odc's step; its host-issue time was 25 ms a step above odc's,
 about the passes' device time too, so which of the two sets the pace is not settled. Tried, no better within the
-calls' spread: the
-splits on the push stream under the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the low bits in that
-stream's pool) and each group split where the forward first gathers it (b35958f: 2.6-3.0%); both reverted. The
-join runs before the sync's meeting (d4fde0f), hidden where the host waits for a peer.
+calls' spread: the splits on the push stream under the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the
+low bits in that stream's pool) and each group split where the forward first gathers it (b35958f: 2.6-3.0%); both
+reverted. The join runs before the sync's meeting (d4fde0f), hidden where the host waits for a peer.
 """
 
 from __future__ import annotations
