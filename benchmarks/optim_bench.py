@@ -189,7 +189,7 @@ def run_size(size: str, args, device) -> dict:
 
         # every step sees a full gradient (a zeroed accumulator would make the step trivial); odc_lean's are in its
         # bf16 accumulator, which the sync casts into ``acc``
-        stale = torch.zeros((), dtype=torch.bool, device=device)
+        stale = torch.zeros((), dtype=torch.int32, device=device)
         if split:  # from rows published from these masters (the variants before stepped them without publishing)
             torch._foreach_copy_(row_views, master_views)
         lows = [split_low_bits(m, row, stale) for row, m in zip(row_views, master_views)] if split else []

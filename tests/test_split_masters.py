@@ -20,18 +20,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["chunked", "compiled"])
-def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch, compiled):
+@pytest.mark.parametrize("kernels", [False, True], ids=["chunked", "kernels"])
+def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch, kernels):
     """Every finite fp32 value (random over the whole exponent range, the signed zeros, infinities, subnormals,
     the extremes, and exact ties of both parities and signs), over several chunked passes, comes back to the bit
     from its bf16 rounding and the int16 low bits, except an exact tie that rounded down: 1 ulp towards its row,
-    which it still rounds to; NaN stays NaN. ``compiled``: the same passes through ``torch.compile`` in one piece,
-    as CUDA runs them (here inductor's CPU code: the integer arithmetic, wrap-around included, not the kernel)."""
+    which it still rounds to; NaN stays NaN. ``kernels``: the Triton kernels CUDA runs (``kernels/split_bits.py``),
+    here in Triton's interpreter: full blocks and a partial last one, the stale flag set by one block only."""
     from odcfsdp.sharding.groups import split_master
 
     monkeypatch.setattr(split_master, "CHUNK", 1 << 16)  # several passes, the last one partial
-    monkeypatch.setattr(split_master, "compiled_on", lambda t: compiled)
-    monkeypatch.setattr(split_master, "compile_failures", [])  # a failed compile would fall back to the chunks
+    monkeypatch.setattr(split_master, "on_kernels", lambda t: kernels)
     g = torch.Generator().manual_seed(0)
     n = 5 * split_master.CHUNK + 1000
     x = torch.randn(n, generator=g) * torch.logspace(-44, 38, n)
@@ -42,11 +41,14 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     x = torch.cat([torch.tensor(special), x, ties[torch.isfinite(ties)]])
     row = x.to(torch.bfloat16)
     back = torch.full_like(x, 7.0)
-    stale = torch.zeros((), dtype=torch.bool)
+    stale = torch.zeros((), dtype=torch.int32)
     join_low_bits(row, split_low_bits(x, row, stale), back)
     assert not stale  # every row is its master's rounding (the NaN here: the canonical one)
-    split_low_bits(x[10:] + 1.0, row[10:], stale)  # masters changed after their rows were made
-    assert stale
+    for where in (5000, len(x) - 3):  # a master changed after its row was made: in a full block, in the partial last one
+        changed, stale = x.clone(), torch.zeros((), dtype=torch.int32)
+        changed[where] = 3.0 if abs(float(row[where])) != 3.0 else 5.0
+        split_low_bits(changed, row, stale)
+        assert int(stale) == 1, where
     nan = torch.isnan(x)
     assert torch.isnan(back[nan]).all()
     moved = _bits(back[~nan]) - _bits(x[~nan])
@@ -55,35 +57,20 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     assert torch.equal(moved[~tie_down], torch.zeros_like(moved[~tie_down]))
     assert torch.equal(moved[tie_down], torch.full_like(moved[tie_down], -1)) and tie_down.sum() > 1000
     assert torch.equal(back.to(torch.bfloat16).view(torch.int16), row.view(torch.int16))  # what peers gather
-    assert split_master.compile_failures == []  # compiled, where asked: not the chunks after a failure
 
 
-def test_a_pass_torch_compile_cannot_build_falls_back_to_the_chunked_operators(monkeypatch):
-    """Where the compiled passes cannot be built (no working inductor or Triton), one warning names it and the
-    chunked operators compute the same bits; compiling is not tried again in the process."""
-    from odcfsdp.sharding.groups import split_master
+def test_the_kernels_refuse_mismatched_or_strided_tensors():
+    """``split_bits`` and ``join_bits`` name what is wrong instead of reading past a tensor."""
+    from odcfsdp.kernels.split_bits import join_bits, split_bits
 
-    def broken(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("no Triton here")
-        return call
-
-    monkeypatch.setattr(split_master, "_compiled", {})
-    monkeypatch.setattr(split_master, "compile_failures", [])
-    monkeypatch.setattr(split_master.torch, "compile", broken)
-    monkeypatch.setattr(split_master, "compiled_on", lambda t: not split_master.compile_failures)
-    x = torch.randn(3000, generator=torch.Generator().manual_seed(1))
-    row, back, stale = x.to(torch.bfloat16), torch.empty_like(x), torch.zeros((), dtype=torch.bool)
-    with pytest.warns(UserWarning, match="could not build the split and join passes .RuntimeError: no Triton here"):
-        low = split_low_bits(x, row, stale)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second try, so no second warning
-        join_low_bits(row, low, back)
-    assert len(split_master.compile_failures) == 1 and not stale
-    ties = (_bits(x) & 0xFFFF) == 0x8000
-    assert torch.equal(_bits(back)[~ties], _bits(x)[~ties])
+    x = torch.randn(8, 4)
+    row, low, flag = x.to(torch.bfloat16), torch.empty(32, dtype=torch.int16), torch.zeros((), dtype=torch.int32)
+    with pytest.raises(ValueError, match="differ in size: 32, 32, 31"):
+        split_bits(x, row, low[:31], flag)
+    with pytest.raises(ValueError, match="flag must be one int32 element"):
+        split_bits(x, row, low, flag.bool())
+    with pytest.raises(ValueError, match="row must be contiguous"):
+        join_bits(row.t(), low, x.t())
 
 
 def _run(micro_batches: list[int], comm: str, split: bool) -> dict:

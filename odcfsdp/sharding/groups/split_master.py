@@ -27,8 +27,7 @@ Per group, with ``m`` the master's bits and ``h`` the row's (unsigned), ``d = m 
    master (step 2) and then runs on the master's view, so it reads or writes what it would without
    ``split_masters``; the next training forward splits them again (a write there is a change outside a step,
    refused as by default). Before, such a read touched freed storage and ended the process (a segmentation
-   fault). That join runs the chunked operators (inside the dispatch a compiled pass would compile anew). Not
-   covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed; the local
+   fault). Not covered: a plain parameter (one process without torch.distributed), which cannot be re-pointed; the local
    tensor itself (``to_local()`` under ``no_grad``, ``_local_tensor``), which is the ``ValuesOnRead`` (an operation
    on it still reads the master; ``data_ptr()`` and pickling do not); a read on a CUDA stream other than the
    current one at the split; and a tensor taken from a shard before the split (a ``state_dict`` between steps
@@ -44,51 +43,35 @@ offloaded, rows that are not bf16 under fp32 masters) are left as they are.
 
 Measured (f0ddbfb, 8B on 4 H200s, results/e2e/n4_8b_*_levers_f0ddbfb): balanced, 30.7 GiB against FSDP2's 31.1 (the
 default 33.9), but the split and the join, a few torch operators per chunk of ``CHUNK`` elements, cost about 45 ms a
-1.1 s step (0.93x FSDP2, the default 0.97x); long-tailed (11-16 s steps) 0.2-0.7%. So on CUDA each way is one
-kernel per group since, compiled by ``torch.compile`` from the same pass the CPU runs in chunks (``compiled_on``):
-8 bytes an element read and written. On one H200 at 8B's shards of 2 ranks (3.62B elements), the compiled split
-took 14.9 ms (1.9 TB/s: it also reduces the stale flag) and the join 8.1 ms (3.6 TB/s, the copy's 4.2), in line: 24.5
-ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``). In training
-(8B balanced, 2 H200s) split_masters cost 1.5-2% of odc's step; its host-issue time was 25 ms a step above odc's,
-about the passes' device time too, so which of the two sets the pace is not settled. Tried, no better within the
-calls' spread: the splits on the push stream under the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the
-low bits in that stream's pool) and each group split where the forward first gathers it (b35958f: 2.6-3.0%); both
-reverted. The join runs before the sync's meeting (d4fde0f), hidden where the host waits for a peer.
+1.1 s step (0.93x FSDP2, the default 0.97x); long-tailed (11-16 s steps) 0.2-0.7%. Then (7c802f1) each way was one
+kernel per group compiled by ``torch.compile``: on one H200 at 8B's shards of 2 ranks (3.62B elements) the split took
+14.7 ms (inductor reduced the stale flag in a kernel of its own, reading the master and the row again) and the join
+7.8; 24.5 ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``),
+and 1.5-2% of odc's step in training (8B balanced, 2 H200s; host-issue time 25 ms a step above odc's, but the
+passes' own host time 6-10 ms of it). Tried, no better within the calls' spread: the splits on the push stream under
+the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the low bits in that stream's pool) and each group split
+where the forward first gathers it (b35958f: 2.6-3.0%); both reverted. The join runs before the sync's meeting
+(d4fde0f), hidden where the host waits for a peer. Since 2026-11-30 CUDA runs both ways as the Triton kernels of
+``kernels/split_bits.py`` (``on_kernels``), the flag in the split's own pass: 7.1 ms each way there, a copy's
+bandwidth (``results/optim/n1_split_kernels_*``); off CUDA the same arithmetic runs as torch operators in chunks.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
 
+from ...kernels.split_bits import join_bits, split_bits
 from .row_format import ParamDtypeRows
 
-CHUNK = 1 << 24  # elements per eager pass: a few int32 temporaries of 64 MiB, a few launches per group
-_compiled: dict = {}
-#: why this process stopped compiling the passes (empty: it compiles them); the chunked operators run instead
-compile_failures: list[BaseException] = []
+CHUNK = 1 << 24  # elements per pass of the operators (off CUDA): a few int32 temporaries of 64 MiB
 
 
-def compiled_on(t: torch.Tensor) -> bool:
-    """Whether the split and join of ``t``'s device run compiled (``torch.compile``: one fused kernel each way,
-    reading and writing 8 bytes an element, no temporaries; CUDA) rather than as torch operators in chunks."""
-    return t.is_cuda and not compile_failures
-
-
-def _fused(fn, *args) -> tuple[bool, object]:
-    """``(True, fn(*args))`` compiled; ``(False, None)``, with one warning, if this process cannot compile it (no
-    working inductor or Triton here): the caller then runs the chunked operators, which compute the same."""
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)  # one graph for every group's size
-    try:
-        return True, _compiled[fn](*args)
-    except Exception as e:  # noqa: BLE001 - a real device error fails the chunked pass as well, and is raised there
-        compile_failures.append(e)
-        warnings.warn(f"split_masters: torch.compile could not build the split and join passes ({type(e).__name__}: "
-                      f"{str(e)[:200]}); running them as torch operators in chunks, slower", stacklevel=3)
-        return False, None
+def on_kernels(t: torch.Tensor) -> bool:
+    """Whether the split and join of ``t`` run as the Triton kernels of ``kernels/split_bits.py`` (CUDA: one launch
+    each way per group, 8 bytes an element read and written) rather than as torch operators in chunks."""
+    return t.is_cuda
 
 
 def _split_pass(m_bits: torch.Tensor, h_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,29 +90,26 @@ def split_low_bits(master: torch.Tensor, row: torch.Tensor, stale: torch.Tensor)
     """Step 1's low bits: an int16 tensor ``d`` with ``master``'s bits ``(row's << 16) + d``, ``row`` being
     ``master`` rounded to bf16 (a tie that rounded down: 1 ulp towards the row). int32 arithmetic wraps modulo
     2^32, and the true difference is small, so it comes out exact. A difference outside [-32768, 32768] says the
-    row is not the master's rounding (a write the version counters did not see): ``stale`` (a bool on the
-    master's device) is set, read at the join, never here (no wait for the device). A NaN master comes back as its
-    row's NaN."""
-    m_bits, h_bits = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1)
-    if compiled_on(master) and (fused := _fused(_split_pass, m_bits, h_bits))[0]:
-        low, bad = fused[1]
-        stale.logical_or_(bad)
-        return low.view(master.shape)
+    row is not the master's rounding (a write the version counters did not see): ``stale`` (an int32 scalar on the
+    master's device) is set to 1, read at the join, never here (no wait for the device). A NaN master comes back as
+    its row's NaN."""
     low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
-    out = low.view(-1)
+    if on_kernels(master):
+        split_bits(master, row, low, stale)
+        return low
+    m_bits, h_bits, out = master.view(torch.int32).view(-1), row.view(torch.int16).view(-1), low.view(-1)
     for start in range(0, m_bits.numel(), CHUNK):
         out[start:start + CHUNK], bad = _split_pass(m_bits[start:start + CHUNK], h_bits[start:start + CHUNK])
         stale.logical_or_(bad)
     return low
 
 
-def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor, compiled: bool = True) -> None:
-    """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape); ``compiled=False``: the
-    chunked operators even where the compiled pass runs (a join inside an operator's dispatch, step 3: autograd's
-    dispatch keys are off there, which the compiled pass's guards would take for a new graph to compile)."""
-    h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
-    if compiled and compiled_on(master) and _fused(_join_pass, h_bits, d_bits, out)[0]:
+def join_low_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
+    """Step 2: write ``(row's bits << 16) + low`` into ``master`` (fp32, the row's shape)."""
+    if on_kernels(master):
+        join_bits(row, low, master)
         return
+    h_bits, d_bits, out = row.view(torch.int16).view(-1), low.view(-1), master.view(torch.int32).view(-1)
     for start in range(0, h_bits.numel(), CHUNK):
         _join_pass(h_bits[start:start + CHUNK], d_bits[start:start + CHUNK], out[start:start + CHUNK])
 
@@ -166,17 +146,17 @@ class SplitMasters:
             for g in self.groups:
                 if g not in self._low:
                     if self._stale is None:  # one device: the model's
-                        self._stale = torch.zeros((), dtype=torch.bool, device=g.master.device)
+                        self._stale = torch.zeros((), dtype=torch.int32, device=g.master.device)
                     self._low[g] = split_low_bits(g.master, g.row, self._stale)
                     g.master.untyped_storage().resize_(0)
                     for sp in g.params:  # step 3: a read of a shard joins every master first
                         sp.hold(self._join_on_read)
 
     def _join_on_read(self) -> None:
-        """Step 3's join, from inside an operator's dispatch: the chunked operators (``join_low_bits``)."""
-        self.join(compiled=False)
+        """Step 3's join, from inside an operator's dispatch."""
+        self.join()
 
-    def join(self, check: bool = True, compiled: bool = True) -> None:
+    def join(self, check: bool = True) -> None:
         """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
         master is back) where a split found a row that was not its master's rounding: the host reads that flag, so
         it waits for the device, unless ``check`` is False (the sync joins before its meeting, so that the device
@@ -184,7 +164,7 @@ class SplitMasters:
         with torch.no_grad():
             for g in list(self._low):
                 g.master.untyped_storage().resize_(g.master.nbytes)  # its shape and dtype stay: its size
-                join_low_bits(g.row, self._low[g], g.master, compiled)
+                join_low_bits(g.row, self._low[g], g.master)
                 for sp in g.params:
                     sp.unhold()
                 del self._low[g]  # only now: a join that fails keeps the low bits
