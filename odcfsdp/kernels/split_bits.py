@@ -10,12 +10,13 @@ to the row's bits as int32 arithmetic does), ``low`` the 16 low bits. Each pass 
 
 Why Triton rather than ``torch.compile`` of the same operators (the CUDA path before 2026-11-30): inductor computed
 the split's flag in a reduction kernel of its own, which read the master and the row a second time (14 bytes an
-element): on one H200 at 8B's shards of 2 ranks (33 groups, 3.62B elements) the compiled split took 14.7 ms and the
-join 7.8, these kernels 7.1 and 7.1, about a copy's bandwidth (``results/optim/n1_split_kernels_*/``). Here the flag
-is one atomic per block that found a bad element (none in training). Full blocks run without masks, so that their
-loads and stores are vectors, and one more program takes the tail: a masked block's loads are narrow wherever the
-length is not known to be a multiple of the vector (8B's groups are not), which made a masked-everywhere version
-of these kernels 2x slower on the device. Also on CPU tensors under ``TRITON_INTERPRET=1``, as CI tests them.
+element): on one H200 at 8B's shards of 2 ranks (33 groups, 3.62B elements) the compiled split took 14.5 ms and the
+join 7.9, these kernels 7.0 and 7.2, 95-97% of a copy's bandwidth (``results/optim/n1_split_kernels_54c0737/``).
+The flag is one atomic per block that found a bad element (none in training). Full blocks run without masks, so
+that their loads and stores are vectors, and one more program takes the tail: a masked block's loads are narrow
+wherever the length is not known to be a multiple of the vector (8B's groups are not), which made a
+masked-everywhere version of the split 2.4x slower on the device. Also on CPU tensors under ``TRITON_INTERPRET=1``,
+as CI tests them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements a program (4 warps): the fastest of 1K-8K on one H200 (results/optim/n1_split_kernels_*)
+BLOCK = 1024  # elements a program (4 warps): the fastest of 1K-8K on one H200 (results/optim/n1_split_kernels_54c0737)
 WARPS = 4
 
 

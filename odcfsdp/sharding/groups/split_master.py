@@ -45,15 +45,17 @@ Measured (f0ddbfb, 8B on 4 H200s, results/e2e/n4_8b_*_levers_f0ddbfb): balanced,
 default 33.9), but the split and the join, a few torch operators per chunk of ``CHUNK`` elements, cost about 45 ms a
 1.1 s step (0.93x FSDP2, the default 0.97x); long-tailed (11-16 s steps) 0.2-0.7%. Then (7c802f1) each way was one
 kernel per group compiled by ``torch.compile``: on one H200 at 8B's shards of 2 ranks (3.62B elements) the split took
-14.7 ms (inductor reduced the stale flag in a kernel of its own, reading the master and the row again) and the join
-7.8; 24.5 ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``),
+14.5 ms (inductor reduced the stale flag in a kernel of its own, reading the master and the row again) and the join
+7.9; 24.5 ms more than the default's optimizer step (``benchmarks/optim_bench.py``, variant ``odc_split_masters``),
 and 1.5-2% of odc's step in training (8B balanced, 2 H200s; host-issue time 25 ms a step above odc's, but the
 passes' own host time 6-10 ms of it). Tried, no better within the calls' spread: the splits on the push stream under
 the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the low bits in that stream's pool) and each group split
 where the forward first gathers it (b35958f: 2.6-3.0%); both reverted. The join runs before the sync's meeting
 (d4fde0f), hidden where the host waits for a peer. Since 2026-11-30 CUDA runs both ways as the Triton kernels of
-``kernels/split_bits.py`` (``on_kernels``), the flag in the split's own pass: 7.1 ms each way there, a copy's
-bandwidth (``results/optim/n1_split_kernels_*``); off CUDA the same arithmetic runs as torch operators in chunks.
+``kernels/split_bits.py`` (``on_kernels``), the flag in the split's own pass: 7.0 and 7.2 ms there, a copy's
+bandwidth (``results/optim/n1_split_kernels_54c0737``); in training its steps took 1.012x odc's (8B balanced, 2
+H200s, median of 8 steps in two calls: ``results/e2e/n2_8b_balanced_split_kernels_54c0737``), its host-issue time
+odc's. Off CUDA the same arithmetic runs as torch operators in chunks.
 """
 
 from __future__ import annotations
