@@ -67,3 +67,36 @@ def test_split_masters_free_two_bytes_a_parameter_in_a_minibatch_on_a_gpu():
     for i, (a, b) in enumerate(zip(default["forward_bytes"], split["forward_bytes"])):
         assert abs((a - b) - (saved if i % 2 == 0 else 0)) <= 512 * 64, (i, a, b, saved)
     assert split["loss"] == pytest.approx(default["loss"], rel=1e-3)
+
+
+@one_gpu
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+def test_the_kernels_on_a_gpu_make_the_chunked_operators_bits(monkeypatch, wide):
+    """``kernels/split_bits.py`` compiled for the device (not the interpreter): the low bits and the joined masters
+    of every kind of fp32 value (``every_kind_of_fp32``) equal the CPU's chunked operators' to the bit, with int32
+    and with int64 offsets, over full blocks and a partial last one; a row that is not its master's rounding sets
+    the flag from a full block and from the last."""
+    from odcfsdp.kernels import split_bits as kernels_module
+    from odcfsdp.sharding.groups.split_master import join_low_bits, split_low_bits
+    from test_split_masters import every_kind_of_fp32
+
+    if wide:
+        monkeypatch.setattr(kernels_module, "WIDE_FROM", 0)
+    x = every_kind_of_fp32(1 << 20)
+    row = x.to(torch.bfloat16)
+    cpu_stale = torch.zeros((), dtype=torch.int32)
+    cpu_low = split_low_bits(x, row, cpu_stale)
+    cpu_back = torch.empty_like(x)
+    join_low_bits(row, cpu_low, cpu_back)
+    stale = torch.zeros((), dtype=torch.int32, device="cuda")
+    low = split_low_bits(x.cuda(), row.cuda(), stale)
+    back = torch.empty_like(x, device="cuda")
+    join_low_bits(row.cuda(), low, back)
+    assert int(stale) == 0 and int(cpu_stale) == 0
+    assert torch.equal(low.cpu(), cpu_low)
+    assert torch.equal(back.cpu().view(torch.int32), cpu_back.view(torch.int32))
+    for where in (5000, len(x) - 3):
+        changed, flag = x.clone(), torch.zeros((), dtype=torch.int32, device="cuda")
+        changed[where] = 3.0 if abs(float(row[where])) != 3.0 else 5.0
+        split_low_bits(changed.cuda(), row.cuda(), flag)
+        assert int(flag) == 1, where

@@ -20,25 +20,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["chunked", "kernels"])
-def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch, kernels):
-    """Every finite fp32 value (random over the whole exponent range, the signed zeros, infinities, subnormals,
-    the extremes, and exact ties of both parities and signs), over several chunked passes, comes back to the bit
-    from its bf16 rounding and the int16 low bits, except an exact tie that rounded down: 1 ulp towards its row,
-    which it still rounds to; NaN stays NaN. ``kernels``: the Triton kernels CUDA runs (``kernels/split_bits.py``),
-    here in Triton's interpreter: full blocks and a partial last one, the stale flag set by one block only."""
-    from odcfsdp.sharding.groups import split_master
-
-    monkeypatch.setattr(split_master, "CHUNK", 1 << 16)  # several passes, the last one partial
-    monkeypatch.setattr(split_master, "on_kernels", lambda t: kernels)
+def every_kind_of_fp32(n: int, device: str = "cpu") -> torch.Tensor:
+    """``n`` fp32 values at random over the whole exponent range, after the signed zeros, infinities, NaN,
+    subnormals and extremes, followed by exact ties of both parities and signs (about 8000)."""
     g = torch.Generator().manual_seed(0)
-    n = 5 * split_master.CHUNK + 1000
     x = torch.randn(n, generator=g) * torch.logspace(-44, 38, n)
     special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0]
     upper = torch.randint(0, 1 << 15, (4000,), generator=g, dtype=torch.int64) << 16
     ties = torch.cat([upper | 0x8000, (upper | 0x8000) | (1 << 31)])  # ties, both signs, odd and even uppers
     ties = torch.where(ties >= 1 << 31, ties - (1 << 32), ties).to(torch.int32).view(torch.float32)
-    x = torch.cat([torch.tensor(special), x, ties[torch.isfinite(ties)]])
+    return torch.cat([torch.tensor(special), x, ties[torch.isfinite(ties)]]).to(device)
+
+
+@pytest.mark.parametrize("kernels, wide", [(False, False), (True, False), (True, True)],
+                         ids=["chunked", "kernels", "kernels-int64"])
+def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch, kernels, wide):
+    """Every finite fp32 value (``every_kind_of_fp32``), over several chunked passes, comes back to the bit from its
+    bf16 rounding and the int16 low bits, except an exact tie that rounded down: 1 ulp towards its row, which it
+    still rounds to; NaN stays NaN. ``kernels``: the Triton kernels CUDA runs (``kernels/split_bits.py``), here in
+    Triton's interpreter: full blocks and a partial last one, the stale flag set by one block only; ``wide``: with
+    the int64 offsets of groups of 2**31 elements or more."""
+    from odcfsdp.kernels import split_bits as kernels_module
+    from odcfsdp.sharding.groups import split_master
+
+    monkeypatch.setattr(split_master, "CHUNK", 1 << 16)  # several passes, the last one partial
+    monkeypatch.setattr(split_master, "on_kernels", lambda t: kernels)
+    if wide:
+        monkeypatch.setattr(kernels_module, "WIDE_FROM", 0)
+    x = every_kind_of_fp32(5 * split_master.CHUNK + 1000)
     row = x.to(torch.bfloat16)
     back = torch.full_like(x, 7.0)
     stale = torch.zeros((), dtype=torch.int32)

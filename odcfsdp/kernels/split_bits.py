@@ -27,12 +27,13 @@ import triton.language as tl
 
 BLOCK = 1024  # elements a program (4 warps): the fastest of 1K-8K on one H200 (results/optim/n1_split_kernels_54c0737)
 WARPS = 4
+WIDE_FROM = 1 << 31  # elements from which offsets are int64 (tests lower it to run that path on small tensors)
 
 
 @triton.jit
 def _split_kernel(m_ptr, h_ptr, low_ptr, flag_ptr, start, n, BLOCK: tl.constexpr, EVEN: tl.constexpr,
                   WIDE: tl.constexpr):
-    if WIDE:  # 2**31 elements or more: int64 offsets
+    if WIDE:  # WIDE_FROM elements or more: int64 offsets
         offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     else:
         offs = start + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -57,7 +58,7 @@ def _split_kernel(m_ptr, h_ptr, low_ptr, flag_ptr, start, n, BLOCK: tl.constexpr
 @triton.jit
 def _join_kernel(h_ptr, low_ptr, out_ptr, start, n, BLOCK: tl.constexpr, EVEN: tl.constexpr,
                  WIDE: tl.constexpr):
-    if WIDE:  # 2**31 elements or more: int64 offsets
+    if WIDE:  # WIDE_FROM elements or more: int64 offsets
         offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     else:
         offs = start + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -74,7 +75,7 @@ def _join_kernel(h_ptr, low_ptr, out_ptr, start, n, BLOCK: tl.constexpr, EVEN: t
 
 def _launch(kernel, args: tuple, n: int) -> None:
     """``kernel`` over ``n`` elements: the full blocks without masks, then the tail (if any) in one program."""
-    full, wide = n // BLOCK, n + BLOCK >= 1 << 31
+    full, wide = n // BLOCK, n + BLOCK >= WIDE_FROM
     if full:
         kernel[(full,)](*args, 0, n, BLOCK=BLOCK, EVEN=True, WIDE=wide, num_warps=WARPS)
     if n > full * BLOCK:
