@@ -53,9 +53,9 @@ the forward (d4fde0f: 0.7-2.4%, and 2 GiB more reserved, the low bits in that st
 where the forward first gathers it (b35958f: 2.6-3.0%); both reverted. The join runs before the sync's meeting
 (d4fde0f), hidden where the host waits for a peer. Since 2026-11-30 CUDA runs both ways as the Triton kernels of
 ``kernels/split_bits.py`` (``on_kernels``), the flag in the split's own pass: 7.0 and 7.2 ms there, a copy's
-bandwidth (``results/optim/n1_split_kernels_54c0737``); in training its steps took 1.012x odc's (8B balanced, 2
-H200s, median of 8 steps in two calls: ``results/e2e/n2_8b_balanced_split_kernels_54c0737``), its host-issue time
-odc's. Off CUDA the same arithmetic runs as torch operators in chunks.
+bandwidth (``results/optim/n1_split_kernels_54c0737``), and the optimizer bench's step 14.6 ms above the default's
+(``results/optim/n1_split_masters_step_3e499ce``); in training its steps took 1.012x odc's (8B balanced, 2 H200s,
+median of 8 steps in two calls: ``results/e2e/n2_8b_balanced_split_kernels_54c0737``), its host-issue time odc's. Off CUDA the same arithmetic runs as torch operators in chunks.
 """
 
 from __future__ import annotations
