@@ -55,7 +55,8 @@ where the forward first gathers it (b35958f: 2.6-3.0%); both reverted. The join 
 ``kernels/split_bits.py`` (``on_kernels``), the flag in the split's own pass: 7.0 and 7.2 ms there, a copy's
 bandwidth (``results/optim/n1_split_kernels_54c0737``), and the optimizer bench's step 14.6 ms above the default's
 (``results/optim/n1_split_masters_step_3e499ce``); in training its steps took 1.012x odc's (8B balanced, 2 H200s,
-median of 8 steps in two calls: ``results/e2e/n2_8b_balanced_split_kernels_54c0737``), its host-issue time odc's. Off CUDA the same arithmetic runs as torch operators in chunks.
+median of 8 steps in two calls: ``results/e2e/n2_8b_balanced_split_kernels_54c0737``), its host-issue time odc's.
+Off CUDA the same arithmetic runs as torch operators in chunks.
 """
 
 from __future__ import annotations
