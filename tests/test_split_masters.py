@@ -32,14 +32,18 @@ def every_kind_of_fp32(n: int, device: str = "cpu") -> torch.Tensor:
     return torch.cat([torch.tensor(special), x, ties[torch.isfinite(ties)]]).to(device)
 
 
+KERNELS_ON = "cuda" if torch.cuda.is_available() else "cpu"  # off CUDA the kernels run in Triton's interpreter
+
+
 @pytest.mark.parametrize("kernels, wide", [(False, False), (True, False), (True, True)],
                          ids=["chunked", "kernels", "kernels-int64"])
 def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_its_row(monkeypatch, kernels, wide):
-    """Every finite fp32 value (``every_kind_of_fp32``), over several chunked passes, comes back to the bit from its
-    bf16 rounding and the int16 low bits, except an exact tie that rounded down: 1 ulp towards its row, which it
-    still rounds to; NaN stays NaN. ``kernels``: the Triton kernels CUDA runs (``kernels/split_bits.py``), here in
-    Triton's interpreter: full blocks and a partial last one, the stale flag set by one block only; ``wide``: with
-    the int64 offsets of groups of 2**31 elements or more."""
+    """Every finite fp32 value (``every_kind_of_fp32``) comes back to the bit from its bf16 rounding and the int16
+    low bits, except an exact tie that rounded down: 1 ulp towards its row, which it still rounds to; NaN stays NaN.
+    Chunked: the torch operators over several passes, the last one partial. ``kernels``: the Triton kernels CUDA
+    runs (``kernels/split_bits.py``; on a CPU-only host in Triton's interpreter): full blocks and a partial last
+    one, the stale flag set by one block only; ``wide``: with the int64 offsets of groups of 2**31 elements or
+    more."""
     from odcfsdp.kernels import split_bits as kernels_module
     from odcfsdp.sharding.groups import split_master
 
@@ -47,14 +51,15 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     monkeypatch.setattr(split_master, "on_kernels", lambda t: kernels)
     if wide:
         monkeypatch.setattr(kernels_module, "WIDE_FROM", 0)
-    x = every_kind_of_fp32(5 * split_master.CHUNK + 1000)
+    device = KERNELS_ON if kernels else "cpu"
+    x = every_kind_of_fp32(5 * split_master.CHUNK + 1000, device)
     row = x.to(torch.bfloat16)
     back = torch.full_like(x, 7.0)
-    stale = torch.zeros((), dtype=torch.int32)
+    stale = torch.zeros((), dtype=torch.int32, device=device)
     join_low_bits(row, split_low_bits(x, row, stale), back)
     assert not stale  # every row is its master's rounding (the NaN here: the canonical one)
-    for where in (5000, len(x) - 3):  # a master changed after its row was made: in a full block, in the partial last one
-        changed, stale = x.clone(), torch.zeros((), dtype=torch.int32)
+    for where in (5000, len(x) - 3):  # a master changed after its row was made: in a full block, in the last one
+        changed, stale = x.clone(), torch.zeros((), dtype=torch.int32, device=device)
         changed[where] = 3.0 if abs(float(row[where])) != 3.0 else 5.0
         split_low_bits(changed, row, stale)
         assert int(stale) == 1, where
@@ -66,6 +71,33 @@ def test_a_master_comes_back_to_the_bit_but_a_tie_rounded_down_one_ulp_nearer_it
     assert torch.equal(moved[~tie_down], torch.zeros_like(moved[~tie_down]))
     assert torch.equal(moved[tie_down], torch.full_like(moved[tie_down], -1)) and tie_down.sum() > 1000
     assert torch.equal(back.to(torch.bfloat16).view(torch.int16), row.view(torch.int16))  # what peers gather
+
+
+@pytest.mark.parametrize("n", [5, 1024, 3 * 1024 + 7], ids=["tail-only", "no-tail", "blocks-and-tail"])
+def test_the_kernels_on_offset_views_of_every_length_make_the_operators_bits(n):
+    """``split_bits`` and ``join_bits`` on views 3 elements into their storage (a group's row is a slice of the
+    heap), for a length under one block (the tail program alone), a whole number of blocks (no tail) and both: the
+    operators' low bits, the masters back, and the flag from a master changed in the last element."""
+    from odcfsdp.kernels.split_bits import join_bits, split_bits
+    from odcfsdp.sharding.groups.split_master import _split_pass
+
+    x = (torch.randn(n + 3, generator=torch.Generator().manual_seed(n)) * 3)[3:]
+    row = torch.empty(n + 3, dtype=torch.bfloat16)[3:]
+    row.copy_(x)
+    x, row = x.to(KERNELS_ON), row.to(KERNELS_ON)
+    low, flag = torch.empty(n, dtype=torch.int16, device=KERNELS_ON), torch.zeros((), dtype=torch.int32,
+                                                                                 device=KERNELS_ON)
+    split_bits(x, row, low, flag)
+    want, bad = _split_pass(x.cpu().view(torch.int32), row.cpu().view(torch.int16))
+    assert torch.equal(low.cpu(), want) and int(flag) == 0 and not bad
+    back = torch.empty_like(x)
+    join_bits(row, low, back)
+    ties = (x.cpu().view(torch.int32) & 0xFFFF) == 0x8000
+    assert torch.equal(back.cpu().view(torch.int32)[~ties], x.cpu().view(torch.int32)[~ties])
+    changed = x.clone()
+    changed[-1] = float(row[-1]) * 4 + 1
+    split_bits(changed, row, low, flag)
+    assert int(flag) == 1
 
 
 def test_the_kernels_refuse_mismatched_or_strided_tensors():

@@ -1,5 +1,6 @@
-"""The two passes of ``split_masters`` on the device ([split-masters] in ``sharding/groups/split_master.py``), one
-Triton launch each over a group's flat bits.
+"""The two passes of ``split_masters`` on the device ([split-masters] in ``sharding/groups/split_master.py``), each a
+Triton launch over a group's full blocks of flat bits and, where the length is not a whole number of blocks, one
+more program for the rest.
 
 * ``split_bits``: ``low = clamp(m - (h << 16), -32768, 32767)`` as int16, and a flag set where a difference was out
   of range (the row was not its master's rounding); a NaN row (its exponent all ones, mantissa non-zero) gives 0;

@@ -72,8 +72,9 @@ CHUNK = 1 << 24  # elements per pass of the operators (off CUDA): a few int32 te
 
 
 def on_kernels(t: torch.Tensor) -> bool:
-    """Whether the split and join of ``t`` run as the Triton kernels of ``kernels/split_bits.py`` (CUDA: one launch
-    each way per group, 8 bytes an element read and written) rather than as torch operators in chunks."""
+    """Whether the split and join of ``t`` run as the Triton kernels of ``kernels/split_bits.py`` (CUDA: a launch
+    each way per group, and one program more for a partial last block; 8 bytes an element read and written) rather
+    than as torch operators in chunks."""
     return t.is_cuda
 
 
