@@ -108,4 +108,4 @@ def join_bits(row: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> Non
     _launch(_join_kernel, (h, lo, out), out.numel())
 
 
-__all__ = ["BLOCK", "join_bits", "split_bits"]
+__all__ = ["join_bits", "split_bits"]

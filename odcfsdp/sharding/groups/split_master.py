@@ -154,11 +154,7 @@ class SplitMasters:
                     self._low[g] = split_low_bits(g.master, g.row, self._stale)
                     g.master.untyped_storage().resize_(0)
                     for sp in g.params:  # step 3: a read of a shard joins every master first
-                        sp.hold(self._join_on_read)
-
-    def _join_on_read(self) -> None:
-        """Step 3's join, from inside an operator's dispatch."""
-        self.join()
+                        sp.hold(self.join)
 
     def join(self, check: bool = True) -> None:
         """Step 2 for every split group; frees each group's low bits once its master is whole. Raises (once every
